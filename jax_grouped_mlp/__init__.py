@@ -1,0 +1,31 @@
+"""jax_grouped_mlp: the squared-ReLU MoE expert MLP as one fused, differentiable MXFP8 op.
+
+Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
+
+* :func:`grouped_mlp` - the op; :func:`offload_policy` - where its residuals live;
+* :func:`quantize_mxfp8`, :func:`quantize_mxfp8_grouped`, :func:`dequantize`,
+  :class:`MXFP8Tensor` - the MXFP8 format;
+* ``RESIDUAL_NAMES`` - the ``checkpoint_name`` tags of the residuals;
+* ``jax_grouped_mlp.flax`` - Flax NNX modules.
+"""
+
+from jax_grouped_mlp._src.mlp import grouped_mlp
+from jax_grouped_mlp._src.mxfp8 import (
+    MXFP8Tensor,
+    dequantize,
+    quantize_mxfp8,
+    quantize_mxfp8_grouped,
+)
+from jax_grouped_mlp._src.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.policy import offload_policy
+
+__all__ = [
+    "MXFP8Tensor",
+    "RESIDUAL_NAMES",
+    "dequantize",
+    "grouped_mlp",
+    "offload_policy",
+    "quantize_mxfp8",
+    "quantize_mxfp8_grouped",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,139 @@
+"""The fused expert MLP ``y = FC2_g(probs * srelu(FC1_g(x)))`` as one ``jax.custom_vjp``.
+
+Forward (per recipe, see :mod:`recipes`)::
+
+    h = FC1(row(x), w1)                 bf16, tagged "activation_input"
+    a = probs * relu(h)**2              float32, from the bf16 h
+    y = FC2(row(a), w2)                 x.dtype
+
+The forward rule additionally keeps ``col(x)`` tagged "fc1_input" and ``col(a)``
+tagged "fc2_input" (the token-blocked operands of the two weight gradients). Because
+``a`` is computed from the *tagged* ``h``, a remat policy that recomputes
+"fc2_input" rebuilds it from "activation_input" alone, without rerunning FC1.
+Weights, ``probs`` and ``group_sizes`` are never tagged.
+
+Backward::
+
+    da  = dy @ w2^T                     (dy and w2 blocked along H)
+    dprobs = sum_f da * relu(h)**2
+    dh  = da * probs * 2 * relu(h)
+    dx  = dh @ w1^T                     (dh and w1 blocked along F)
+    dw2 = col(a)^T @ col(dy)            per group
+    dw1 = col(x)^T @ col(dh)            per group
+
+Quantization is treated as the identity in the gradient (straight-through), as in
+TransformerEngine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_grouped_mlp._src import primitives
+from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
+from jax_grouped_mlp._src.primitives import Operand
+from jax_grouped_mlp._src.recipes import Recipe
+from jax_grouped_mlp._src.validation import as_array, check_mlp_args
+
+
+def _tag(op: Operand, name: str) -> Operand:
+    """``checkpoint_name`` on the arrays of an operand (never on its group sizes)."""
+    if isinstance(op, MXFP8Tensor):
+        return MXFP8Tensor(
+            checkpoint_name(op.data, name), checkpoint_name(op.scale, name), op.axis, op.group_sizes
+        )
+    return checkpoint_name(op, name)
+
+
+def _srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    return probs[:, None] * (r * r)
+
+
+def _forward(x, w1, w2, group_sizes, probs, recipe: Recipe):
+    h = primitives.grouped_gemm(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, jnp.bfloat16)
+    h = checkpoint_name(h, ACTIVATION_INPUT)
+    a = _srelu_scaled(h, probs)
+    y = primitives.grouped_gemm(recipe.row(a, 1), recipe.weight(w2, 1), group_sizes, x.dtype)
+    return y, h, a
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe):
+    return _forward(x, w1, w2, group_sizes, probs, recipe)[0]
+
+
+def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe):
+    y, h, a = _forward(x, w1, w2, group_sizes, probs, recipe)
+    x_col = _tag(recipe.col(x, group_sizes), FC1_INPUT)
+    a_col = _tag(recipe.col(a, group_sizes), FC2_INPUT)
+    return y, (x_col, h, a_col, w1, w2, group_sizes, probs)
+
+
+def _mlp_bwd(recipe: Recipe, res, dy):
+    x_col, h, a_col, w1, w2, group_sizes, probs = res
+    da = primitives.grouped_gemm(recipe.row(dy, 1), recipe.weight(w2, 2), group_sizes, jnp.float32)
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    dprobs = jnp.sum(da * (r * r), axis=1)
+    dh = da * (2.0 * probs[:, None]) * r
+    dx = primitives.grouped_gemm(recipe.row(dh, 1), recipe.weight(w1, 2), group_sizes, dy.dtype)
+    dw2 = primitives.grouped_wgrad(a_col, recipe.col(dy, group_sizes), group_sizes, w2.dtype)
+    dw1 = primitives.grouped_wgrad(x_col, recipe.col(dh, group_sizes), group_sizes, w1.dtype)
+    return dx, dw1, dw2, None, dprobs.astype(probs.dtype)
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def grouped_mlp(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    group_sizes: jax.Array,
+    probs: jax.Array | None = None,
+    *,
+    recipe: str = "mxfp8",
+) -> jax.Array:
+    """The squared-ReLU expert MLP over tokens sorted by expert, as one differentiable op.
+
+    ``y[m] = (probs[m] * relu(x[m] @ w1[g])**2) @ w2[g]`` for the expert ``g`` that
+    owns row ``m`` (group ``g`` owns the ``group_sizes[g]`` rows after those of
+    groups ``0..g-1``).
+
+    Args:
+      x: ``[M, H]`` bfloat16 (or float32) tokens, sorted by expert.
+      w1: ``[G, H, F]`` stacked FC1 weights (bfloat16 or float32).
+      w2: ``[G, F, H]`` stacked FC2 weights.
+      group_sizes: ``[G]`` integer rows per expert, read on the device (no host
+        sync). Sizes that sum past ``M`` are cut at ``M``; negative sizes count as 0.
+      probs: ``[M]`` or ``[M, 1]`` routing weights, or None for all ones.
+      recipe: ``"mxfp8"`` (both GEMMs in MXFP8, forward and backward) or ``"bf16"``.
+
+    Returns:
+      ``[M, H]`` in ``x.dtype``. Rows at or past ``sum(group_sizes)`` are zero, and
+      so are their gradients. Differentiable in ``x``, ``w1``, ``w2`` and ``probs``;
+      the backward pass needs the residuals "fc1_input", "activation_input" and
+      "fc2_input", which :func:`offload_policy` places.
+
+    Raises:
+      TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes or recipe.
+    """
+    recipe_ = Recipe.parse(recipe)
+    x = as_array("x", x)
+    w1 = as_array("w1", w1)
+    w2 = as_array("w2", w2)
+    group_sizes = as_array("group_sizes", group_sizes)
+    if probs is not None:
+        probs = as_array("probs", probs)
+    check_mlp_args(x, w1, w2, group_sizes, probs)
+    m = x.shape[0]
+    if probs is None:
+        p = jnp.ones((m,), jnp.float32)
+    else:
+        p = probs.reshape(m).astype(jnp.float32)
+    return _mlp(x, w1, w2, group_sizes.astype(jnp.int32), p, recipe_)

@@ -1,0 +1,248 @@
+"""MXFP8: FP8 E4M3 data with one E8M0 (power-of-two) scale per 32 elements.
+
+The scale rule is RCEIL, bit-identical to the mxfp8 quantizer inside JAX's
+``jax.nn.scaled_dot_general`` (and TransformerEngine's) for finite inputs:
+
+1. ``amax`` = max of ``|x|`` over the 32-element block;
+2. ``s = amax / 448`` computed in float32 and rounded to the *input* dtype (bf16
+   inputs round here, exactly like JAX's quantizer does);
+3. the scale byte ``e`` is ``s`` rounded *up* to a power of two (``2**(e - 127)``),
+   so that no element saturates (the one exception is the rounding of step 2,
+   which is why the data are still clipped to ±448);
+4. ``data = e4m3(clip(x * 2**(127 - e), -448, 448))``, round-to-nearest-even.
+
+Special values, documented behaviour:
+
+* all-zero block: scale byte 0 (``2**-127``), data ±0 (the sign is kept). JAX's own
+  quantizer divides by the subnormal ``2**-127`` and yields NaN on backends that
+  flush subnormals (XLA:CPU); we multiply by the normal ``2**127`` instead.
+* subnormal inputs may be flushed to zero by the backend's float32 arithmetic.
+* a block that holds a NaN or ±Inf: scale byte ``0xFF`` (E8M0 NaN) and every data
+  element NaN, so the whole block dequantizes to NaN.
+
+An axis whose length is not a multiple of 32 is padded with zeros internally
+(zeros never change a block's amax); ``data`` keeps the input's shape and ``scale``
+has ``cdiv(n, 32)`` entries along the blocked axis.
+
+The *group-aware* variant blocks along the token axis (axis 0 of ``[M, K]``) in
+32-row blocks that never cross a group boundary; see :func:`quantize_mxfp8_grouped`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_grouped_mlp._src import groups
+
+BLOCK = 32
+E4M3_MAX = 448.0
+E8M0_NAN = 0xFF
+_SUPPORTED_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP8Tensor:
+    """An MXFP8-quantized array (a pytree; ``axis`` is static metadata).
+
+    Attributes:
+      data: float8_e4m3fn, the shape of the original array.
+      scale: float8_e8m0fnu. For a plain tensor, the original shape with ``axis``
+        shrunk to ``cdiv(n, 32)``. For a group-aware tensor (``group_sizes`` set,
+        ``axis == 0``), ``[cdiv(M, 32) + G, K]``: group ``g`` owns consecutive scale
+        rows starting at the exclusive cumsum of ``cdiv(size_g, 32)``; unused rows
+        are byte 0.
+      axis: the blocked axis (non-negative).
+      group_sizes: None, or the int32 ``[G]`` group sizes of a group-aware tensor.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    group_sizes: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def is_grouped(self) -> bool:
+        return self.group_sizes is not None
+
+    def swap_last_axes(self) -> "MXFP8Tensor":
+        """Transposes the last two axes of data and scale (e.g. ``[G,F,H]`` -> ``[G,H,F]``)."""
+        if self.is_grouped:
+            raise ValueError("swap_last_axes is not defined for group-aware tensors")
+        nd = self.data.ndim
+        if nd < 2:
+            raise ValueError(f"swap_last_axes needs rank >= 2, got {self.data.shape=}")
+        perm = list(range(nd - 2)) + [nd - 1, nd - 2]
+        new_axis = {nd - 1: nd - 2, nd - 2: nd - 1}.get(self.axis, self.axis)
+        return MXFP8Tensor(
+            jnp.transpose(self.data, perm), jnp.transpose(self.scale, perm), new_axis
+        )
+
+
+def _check_input(x: jax.Array, name: str = "x") -> None:
+    if jnp.dtype(x.dtype) not in _SUPPORTED_INPUT_DTYPES:
+        raise TypeError(
+            f"{name} must be bfloat16 or float32 to quantize to MXFP8, got {name}.dtype={x.dtype}"
+        )
+
+
+def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
+    if not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}={axis} is out of range for an array of rank {ndim}")
+    return int(axis) % ndim
+
+
+def scale_bytes(amax: jax.Array, src_dtype: jnp.dtype) -> jax.Array:
+    """The RCEIL E8M0 scale byte (uint8) for block maxima ``amax`` of a ``src_dtype`` tensor."""
+    s = (amax.astype(jnp.float32) / E4M3_MAX).astype(src_dtype).astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(s, jnp.uint32)
+    exp = bits >> 23
+    mant = bits & 0x7FFFFF
+    # Round the exponent up unless s is already a power of two; for subnormal s the
+    # value 2**-127 (mantissa <= 0x400000) is representable as exponent 0.
+    round_up = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
+    e = exp + round_up.astype(jnp.uint32)
+    e = jnp.where(jnp.isfinite(s), e, E8M0_NAN)
+    return e.astype(jnp.uint8)
+
+
+def _reciprocal_scale(e: jax.Array) -> jax.Array:
+    """``2**(127 - e)`` as float32 (always a normal number for e in [0, 254]); NaN for 0xFF."""
+    e32 = e.astype(jnp.int32)
+    recip_bits = jnp.clip(254 - e32, 1, 254).astype(jnp.uint32) << 23
+    recip = jax.lax.bitcast_convert_type(recip_bits, jnp.float32)
+    return jnp.where(e32 == E8M0_NAN, jnp.float32(jnp.nan), recip)
+
+
+def _scale_value(e: jax.Array) -> jax.Array:
+    """``2**(e - 127)`` as float32; NaN for 0xFF. ``e == 0`` gives the subnormal 2**-127."""
+    e32 = e.astype(jnp.int32)
+    normal = jax.lax.bitcast_convert_type(jnp.maximum(e32, 1).astype(jnp.uint32) << 23, jnp.float32)
+    value = jnp.where(e32 == 0, jnp.float32(2.0**-127), normal)
+    return jnp.where(e32 == E8M0_NAN, jnp.float32(jnp.nan), value)
+
+
+def _encode(x: jax.Array, e: jax.Array) -> jax.Array:
+    """FP8 data for ``x`` given the scale byte ``e`` broadcast to ``x``'s shape."""
+    v = x.astype(jnp.float32) * _reciprocal_scale(e)
+    v = jnp.clip(v, -E4M3_MAX, E4M3_MAX)
+    return v.astype(jnp.float8_e4m3fn)
+
+
+def _block_amax(xb: jax.Array, axis: int) -> jax.Array:
+    """Max of |x| over a block axis; NaN if the block holds a NaN (Inf already propagates)."""
+    a = jnp.abs(xb)
+    amax = jnp.max(a, axis=axis)
+    has_nan = jnp.any(jnp.isnan(xb), axis=axis)
+    return jnp.where(has_nan, jnp.asarray(jnp.nan, amax.dtype), amax)
+
+
+def quantize_mxfp8(x: jax.Array, axis: int = -1) -> MXFP8Tensor:
+    """Quantizes ``x`` to MXFP8 with 32-element blocks along ``axis`` (RCEIL scales).
+
+    Args:
+      x: bfloat16 or float32 array of rank >= 1.
+      axis: the blocked axis (normally the reduction axis of the GEMM that consumes it).
+
+    Returns:
+      An :class:`MXFP8Tensor` whose ``data`` has ``x``'s shape. See the module
+      docstring for the rule and for zeros, subnormals, NaN and Inf.
+    """
+    x = jnp.asarray(x)
+    _check_input(x)
+    if x.ndim == 0:
+        raise ValueError("x must have rank >= 1 to be quantized, got a scalar")
+    axis = _normalize_axis(axis, x.ndim)
+    n = x.shape[axis]
+    nb = groups.cdiv(n, BLOCK)
+    xm = jnp.moveaxis(x, axis, -1)
+    pad = nb * BLOCK - n
+    if pad:
+        xm = jnp.pad(xm, [(0, 0)] * (xm.ndim - 1) + [(0, pad)])
+    xb = xm.reshape(xm.shape[:-1] + (nb, BLOCK))
+    e = scale_bytes(_block_amax(xb, -1), x.dtype)
+    data = _encode(xb, e[..., None]).reshape(xm.shape)[..., :n]
+    return MXFP8Tensor(
+        data=jnp.moveaxis(data, -1, axis),
+        scale=jnp.moveaxis(jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu), -1, axis),
+        axis=axis,
+    )
+
+
+def grouped_scale_rows(m: int, num_groups: int) -> int:
+    """Static number of scale rows of a group-aware tensor with ``m`` rows and ``num_groups`` groups."""
+    return groups.num_tiles(m, num_groups, BLOCK)
+
+
+def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
+    """Quantizes ``x [M, K]`` along the token axis in group-aware 32-row blocks.
+
+    Row ``m`` of group ``g`` is in block ``first_block[g] + (m - start[g]) // 32``
+    where ``first_block`` is the exclusive cumsum of ``cdiv(size_g, 32)``: a block
+    never mixes two groups (each group's tail block is padded). Rows at or past
+    ``sum(group_sizes)`` (clamped to ``M``) belong to no block and get data 0.
+    Group sizes are read on the device; nothing is synchronised with the host.
+    """
+    x = jnp.asarray(x)
+    _check_input(x)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K] for group-aware quantization, got {x.shape=}")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"group_sizes must be a 1-D integer array, got shape {group_sizes.shape} "
+            f"dtype {group_sizes.dtype}"
+        )
+    group_sizes = group_sizes.astype(jnp.int32)
+    m, _ = x.shape
+    nblocks = grouped_scale_rows(m, group_sizes.shape[0])
+    block_of_row = groups.row_tile_ids(group_sizes, m, BLOCK)  # nblocks for rows past the end
+    a = jnp.abs(x).astype(jnp.float32)
+    amax = jax.ops.segment_max(a, block_of_row, num_segments=nblocks + 1, indices_are_sorted=True)
+    has_nan = jax.ops.segment_max(
+        jnp.isnan(x).astype(jnp.int32), block_of_row, num_segments=nblocks + 1, indices_are_sorted=True
+    )
+    # Empty segments come back as -inf (or INT_MIN): they are unused blocks -> byte 0.
+    used = has_nan >= 0
+    amax = jnp.where(has_nan > 0, jnp.float32(jnp.nan), jnp.where(used, amax, 0.0))
+    e = scale_bytes(amax.astype(x.dtype), x.dtype)
+    e = jnp.where(used, e, jnp.uint8(0))
+    row_e = e[block_of_row]
+    in_group = (block_of_row < nblocks)[:, None]
+    data = jnp.where(in_group, _encode(x, row_e), jnp.zeros((), jnp.float8_e4m3fn))
+    return MXFP8Tensor(
+        data=data,
+        scale=jax.lax.bitcast_convert_type(e[:nblocks], jnp.float8_e8m0fnu),
+        axis=0,
+        group_sizes=group_sizes,
+    )
+
+
+def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+    """Back to ``dtype`` (exact for bfloat16 and float32 except below float32's normal range)."""
+    if not isinstance(t, MXFP8Tensor):
+        raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
+    e = jax.lax.bitcast_convert_type(t.scale, jnp.uint8)
+    values = t.data.astype(jnp.float32)
+    if t.is_grouped:
+        m = t.data.shape[0]
+        block_of_row = groups.row_tile_ids(t.group_sizes, m, BLOCK)
+        nblocks = t.scale.shape[0]
+        row_scale = _scale_value(e[jnp.minimum(block_of_row, nblocks - 1)])
+        out = jnp.where((block_of_row < nblocks)[:, None], values * row_scale, 0.0)
+        return out.astype(dtype)
+    axis = t.axis
+    n = t.data.shape[axis]
+    scale = jnp.repeat(_scale_value(e), BLOCK, axis=axis, total_repeat_length=e.shape[axis] * BLOCK)
+    scale = jax.lax.slice_in_dim(scale, 0, n, axis=axis)
+    return (values * scale).astype(dtype)

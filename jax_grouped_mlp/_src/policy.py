@@ -1,0 +1,75 @@
+"""``offload_policy``: where each named residual lives between forward and backward."""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal, get_args
+
+import jax
+
+from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
+
+Placement = Literal["offload", "device", "recompute"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+
+
+def _check_placement(name: str, value: str) -> str:
+    if value not in PLACEMENTS:
+        raise ValueError(f"{name} must be one of {list(PLACEMENTS)}, got {name}={value!r}")
+    return value
+
+
+def _check_names(arg: str, names: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(names, str):
+        raise TypeError(f"{arg} must be a sequence of names, got the string {names!r}")
+    out = tuple(names)
+    for n in out:
+        if not isinstance(n, str):
+            raise TypeError(f"{arg} must contain checkpoint names (str), got {n!r}")
+    return out
+
+
+def offload_policy(
+    fc1_input: Placement = "offload",
+    activation_input: Placement = "offload",
+    fc2_input: Placement = "offload",
+    *,
+    extra_saveable: Iterable[str] = (),
+    extra_offloadable: Iterable[str] = (),
+):
+    """A ``jax.checkpoint`` policy that places each residual of :func:`grouped_mlp`.
+
+    Each residual is ``"offload"`` (copied to pinned host memory after the forward
+    pass and back before the backward pass), ``"device"`` (kept in device memory) or
+    ``"recompute"`` (rebuilt in the backward pass: "fc2_input" from
+    "activation_input", which is cheap; the others by rerunning what produced them).
+    Everything offloads by default. Weights are never offloaded.
+
+    Values the policy does not name are recomputed, as with any
+    ``save_and_offload_only_these_names`` policy; ``extra_saveable`` and
+    ``extra_offloadable`` add your own ``checkpoint_name`` tags.
+
+    Example::
+
+        policy = jax_grouped_mlp.offload_policy(activation_input="device")
+        layer = jax.checkpoint(lambda x, w1, w2, gs, p: grouped_mlp(x, w1, w2, gs, p),
+                               policy=policy)
+        grads = jax.jit(jax.grad(lambda *a: layer(*a).sum(), argnums=(1, 2)))(x, w1, w2, gs, p)
+    """
+    placements = {
+        FC1_INPUT: _check_placement("fc1_input", fc1_input),
+        ACTIVATION_INPUT: _check_placement("activation_input", activation_input),
+        FC2_INPUT: _check_placement("fc2_input", fc2_input),
+    }
+    save = [n for n, p in placements.items() if p == "device"]
+    offload = [n for n, p in placements.items() if p == "offload"]
+    save += _check_names("extra_saveable", extra_saveable)
+    offload += _check_names("extra_offloadable", extra_offloadable)
+    both = set(save) & set(offload)
+    if both:
+        raise ValueError(f"names cannot be both saved on device and offloaded: {sorted(both)}")
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=save,
+        names_which_can_be_offloaded=offload,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )

@@ -1,0 +1,102 @@
+"""The four operations the MLP is built from, each dispatched per platform.
+
+Every operation has a pure-JAX reference (used on every platform) and may have a
+CUDA implementation (an XLA FFI custom call around an AOT-compiled kernel). A CUDA
+implementation is plugged in with :func:`register_cuda_impl`; from then on the
+operation lowers through ``jax.lax.platform_dependent``: the custom call when the
+computation is lowered for CUDA, the reference everywhere else. Both
+implementations take and return exactly the same pytrees.
+
+Operands of the GEMMs are either :class:`MXFP8Tensor` or plain float arrays (the
+``bf16`` recipe); the reference dequantizes MXFP8 operands exactly to float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal, Union
+
+import jax
+import jax.numpy as jnp
+
+from jax_grouped_mlp._src import mxfp8, reference
+from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+
+Operand = Union[MXFP8Tensor, jax.Array]
+OpName = Literal["quantize", "quantize_grouped", "grouped_gemm", "grouped_wgrad"]
+
+_CUDA_IMPLS: dict[str, Callable] = {}
+
+
+def register_cuda_impl(name: OpName, fn: Callable) -> None:
+    """Makes ``fn`` (same signature and outputs as the reference) the CUDA lowering of ``name``."""
+    if name not in _REFERENCE:
+        raise ValueError(f"unknown primitive {name=}; expected one of {sorted(_REFERENCE)}")
+    _CUDA_IMPLS[name] = fn
+
+
+def cuda_impl(name: OpName) -> Callable | None:
+    return _CUDA_IMPLS.get(name)
+
+
+def _dispatch(name: OpName, *args, **static):
+    ref = _REFERENCE[name]
+    cuda = _CUDA_IMPLS.get(name)
+    if cuda is None:
+        return ref(*args, **static)
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=lambda *a: cuda(*a, **static),
+        default=lambda *a: ref(*a, **static),
+    )
+
+
+def _as_f32(x: Operand) -> jax.Array:
+    if isinstance(x, MXFP8Tensor):
+        return mxfp8.dequantize(x, jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def _ref_grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    return reference.ragged_matmul(_as_f32(lhs), _as_f32(rhs), group_sizes, out_dtype=out_dtype)
+
+
+def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    return reference.ragged_transpose_matmul(
+        _as_f32(lhs), _as_f32(rhs), group_sizes, out_dtype=out_dtype
+    )
+
+
+def _ref_quantize(x: jax.Array, *, axis: int) -> MXFP8Tensor:
+    return mxfp8.quantize_mxfp8(x, axis=axis)
+
+
+def _ref_quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
+    return mxfp8.quantize_mxfp8_grouped(x, group_sizes)
+
+
+_REFERENCE: dict[str, Callable] = {
+    "quantize": _ref_quantize,
+    "quantize_grouped": _ref_quantize_grouped,
+    "grouped_gemm": _ref_grouped_gemm,
+    "grouped_wgrad": _ref_grouped_wgrad,
+}
+
+
+def quantize(x: jax.Array, axis: int) -> MXFP8Tensor:
+    """MXFP8 with 32-blocks along ``axis``."""
+    return _dispatch("quantize", x, axis=axis)
+
+
+def quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
+    """MXFP8 of ``[M, K]`` in group-aware 32-row blocks along M."""
+    return _dispatch("quantize_grouped", x, group_sizes)
+
+
+def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:
+    """``out[m] = lhs[m] @ rhs[group(m)]``: ``lhs [M, K]`` (blocks along K), ``rhs [G, K, N]`` (blocks along K)."""
+    return _dispatch("grouped_gemm", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))
+
+
+def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:
+    """``out[g] = lhs_g^T @ rhs_g``: both ``[M, *]`` in group-aware blocks along M; ``[G, K, N]``."""
+    return _dispatch("grouped_wgrad", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))

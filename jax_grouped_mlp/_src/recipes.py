@@ -1,0 +1,54 @@
+"""Recipes: how each GEMM operand is prepared (MXFP8-quantized, or plain bf16).
+
+The MLP's forward and backward are written once against this interface; a recipe
+decides what an operand *is*. ``row`` prepares an operand blocked along a feature
+axis (the reduction axis of a fprop/dgrad GEMM); ``col`` prepares a token-major
+``[M, K]`` operand of a weight-gradient GEMM, blocked along the token axis in
+group-aware 32-row blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from jax_grouped_mlp._src import primitives
+from jax_grouped_mlp._src.primitives import Operand
+
+
+class Recipe(str, enum.Enum):
+    MXFP8 = "mxfp8"
+    BF16 = "bf16"
+
+    @classmethod
+    def parse(cls, value: "str | Recipe") -> "Recipe":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"recipe must be one of {[r.value for r in cls]}, got recipe={value!r}"
+            ) from None
+
+    def row(self, x: jax.Array, axis: int) -> Operand:
+        if self is Recipe.MXFP8:
+            return primitives.quantize(x, axis)
+        return x.astype(jnp.bfloat16)
+
+    def weight(self, w: jax.Array, reduce_axis: int) -> Operand:
+        """A ``[G, A, B]`` weight as the ``[G, K, N]`` rhs of a grouped GEMM reducing over ``reduce_axis``.
+
+        ``reduce_axis=1`` is the fprop use (K = A); ``reduce_axis=2`` the dgrad use
+        (the weight is transposed, K = B).
+        """
+        if self is Recipe.MXFP8:
+            q = primitives.quantize(w, reduce_axis)
+            return q if reduce_axis == 1 else q.swap_last_axes()
+        w = w.astype(jnp.bfloat16)
+        return w if reduce_axis == 1 else jnp.swapaxes(w, 1, 2)
+
+    def col(self, x: jax.Array, group_sizes: jax.Array) -> Operand:
+        if self is Recipe.MXFP8:
+            return primitives.quantize_grouped(x, group_sizes)
+        return x.astype(jnp.bfloat16)

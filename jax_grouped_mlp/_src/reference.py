@@ -1,0 +1,99 @@
+"""Pure-JAX grouped GEMMs: the CPU path and the oracle for the GPU kernels.
+
+Both GEMMs work on group-aligned row tiles (see :mod:`groups`) and scan over them,
+so the cost is ``O(M * K * N)`` plus ``G`` tiles of padding: no per-group Python
+loop and no dense ``G x M`` expansion (which is what ``jax.lax.ragged_dot`` does on
+CPU). Inputs are float arrays (MXFP8 operands are dequantized first, which is exact
+in float32); accumulation is float32 at HIGHEST precision.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_grouped_mlp._src import groups
+
+# Rows per scan step. Larger tiles mean fewer, bigger matmuls but more padding
+# (up to ``tile - 1`` rows per group).
+DEFAULT_TILE = 64
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _gather_tiles(x: jax.Array, layout: groups.TileLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rows of every tile, ``[T, tile, K]`` (zeros where invalid), their row indices and validity."""
+    m = x.shape[0]
+    offs = jnp.arange(layout.tile, dtype=jnp.int32)
+    rows = layout.start[:, None] + offs[None, :]
+    valid = offs[None, :] < layout.length[:, None]
+    tiles = jnp.where(valid[..., None], x[jnp.clip(rows, 0, m - 1)], 0)
+    return tiles, rows, valid
+
+
+def ragged_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: jnp.dtype = jnp.float32,
+    tile: int = DEFAULT_TILE,
+) -> jax.Array:
+    """``out[m] = lhs[m] @ rhs[group(m)]`` for ``lhs [M, K]``, ``rhs [G, K, N]``.
+
+    Rows at or past ``sum(group_sizes)`` (clamped to ``M``) are zero.
+    """
+    m, k = lhs.shape
+    g, k2, n = rhs.shape
+    if k != k2:
+        raise ValueError(f"contraction mismatch: lhs {lhs.shape} vs rhs {rhs.shape}")
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    layout = groups.tile_layout(group_sizes, m, tile)
+    tiles, rows, valid = _gather_tiles(lhs.astype(jnp.float32), layout)
+    rhs32 = rhs.astype(jnp.float32)
+
+    def one_tile(args):
+        a, grp = args
+        b = rhs32[jnp.minimum(grp, g - 1)]
+        return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+    products = jax.lax.map(one_tile, (tiles, layout.group))  # [T, tile, N]
+    dest = jnp.where(valid, rows, m)  # invalid rows go to a dropped slot
+    out = jnp.zeros((m, n), jnp.float32).at[dest.reshape(-1)].set(
+        products.reshape(-1, n), mode="drop", unique_indices=True
+    )
+    return out.astype(out_dtype)
+
+
+def ragged_transpose_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: jnp.dtype = jnp.float32,
+    tile: int = DEFAULT_TILE,
+) -> jax.Array:
+    """Per-group ``lhs_g^T @ rhs_g`` for ``lhs [M, K]``, ``rhs [M, N]``: the weight gradient ``[G, K, N]``.
+
+    Empty groups give exact zeros. Rows past the groups' total do not contribute.
+    The summation order is fixed (tiles in order), so results are deterministic.
+    """
+    m, k = lhs.shape
+    m2, n = rhs.shape
+    if m != m2:
+        raise ValueError(f"row mismatch: lhs {lhs.shape} vs rhs {rhs.shape}")
+    g = group_sizes.shape[0]
+    acc = jnp.zeros((g + 1, k, n), jnp.float32)
+    if m == 0:
+        return acc[:g].astype(out_dtype)
+    layout = groups.tile_layout(group_sizes, m, tile)
+    a_tiles, _, _ = _gather_tiles(lhs.astype(jnp.float32), layout)
+    b_tiles, _, _ = _gather_tiles(rhs.astype(jnp.float32), layout)
+
+    def step(carry, args):
+        a, b, grp = args
+        p = jnp.dot(a.T, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
+        return carry.at[grp].add(p), None
+
+    acc, _ = jax.lax.scan(step, acc, (a_tiles, b_tiles, layout.group))
+    return acc[:g].astype(out_dtype)
