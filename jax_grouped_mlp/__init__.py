@@ -6,6 +6,7 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 * :func:`quantize_mxfp8`, :func:`quantize_mxfp8_grouped`, :func:`dequantize`,
   :class:`MXFP8Tensor` - the MXFP8 format;
 * ``RESIDUAL_NAMES`` - the ``checkpoint_name`` tags of the residuals;
+  :func:`residual_placements` - where a traced program keeps them;
 * ``jax_grouped_mlp.flax`` - Flax NNX modules.
 """
 
@@ -17,6 +18,7 @@ from jax_grouped_mlp._src.mxfp8 import (
     quantize_mxfp8_grouped,
 )
 from jax_grouped_mlp._src.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.placement import residual_placements
 from jax_grouped_mlp._src.policy import offload_policy
 
 __all__ = [
@@ -27,5 +29,6 @@ __all__ = [
     "offload_policy",
     "quantize_mxfp8",
     "quantize_mxfp8_grouped",
+    "residual_placements",
 ]
 __version__ = "0.1.0"
