@@ -1,0 +1,191 @@
+"""Measurements that feed :func:`plan_offload` and check its predictions.
+
+* :func:`measure_host_bandwidth` - device <-> pinned host copy rate on this device;
+* :func:`measure_layer_time` - one grouped-MLP layer's forward, backward and the
+  extra backward time of recomputing each residual, on this device;
+* :func:`residual_bytes_kept` - how many bytes of each named residual a traced
+  program keeps on the device and in host memory (read from the jaxpr of its
+  gradient, like :func:`residual_placements`), to compare with a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from jax_grouped_mlp._src.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.planner import LayerShape, LayerTime, _check_positive_int
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_host_bandwidth(nbytes: int = 64 << 20, *, repeats: int = 5, device=None) -> float:
+    """Bytes/s of copies between ``device`` and its pinned host memory, the slower way.
+
+    Copies an ``nbytes`` buffer to ``pinned_host`` and back ``repeats`` times and
+    returns ``nbytes`` over the median time of the slower direction.
+    """
+    _check_positive_int("nbytes", nbytes)
+    _check_positive_int("repeats", repeats)
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(f"device={device} has no pinned_host memory (it has {sorted(kinds)})")
+    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    x = jax.device_put(np.ones(nbytes, np.uint8), on_device)
+    h = jax.device_put(x, on_host)
+    to_host = _median_time(lambda: jax.device_put(x, on_host), repeats)
+    to_device = _median_time(lambda: jax.device_put(h, on_device), repeats)
+    return nbytes / max(to_host, to_device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """Random inputs of one layer and its jitted steps under a given placement."""
+
+    shape: LayerShape
+    recipe: str
+    args: tuple
+
+    @classmethod
+    def make(cls, shape: LayerShape, recipe: str, seed: int = 0) -> "_Layer":
+        m, h, f, g = shape.tokens, shape.hidden, shape.ffn, shape.num_experts
+        kx, k1, k2, kp = jax.random.split(jax.random.key(seed), 4)
+        x = jax.random.normal(kx, (m, h), jnp.bfloat16)
+        w1 = (jax.random.normal(k1, (g, h, f), jnp.float32) * h**-0.5).astype(jnp.bfloat16)
+        w2 = (jax.random.normal(k2, (g, f, h), jnp.float32) * f**-0.5).astype(jnp.bfloat16)
+        sizes = np.full(g, m // g, np.int32)
+        sizes[: m % g] += 1
+        probs = jax.random.uniform(kp, (m,), jnp.float32)
+        return cls(shape, recipe, (x, w1, w2, jnp.asarray(sizes), probs))
+
+    def forward(self):
+        from jax_grouped_mlp._src.mlp import grouped_mlp
+
+        fwd = jax.jit(functools.partial(grouped_mlp, recipe=self.recipe))
+        return lambda: fwd(*self.args)
+
+    def step(self, **placement: str):
+        """Forward + backward (grads of x, w1, w2, probs) under ``offload_policy(**placement)``."""
+        from jax_grouped_mlp._src.mlp import grouped_mlp
+        from jax_grouped_mlp._src.policy import offload_policy
+
+        layer = jax.checkpoint(
+            functools.partial(grouped_mlp, recipe=self.recipe), policy=offload_policy(**placement)
+        )
+        dy = jnp.ones(self.args[0].shape, jnp.float32)
+
+        def loss(x, w1, w2, gs, probs):
+            return jnp.vdot(layer(x, w1, w2, gs, probs).astype(jnp.float32), dy)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
+        return lambda: grad(*self.args)
+
+
+def measure_layer_time(
+    *,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    num_experts: int,
+    recipe: str = "mxfp8",
+    repeats: int = 5,
+    seed: int = 0,
+) -> LayerTime:
+    """Time one :func:`grouped_mlp` layer on the default device (median of ``repeats``).
+
+    ``forward`` is the jitted forward alone; ``backward`` is forward+backward with every
+    residual on the device, minus ``forward``; ``recompute[r]`` is the step time with
+    ``r`` recomputed (the others on device) minus the all-device step, floored at 0
+    (small shapes are noisy). Balanced random inputs; costs a few compilations.
+    """
+    shape = LayerShape(tokens, hidden, ffn, num_experts)
+    _check_positive_int("repeats", repeats)
+    layer = _Layer.make(shape, recipe, seed)
+    keep = {n: "device" for n in RESIDUAL_NAMES}
+    forward = _median_time(layer.forward(), repeats)
+    total = _median_time(layer.step(**keep), repeats)
+    recompute = {
+        n: max(0.0, _median_time(layer.step(**{**keep, n: "recompute"}), repeats) - total)
+        for n in RESIDUAL_NAMES
+    }
+    backward = max(total - forward, 1e-3 * total)
+    return LayerTime(forward, backward, recompute)
+
+
+_PASS_THROUGH = ("device_put", "reduce_precision", "copy", "copy_p")
+
+
+def _memory_space(aval) -> str:
+    space = getattr(aval, "memory_space", None)
+    return "host" if space is not None and "host" in str(space).lower() else "device"
+
+
+def residual_bytes_kept(fun: Callable, *args, argnums=0) -> dict[str, dict[str, int]]:
+    """Bytes of each named residual the gradient of ``fun`` keeps, read from its jaxpr.
+
+    Traces ``jax.grad(fun, argnums)(*args)`` (``fun`` returns a scalar and wraps its
+    layers in ``jax.checkpoint``) and follows every value each checkpoint carries into
+    its backward pass back to a ``checkpoint_name`` tag. Returns, for each of
+    "fc1_input", "activation_input", "fc2_input", ``{"device_bytes": ...,
+    "host_bytes": ...}`` summed over all checkpoints (0 and 0 when recomputed). For
+    the placement alone, :func:`jax_grouped_mlp._src.placement.residual_placements`.
+    """
+    jaxpr = jax.make_jaxpr(jax.grad(fun, argnums=argnums))(*args).jaxpr
+    out = {n: {"device_bytes": 0, "host_bytes": 0} for n in RESIDUAL_NAMES}
+    for eqns in _eqn_lists(jaxpr):
+        producer = {v: e for e in eqns for v in e.outvars}
+        for e in eqns:
+            if e.primitive.name not in ("remat2", "checkpoint") or not e.params.get("differentiated"):
+                continue
+            for v in e.invars:
+                if not isinstance(v, jex.Var):
+                    continue
+                name, offloaded = _trace_name(v, producer)
+                if name not in out:
+                    continue
+                nbytes = int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+                where = "host" if offloaded or _memory_space(v.aval) == "host" else "device"
+                out[name][f"{where}_bytes"] += nbytes
+    return out
+
+
+def _eqn_lists(jaxpr):
+    """The eqn list of ``jaxpr`` and of every sub-jaxpr outside checkpoints (scan, jit...)."""
+    yield jaxpr.eqns
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("remat2", "checkpoint"):
+            continue
+        for sub in jex.jaxprs_in_params(e.params):
+            yield from _eqn_lists(sub)
+
+
+def _trace_name(v, producer) -> tuple[str | None, bool]:
+    offloaded = False
+    while isinstance(v, jex.Var) and v in producer:
+        e = producer[v]
+        if e.primitive.name == "name":
+            return e.params["name"], offloaded
+        if e.primitive.name not in _PASS_THROUGH or len(e.invars) != 1:
+            return None, offloaded
+        if e.primitive.name == "device_put" and "host" in str(e.params.get("devices", "")).lower():
+            offloaded = True
+        v = e.invars[0]
+    return None, offloaded

@@ -1,0 +1,435 @@
+"""``plan_offload``: pick where each residual lives from a small cost model.
+
+Each of the three residuals of :func:`grouped_mlp` ("fc1_input", "activation_input",
+"fc2_input") is kept on the device, offloaded to pinned host memory or recomputed in
+the backward pass: 27 policies. The planner predicts device memory and step time for
+all of them and returns the fastest one that fits a device-memory budget.
+
+Cost model (one layer; ``L`` layers, each under its own ``jax.checkpoint``)
+----------------------------------------------------------------------------
+Bytes per residual, with ``S = cdiv(M, 32) + G`` rows of E8M0 scales::
+
+    recipe   fc1_input             activation_input   fc2_input
+    mxfp8    M*H + S*H  (e4m3+e8m0) 2*M*F  (bf16)      M*F + S*F
+    bf16     2*M*H                  2*M*F              2*M*F
+
+Device memory for residuals::
+
+    memory = L * sum(bytes[r] for r kept on "device")
+           + sum(bytes[r] for r not on "device")          # transient: one layer's
+                                                          # offloaded/recomputed residuals
+                                                          # live again in its backward
+
+Step time (forward + backward of the stack)::
+
+    transfer  = sum(bytes[r] for r "offload") / host_bandwidth       # each way
+    exposed   = max(0, transfer - overlap * forward)                 # device -> host,
+              + max(0, transfer - overlap * backward)                # host -> device
+    step_time = L * (forward + backward + sum(recompute[r] for r "recompute") + exposed)
+
+``forward``/``backward`` are one layer's compute with everything on the device, and
+``recompute[r]`` the extra backward work to rebuild ``r`` ("fc2_input": srelu and a
+quantize from "activation_input"; "activation_input": quantize x and the FC1 grouped
+GEMM, ``2*M*H*F`` flops; "fc1_input": quantize x), all from a :class:`LayerTime`.
+The copy of each layer's residuals to the host overlaps the next layers' forward
+compute and the copy back overlaps the backward compute of the layers after it;
+``overlap`` (0..1) is the fraction of that compute a copy can hide behind. The link
+is full duplex (``host_bandwidth`` each way). Not modelled: the first/last layer's
+edge effects, memory for the layer inputs and weights (outside the budget), and
+recompute work that itself hides transfers (conservative).
+
+Choice: among the candidates whose memory fits ``budget_bytes``, the smallest step
+time; candidates within ``tie_tolerance`` (relative) of it count as tied and the one
+with the least host traffic wins, then the least recompute, then the least memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Mapping
+
+from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT, RESIDUAL_NAMES
+from jax_grouped_mlp._src.policy import PLACEMENTS
+
+BLOCK = 32  # MXFP8 block: 32 tokens share one e8m0 scale in the columnwise residuals
+RECIPES = ("mxfp8", "bf16")
+
+# Ballpark rates of the H200 here (DESIGN.md): an exact MXFP8 grouped GEMM on Hopper
+# lands near half the FP8 rate; bf16 grouped GEMMs near 500 TFLOP/s; HBM3e streams
+# about 4 TB/s in practice. Used only by :meth:`LayerTime.roofline`.
+H200_GEMM_FLOPS = {"mxfp8": 700e12, "bf16": 500e12}
+H200_MEMORY_BANDWIDTH = 4.0e12
+H200_HOST_BANDWIDTH = 53e9  # pinned host <-> device, each way, measured
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return value
+
+
+def _check_positive_float(name: str, value, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {name}={value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {name}={value!r}")
+    return v
+
+
+def _check_recipe(recipe) -> str:
+    value = getattr(recipe, "value", recipe)
+    if value not in RECIPES:
+        raise ValueError(f"recipe must be one of {list(RECIPES)}, got recipe={recipe!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """One grouped-MLP layer: ``tokens`` rows of x (M), ``hidden`` (H), ``ffn`` (F), experts (G)."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    num_experts: int
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_positive_int(f.name, getattr(self, f.name))
+
+    def residual_bytes(self, recipe: str) -> dict[str, int]:
+        """Bytes of each residual of one layer (see the module docstring)."""
+        recipe = _check_recipe(recipe)
+        m, h, f = self.tokens, self.hidden, self.ffn
+        if recipe == "bf16":
+            return {FC1_INPUT: 2 * m * h, ACTIVATION_INPUT: 2 * m * f, FC2_INPUT: 2 * m * f}
+        scale_rows = -(-m // BLOCK) + self.num_experts  # each group pads its tail block
+        return {
+            FC1_INPUT: m * h + scale_rows * h,
+            ACTIVATION_INPUT: 2 * m * f,
+            FC2_INPUT: m * f + scale_rows * f,
+        }
+
+    @property
+    def gemm_flops(self) -> int:
+        """Flops of one of the layer's six grouped GEMMs (2 forward, 4 backward)."""
+        return 2 * self.tokens * self.hidden * self.ffn
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTime:
+    """Seconds of one layer's compute, everything kept on the device.
+
+    ``recompute`` maps each residual name to the extra backward time its recompute
+    costs. Get one from :func:`measure_layer_time` (this device), :meth:`roofline`
+    (rates you give) or :meth:`from_total` (one measured fwd+bwd time, split like the
+    roofline).
+    """
+
+    forward: float
+    backward: float
+    recompute: Mapping[str, float]
+
+    def __post_init__(self):
+        _check_positive_float("forward", self.forward)
+        _check_positive_float("backward", self.backward)
+        if set(self.recompute) != set(RESIDUAL_NAMES):
+            raise ValueError(
+                f"recompute must have exactly the keys {list(RESIDUAL_NAMES)}, "
+                f"got recompute={dict(self.recompute)!r}"
+            )
+        for name, t in self.recompute.items():
+            _check_positive_float(f"recompute[{name!r}]", t, allow_zero=True)
+        object.__setattr__(self, "recompute", dict(self.recompute))
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    def scaled(self, factor: float) -> "LayerTime":
+        factor = _check_positive_float("factor", factor)
+        return LayerTime(
+            self.forward * factor,
+            self.backward * factor,
+            {k: v * factor for k, v in self.recompute.items()},
+        )
+
+    @classmethod
+    def roofline(
+        cls,
+        shape: LayerShape,
+        recipe: str = "mxfp8",
+        *,
+        gemm_flops: float | None = None,
+        memory_bandwidth: float = H200_MEMORY_BANDWIDTH,
+    ) -> "LayerTime":
+        """An estimate from a GEMM rate (flop/s) and a memory bandwidth (bytes/s).
+
+        Six grouped GEMMs of ``2*M*H*F`` flops (two forward, four backward) plus the
+        elementwise passes that are not fused into them: quantizing x rowwise and
+        columnwise (forward), dy rowwise and columnwise and dh (backward). Defaults
+        are the H200 ballpark.
+        """
+        recipe = _check_recipe(recipe)
+        flops = H200_GEMM_FLOPS[recipe] if gemm_flops is None else gemm_flops
+        flops = _check_positive_float("gemm_flops", flops)
+        bw = _check_positive_float("memory_bandwidth", memory_bandwidth)
+        m, h, f = shape.tokens, shape.hidden, shape.ffn
+        gemm = shape.gemm_flops / flops
+        q = 1 if recipe == "mxfp8" else 2  # bytes written per element by a "quantize"
+        quant_x = (2 * m * h + 2 * q * m * h) / bw  # read x, write its two operands
+        quant_dy = (2 * m * h + 2 * q * m * h) / bw
+        dh = (2 * m * f + 4 * m * f + 2 * q * m * f) / bw  # read h and da, write dh twice
+        recompute = {
+            FC1_INPUT: (2 * m * h + q * m * h) / bw,
+            ACTIVATION_INPUT: gemm + (2 * m * h + q * m * h) / bw,
+            FC2_INPUT: (2 * m * f + q * m * f) / bw,
+        }
+        return cls(2 * gemm + quant_x, 4 * gemm + quant_dy + dh, recompute)
+
+    @classmethod
+    def from_total(cls, seconds: float, shape: LayerShape, recipe: str = "mxfp8") -> "LayerTime":
+        """One measured forward+backward time, split in the proportions of :meth:`roofline`."""
+        seconds = _check_positive_float("layer_time", seconds)
+        est = cls.roofline(shape, recipe)
+        return est.scaled(seconds / est.total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """The predictions for one of the 27 placements (all times per step, in seconds)."""
+
+    placement: Mapping[str, str]
+    device_bytes: int  # residual memory on the device at peak
+    host_bytes: int  # residual bytes in pinned host memory
+    transfer_bytes: int  # bytes over the link per step, both directions together
+    exposed_transfer: float
+    recompute: float
+    step_time: float
+    fits: bool
+
+    def label(self) -> str:
+        return "/".join(self.placement[n] for n in RESIDUAL_NAMES)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 1.0:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    """What :func:`plan_offload` chose, and why. ``print(plan)`` shows the table."""
+
+    placement: Mapping[str, str]  # residual name -> "device" | "offload" | "recompute"
+    shape: LayerShape
+    recipe: str
+    num_layers: int
+    budget_bytes: float
+    host_bandwidth: float
+    layer_time: LayerTime
+    overlap: float
+    residual_bytes: Mapping[str, int]
+    candidates: tuple[Candidate, ...]  # sorted by predicted step time
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if dict(c.placement) == dict(self.placement))
+
+    @property
+    def policy(self):
+        """The ``jax.checkpoint`` policy of the chosen placement (:func:`offload_policy`)."""
+        from jax_grouped_mlp._src.policy import offload_policy
+
+        return offload_policy(**self.placement)
+
+    def candidate(self, **placement: str) -> Candidate:
+        """The candidate with these placements, e.g. ``candidate(fc1_input="offload", ...)``."""
+        for c in self.candidates:
+            if dict(c.placement) == placement:
+                return c
+        raise ValueError(f"no candidate with placement {placement!r}")
+
+    def table(self, top: int | None = None) -> str:
+        """The report as text: inputs, residuals, then candidates (fastest first)."""
+        s = self.shape
+        lt = self.layer_time
+        lines = [
+            f"offload plan: M={s.tokens} H={s.hidden} F={s.ffn} G={s.num_experts} "
+            f"recipe={self.recipe} layers={self.num_layers}",
+            f"  budget {_fmt_bytes(self.budget_bytes)}, host link {_fmt_bytes(self.host_bandwidth)}/s "
+            f"each way, layer fwd {_fmt_time(lt.forward)} + bwd {_fmt_time(lt.backward)}, "
+            f"overlap {self.overlap:g}",
+            "",
+            f"  {'residual':<17}{'bytes/layer':>12}{'transfer/way':>14}{'recompute':>12}",
+        ]
+        for name in RESIDUAL_NAMES:
+            b = self.residual_bytes[name]
+            lines.append(
+                f"  {name:<17}{_fmt_bytes(b):>12}{_fmt_time(b / self.host_bandwidth):>14}"
+                f"{_fmt_time(lt.recompute[name]):>12}"
+            )
+        lines += [
+            "",
+            "  fc1_input / activation_input / fc2_input   device mem   host mem"
+            "   exposed xfer   recompute   step time  fits",
+        ]
+        rows = self.candidates if top is None else self.candidates[:top]
+        for c in rows:
+            mark = "*" if c is self.chosen else " "
+            lines.append(
+                f"{mark} {c.label():<42}{_fmt_bytes(c.device_bytes):>11}{_fmt_bytes(c.host_bytes):>11}"
+                f"{_fmt_time(c.exposed_transfer):>15}{_fmt_time(c.recompute):>12}"
+                f"{_fmt_time(c.step_time):>12}  {'yes' if c.fits else 'no'}"
+            )
+        lines.append(f"  chosen (*): {self.chosen.label()}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def predict(
+    placement: Mapping[str, str],
+    *,
+    residual_bytes: Mapping[str, int],
+    num_layers: int,
+    host_bandwidth: float,
+    layer_time: LayerTime,
+    overlap: float,
+    budget_bytes: float = math.inf,
+) -> Candidate:
+    """Device memory and step time of one placement (the module docstring's model)."""
+    on = {p: [n for n in RESIDUAL_NAMES if placement[n] == p] for p in PLACEMENTS}
+    kept = sum(residual_bytes[n] for n in on["device"])
+    not_kept = sum(residual_bytes[n] for n in RESIDUAL_NAMES) - kept
+    offloaded = sum(residual_bytes[n] for n in on["offload"])
+    transfer = offloaded / host_bandwidth
+    exposed = max(0.0, transfer - overlap * layer_time.forward) + max(
+        0.0, transfer - overlap * layer_time.backward
+    )
+    recompute = sum(layer_time.recompute[n] for n in on["recompute"])
+    device = num_layers * kept + not_kept
+    return Candidate(
+        placement=dict(placement),
+        device_bytes=device,
+        host_bytes=num_layers * offloaded,
+        transfer_bytes=2 * num_layers * offloaded,
+        exposed_transfer=num_layers * exposed,
+        recompute=num_layers * recompute,
+        step_time=num_layers * (layer_time.total + recompute + exposed),
+        fits=device <= budget_bytes,
+    )
+
+
+def plan_offload(
+    *,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    num_experts: int,
+    num_layers: int,
+    budget_bytes: float,
+    host_bandwidth: float,
+    layer_time: "LayerTime | float",
+    recipe: str = "mxfp8",
+    overlap: float = 1.0,
+    tie_tolerance: float = 0.01,
+) -> OffloadPlan:
+    """Choose where each residual of a stack of grouped-MLP layers lives.
+
+    Predicts device memory and step time for all 27 placements of "fc1_input",
+    "activation_input" and "fc2_input" (each "device", "offload" or "recompute") with
+    the cost model of :mod:`jax_grouped_mlp._src.planner` (also in docs/offload.md)
+    and returns the fastest placement whose residual memory fits ``budget_bytes``.
+
+    Args:
+      tokens: M, the rows of x per layer (tokens times top-k).
+      hidden, ffn, num_experts: H, F and G of the layer.
+      num_layers: layers in the stack, each under its own ``jax.checkpoint``.
+      budget_bytes: device memory the residuals of the whole stack may use.
+      host_bandwidth: bytes/s each way between device and pinned host memory
+        (:func:`measure_host_bandwidth`; about 53e9 on the H200 here).
+      layer_time: one layer's compute, a :class:`LayerTime`
+        (:func:`measure_layer_time`, :meth:`LayerTime.roofline`) or its forward+backward
+        seconds as a float (split like the roofline).
+      recipe: "mxfp8" or "bf16", as given to :func:`grouped_mlp`.
+      overlap: fraction (0..1) of compute that a host copy can hide behind; 1 on a GPU
+        with copy engines, near 0 where copies take the compute's cores (CPU).
+      tie_tolerance: step times within this relative distance of the best count as
+        equal; among those the least host traffic wins.
+
+    Returns:
+      An :class:`OffloadPlan`: ``plan.placement`` (name -> placement), ``plan.policy``
+      (for ``jax.checkpoint``) and every candidate's predictions; ``print(plan)``
+      shows them as a table.
+
+    Raises:
+      ValueError: an argument out of range (the message names it), or no placement
+        fits the budget (the message gives the smallest possible memory).
+    """
+    shape = LayerShape(tokens, hidden, ffn, num_experts)
+    _check_positive_int("num_layers", num_layers)
+    budget_bytes = _check_positive_float("budget_bytes", budget_bytes, allow_zero=True)
+    host_bandwidth = _check_positive_float("host_bandwidth", host_bandwidth)
+    recipe = _check_recipe(recipe)
+    overlap = _check_positive_float("overlap", overlap, allow_zero=True)
+    if overlap > 1:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap=}")
+    tie_tolerance = _check_positive_float("tie_tolerance", tie_tolerance, allow_zero=True)
+    if isinstance(layer_time, LayerTime):
+        lt = layer_time
+    elif isinstance(layer_time, (int, float)) and not isinstance(layer_time, bool):
+        lt = LayerTime.from_total(layer_time, shape, recipe)
+    else:
+        raise ValueError(f"layer_time must be a LayerTime or seconds (float), got {layer_time=!r}")
+
+    residual_bytes = shape.residual_bytes(recipe)
+    candidates = [
+        predict(
+            dict(zip(RESIDUAL_NAMES, combo)),
+            residual_bytes=residual_bytes,
+            num_layers=num_layers,
+            host_bandwidth=host_bandwidth,
+            layer_time=lt,
+            overlap=overlap,
+            budget_bytes=budget_bytes,
+        )
+        for combo in itertools.product(PLACEMENTS, repeat=len(RESIDUAL_NAMES))
+    ]
+    candidates.sort(key=lambda c: (c.step_time, c.transfer_bytes, c.recompute, c.device_bytes))
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        least = min(c.device_bytes for c in candidates)
+        raise ValueError(
+            f"no placement fits budget_bytes={budget_bytes:.6g}: the smallest residual "
+            f"memory is {least} bytes ({_fmt_bytes(least)}, everything recomputed)"
+        )
+    best_time = fitting[0].step_time
+    tied = [c for c in fitting if c.step_time <= best_time * (1 + tie_tolerance)]
+    chosen = min(tied, key=lambda c: (c.transfer_bytes, c.recompute, c.device_bytes, c.step_time))
+    return OffloadPlan(
+        placement=dict(chosen.placement),
+        shape=shape,
+        recipe=recipe,
+        num_layers=num_layers,
+        budget_bytes=budget_bytes,
+        host_bandwidth=host_bandwidth,
+        layer_time=lt,
+        overlap=overlap,
+        residual_bytes=residual_bytes,
+        candidates=tuple(candidates),
+    )

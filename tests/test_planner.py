@@ -1,0 +1,231 @@
+"""plan_offload: the cost model's choices, input checks, and the plan applied for real."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_grouped_mlp._src.measure import measure_host_bandwidth, residual_bytes_kept
+from jax_grouped_mlp._src.mlp import grouped_mlp
+from jax_grouped_mlp._src.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.placement import residual_placements
+from jax_grouped_mlp._src.planner import LayerShape, LayerTime, plan_offload
+from jax_grouped_mlp._src.policy import offload_policy
+
+NANO = dict(tokens=49152, hidden=2688, ffn=1856, num_experts=128)
+GB = 1e9
+
+
+def _nano_plan(**kw):
+    args = dict(
+        NANO,
+        num_layers=8,
+        budget_bytes=100 * GB,
+        host_bandwidth=53e9,
+        layer_time=LayerTime.roofline(LayerShape(**NANO)),
+    )
+    args.update(kw)
+    return plan_offload(**args)
+
+
+def _count(placement, kind):
+    return sum(placement[n] == kind for n in RESIDUAL_NAMES)
+
+
+def test_residual_bytes_nano():
+    b = LayerShape(**NANO).residual_bytes("mxfp8")
+    scale_rows = 49152 // 32 + 128
+    assert b == {
+        "fc1_input": 49152 * 2688 + scale_rows * 2688,
+        "activation_input": 2 * 49152 * 1856,
+        "fc2_input": 49152 * 1856 + scale_rows * 1856,
+    }
+    assert 0.40e9 < sum(b.values()) < 0.42e9  # DESIGN.md: "about 0.4 GB per layer"
+    assert LayerShape(**NANO).residual_bytes("bf16")["fc1_input"] == 2 * 49152 * 2688
+
+
+def test_ample_budget_keeps_everything_on_device():
+    plan = _nano_plan()
+    assert plan.placement == {n: "device" for n in RESIDUAL_NAMES}
+    assert plan.chosen.fits and plan.chosen.exposed_transfer == 0 and plan.chosen.recompute == 0
+    assert len(plan.candidates) == 27
+
+
+def test_ample_budget_and_free_transfers_still_prefers_device():
+    # With an infinitely fast link offloading costs nothing; the tie goes to less traffic.
+    plan = _nano_plan(host_bandwidth=1e18)
+    assert plan.placement == {n: "device" for n in RESIDUAL_NAMES}
+
+
+def test_tight_budget_forces_offload_or_recompute():
+    ample = _nano_plan()
+    per_layer = sum(ample.residual_bytes.values())
+    budgets = [8 * per_layer, 5 * per_layer, 2 * per_layer, per_layer]
+    kept = []
+    for budget in budgets:
+        plan = _nano_plan(budget_bytes=budget)
+        assert plan.chosen.fits and plan.chosen.device_bytes <= budget
+        kept.append(plan.chosen.device_bytes)
+        # Nothing that fits is predicted faster than the choice (beyond the tie tolerance).
+        fastest = min(c.step_time for c in plan.candidates if c.fits)
+        assert plan.chosen.step_time <= fastest * 1.01
+    assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
+    tight = _nano_plan(budget_bytes=per_layer)
+    assert _count(tight.placement, "device") == 0
+
+
+def test_slow_link_prefers_recompute_or_device():
+    ample = _nano_plan()
+    budget = 4 * sum(ample.residual_bytes.values())  # all-device does not fit (8 layers)
+    slow = _nano_plan(budget_bytes=budget, host_bandwidth=1e9)
+    assert _count(slow.placement, "offload") == 0
+    # A fast link with copies fully hidden makes offload the better use of the budget.
+    fast = _nano_plan(budget_bytes=budget, host_bandwidth=1e15)
+    assert _count(fast.placement, "offload") > 0
+    assert fast.chosen.step_time < slow.chosen.step_time
+
+
+def test_cost_model_arithmetic():
+    lt = LayerTime(1.0, 2.0, {"fc1_input": 0.1, "activation_input": 0.5, "fc2_input": 0.05})
+    plan = plan_offload(
+        tokens=64, hidden=32, ffn=32, num_experts=2, num_layers=3, budget_bytes=1e12,
+        host_bandwidth=1000.0, layer_time=lt, recipe="bf16", overlap=0.5,
+    )  # fmt: skip
+    b = plan.residual_bytes  # bf16: 4096 bytes each
+    assert b == {n: 4096 for n in RESIDUAL_NAMES}
+    c = plan.candidate(fc1_input="offload", activation_input="device", fc2_input="recompute")
+    transfer = 4096 / 1000.0
+    exposed = max(0, transfer - 0.5 * 1.0) + max(0, transfer - 0.5 * 2.0)
+    assert c.device_bytes == 3 * 4096 + 2 * 4096
+    assert c.host_bytes == 3 * 4096 and c.transfer_bytes == 2 * 3 * 4096
+    assert c.step_time == pytest.approx(3 * (3.0 + 0.05 + exposed))
+    assert c.recompute == pytest.approx(3 * 0.05)
+
+
+def test_report_prints_a_table():
+    plan = _nano_plan(budget_bytes=2 * GB)
+    text = str(plan)
+    for name in RESIDUAL_NAMES:
+        assert name in text
+    rows = [line for line in text.splitlines() if line.rstrip().endswith(("yes", "no"))]
+    assert len(rows) == 27
+    assert sum(line.startswith("*") for line in rows) == 1
+    assert f"chosen (*): {plan.chosen.label()}" in text
+
+
+def test_layer_time_from_float_matches_total():
+    plan = _nano_plan(layer_time=0.006)
+    assert plan.layer_time.total == pytest.approx(0.006)
+    assert 0 < plan.layer_time.recompute["fc2_input"] < plan.layer_time.recompute["activation_input"]
+
+
+@pytest.mark.parametrize(
+    "kw, arg",
+    [
+        (dict(tokens=0), "tokens"),
+        (dict(hidden=-1), "hidden"),
+        (dict(ffn=2.5), "ffn"),
+        (dict(num_experts=True), "num_experts"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(budget_bytes=-1.0), "budget_bytes"),
+        (dict(budget_bytes=float("nan")), "budget_bytes"),
+        (dict(host_bandwidth=0), "host_bandwidth"),
+        (dict(host_bandwidth="fast"), "host_bandwidth"),
+        (dict(layer_time=-1.0), "layer_time"),
+        (dict(layer_time="1ms"), "layer_time"),
+        (dict(recipe="fp4"), "recipe"),
+        (dict(overlap=1.5), "overlap"),
+        (dict(tie_tolerance=-0.1), "tie_tolerance"),
+        (dict(budget_bytes=1.0), "budget_bytes"),  # nothing fits
+    ],
+)
+def test_invalid_inputs_name_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=arg):
+        _nano_plan(**kw)
+
+
+def test_invalid_layer_time_fields():
+    with pytest.raises(ValueError, match="recompute"):
+        LayerTime(1.0, 1.0, {"fc1_input": 0.0})
+    with pytest.raises(ValueError, match="forward"):
+        LayerTime(0.0, 1.0, {n: 0.0 for n in RESIDUAL_NAMES})
+
+
+def test_measure_host_bandwidth_runs():
+    bw = measure_host_bandwidth(1 << 20, repeats=2)
+    assert np.isfinite(bw) and bw > 0
+    with pytest.raises(ValueError, match="nbytes"):
+        measure_host_bandwidth(0)
+
+
+# --- The plan applied: a small stack of layers under jax.checkpoint ------------------
+
+M, H, F, G, LAYERS = 128, 64, 64, 4, 2
+
+
+def _stack_inputs():
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (M, H), jnp.bfloat16)
+    w1 = jax.random.normal(keys[1], (LAYERS, G, H, F), jnp.float32) * H**-0.5
+    w2 = jax.random.normal(keys[2], (LAYERS, G, F, H), jnp.float32) * F**-0.5
+    sizes = jnp.array([40, 24, 32, 32], jnp.int32)
+    return x, w1, w2, sizes
+
+
+def _stack_loss(policy):
+    layer = jax.checkpoint(functools.partial(grouped_mlp, recipe="mxfp8"), policy=policy)
+
+    def loss(w1, w2, x, sizes):
+        for i in range(LAYERS):
+            x = x + layer(x, w1[i], w2[i], sizes)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    return loss
+
+
+def _plan_for(budget_layers: float, host_bandwidth: float):
+    shape = LayerShape(M, H, F, G)
+    per_layer = sum(shape.residual_bytes("mxfp8").values())
+    return plan_offload(
+        tokens=M, hidden=H, ffn=F, num_experts=G, num_layers=LAYERS,
+        budget_bytes=budget_layers * per_layer, host_bandwidth=host_bandwidth,
+        layer_time=LayerTime.roofline(shape),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "budget_layers, host_bandwidth",
+    [(10.0, 53e9), (1.0, 1e18), (1.0, 1e6)],  # all device / offload / recompute-heavy
+)
+def test_planned_policy_places_residuals_as_reported(budget_layers, host_bandwidth):
+    plan = _plan_for(budget_layers, host_bandwidth)
+    x, w1, w2, sizes = _stack_inputs()
+    loss = _stack_loss(plan.policy)
+    grad = jax.grad(loss, argnums=(0, 1))
+    placed = residual_placements(grad, w1, w2, x, sizes)
+    assert {n: placed.get(n, "recompute") for n in RESIDUAL_NAMES} == plan.placement
+
+    kept = residual_bytes_kept(loss, w1, w2, x, sizes, argnums=(0, 1))
+    for name in RESIDUAL_NAMES:
+        b = LAYERS * plan.residual_bytes[name]
+        want = {"device": (b, 0), "offload": (0, b), "recompute": (0, 0)}[plan.placement[name]]
+        assert (kept[name]["device_bytes"], kept[name]["host_bytes"]) == want, name
+    # The prediction is what the program keeps plus one layer's transient rebuild.
+    transient = sum(b for n, b in plan.residual_bytes.items() if plan.placement[n] != "device")
+    on_device = sum(kept[n]["device_bytes"] for n in RESIDUAL_NAMES)
+    assert on_device + transient == plan.chosen.device_bytes
+
+
+def test_planned_policy_gradients_match_no_offload():
+    plan = _plan_for(1.0, 1e18)  # offloads (and maybe recomputes) something
+    assert set(plan.placement.values()) != {"device"}
+    x, w1, w2, sizes = _stack_inputs()
+    keep = offload_policy("device", "device", "device")
+    want = jax.jit(jax.grad(_stack_loss(keep), argnums=(0, 1)))(w1, w2, x, sizes)
+    got = jax.jit(jax.grad(_stack_loss(plan.policy), argnums=(0, 1)))(w1, w2, x, sizes)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
