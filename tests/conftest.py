@@ -1,0 +1,34 @@
+"""Shared fixtures: fresh random inputs every run (the seed is printed on failure)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator with a fresh seed (set JGM_SEED to reproduce a failure)."""
+    seed = int(os.environ.get("JGM_SEED", np.random.SeedSequence().entropy % (2**32)))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

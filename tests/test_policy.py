@@ -1,0 +1,141 @@
+"""offload_policy: every one of the 27 placements does exactly what it says, in the jaxpr."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jex_core
+
+import jax_grouped_mlp as jgm
+
+COMBOS = list(itertools.product(["offload", "device", "recompute"], repeat=3))
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng()
+    m, h, f, g = 96, 64, 64, 3
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.bfloat16)
+    probs = jnp.asarray(rng.uniform(size=m), jnp.float32)
+    gs = jnp.asarray([40, 0, 50], jnp.int32)
+    return x, w1, w2, probs, gs
+
+
+def grad_fn(policy, gs, recipe="mxfp8"):
+    def loss(x, w1, w2, probs):
+        layer = jax.checkpoint(
+            lambda x, w1, w2, p: jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe), policy=policy
+        )
+        return jnp.sum(layer(x, w1, w2, probs).astype(jnp.float32) ** 2)
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+
+def _remat_bodies(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("remat") and eqn.params.get("differentiated"):
+            body = eqn.params["jaxpr"]
+            yield getattr(body, "jaxpr", body)
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from _remat_bodies(sub)
+
+
+def _names(jaxpr) -> set[str]:
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            out.add(eqn.params["name"])
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            out |= _names(sub)
+    return out
+
+
+def _host_puts(jaxpr) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put" and any("Host" in str(d) for d in eqn.params["devices"]):
+            n += 1
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            n += _host_puts(sub)
+    return n
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("combo", COMBOS, ids=["-".join(c) for c in COMBOS])
+def test_placement(inputs, combo, recipe):
+    x, w1, w2, probs, gs = inputs
+    fc1, act, fc2 = combo
+    fn = grad_fn(jgm.offload_policy(fc1, act, fc2), gs, recipe)
+    got = jgm.residual_placements(fn, x, w1, w2, probs)
+    assert got == {"fc1_input": fc1, "activation_input": act, "fc2_input": fc2}
+    closed = jax.make_jaxpr(fn)(x, w1, w2, probs)
+    # Exactly the offloaded residuals go to host: MXFP8 residuals are 2 arrays (data,
+    # scale), bf16 ones 1; nothing else (no weight) is ever copied to host.
+    per = 2 if recipe == "mxfp8" else 1
+    want_puts = per * (fc1 == "offload") + (act == "offload") + per * (fc2 == "offload")
+    assert _host_puts(closed.jaxpr) == want_puts
+    (body,) = list(_remat_bodies(closed.jaxpr))
+    body_names = _names(body)
+    # Recomputing fc2_input must not rerun FC1 when activation_input was kept.
+    if fc2 == "recompute" and act != "recompute":
+        assert "activation_input" not in body_names
+    for name, placement in zip(("fc1_input", "activation_input", "fc2_input"), combo):
+        assert (name in body_names) == (placement == "recompute"), name
+
+
+@pytest.fixture(scope="module")
+def reference_grads(inputs):
+    x, w1, w2, probs, gs = inputs
+    return jax.jit(grad_fn(jax.checkpoint_policies.everything_saveable, gs))(x, w1, w2, probs)
+
+
+@pytest.mark.parametrize("combo", COMBOS[::4] + [COMBOS[-1]], ids=lambda c: "-".join(c))
+def test_gradients_identical_across_policies(inputs, reference_grads, combo):
+    x, w1, w2, probs, gs = inputs
+    got = jax.jit(grad_fn(jgm.offload_policy(*combo), gs))(x, w1, w2, probs)
+    for a, b in zip(got, reference_grads):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_default_is_offload_everything(inputs):
+    x, w1, w2, probs, gs = inputs
+    got = jgm.residual_placements(grad_fn(jgm.offload_policy(), gs), x, w1, w2, probs)
+    assert set(got.values()) == {"offload"} and len(got) == 3
+
+
+def test_extra_names_combine_with_user_tags(inputs):
+    from jax.ad_checkpoint import checkpoint_name
+
+    x, w1, w2, probs, gs = inputs
+    policy = jgm.offload_policy("device", "device", "device", extra_offloadable=["my_pre"])
+
+    def loss(x, w1, w2, probs):
+        def layer(x, w1, w2, p):
+            pre = checkpoint_name(jnp.sin(x), "my_pre")
+            return jgm.grouped_mlp(pre, w1, w2, gs, p) * jnp.cos(pre)
+        return jnp.sum(jax.checkpoint(layer, policy=policy)(x, w1, w2, probs).astype(jnp.float32))
+
+    got = jgm.residual_placements(jax.grad(loss, argnums=(1,)), x, w1, w2, probs)
+    assert got["my_pre"] == "offload" and got["fc1_input"] == "device"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(fc1_input="host"), "fc1_input must be one of"),
+        (dict(activation_input="cpu"), "activation_input must be one of"),
+        (dict(fc2_input=None), "fc2_input must be one of"),
+        (dict(extra_saveable="abc"), "extra_saveable must be a sequence"),
+        (dict(extra_offloadable=[1]), "extra_offloadable must contain"),
+        (dict(extra_saveable=["a"], extra_offloadable=["a"]), "both saved on device and offloaded"),
+    ],
+)
+def test_bad_policy_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        jgm.offload_policy(**kwargs)
