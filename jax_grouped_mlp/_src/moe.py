@@ -1,0 +1,279 @@
+"""The MoE block: router -> top-k -> permute -> ``grouped_mlp`` -> un-permute -> combine.
+
+Single device: the (token, choice) pairs are sorted by expert on the device and fed
+to one ``grouped_mlp`` call with the routing weights as ``probs``.
+
+Expert parallel (``parallel=ExpertParallel(...)``): experts are sharded over one mesh
+axis, tokens over that axis and the data axes. Inside ``jax.shard_map`` each device
+routes its own tokens, sorts the pairs by expert (which also sorts them by owning
+device), sends each device its block with a ragged all-to-all, sorts what arrived by
+local expert, runs ``grouped_mlp`` on its local experts, and sends the results back
+the same way. Block sizes travel as small dense ``all_to_all``s; nothing goes to the
+host. Drop-free: the receive buffer holds ``axis_size * tokens * top_k`` rows, the
+worst case of every pair in the axis choosing this device. ``grouped_mlp`` only
+computes the rows its ``group_sizes`` cover, but its residuals are allocated at the
+buffer's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_grouped_mlp._src import routing as routing_lib
+from jax_grouped_mlp._src.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
+from jax_grouped_mlp._src.mlp import grouped_mlp
+from jax_grouped_mlp._src.routing import RoutingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Where the block's experts and tokens live.
+
+    Experts (``w1``/``w2`` axis 0) are split over ``expert_axis``; tokens (axis 0 of
+    the flattened ``x``) over ``(*data_axes, expert_axis)``; the router is replicated.
+    ``exchange`` picks the collective (see :class:`Exchange`); ``"auto"`` uses the
+    ragged all-to-all except on CPU.
+    """
+
+    mesh: jax.sharding.Mesh
+    expert_axis: str
+    data_axes: tuple[str, ...] = ()
+    exchange: Exchange = Exchange.AUTO
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got mesh={type(self.mesh).__name__}")
+        names = tuple(self.mesh.axis_names)
+        if self.expert_axis not in names:
+            raise ValueError(f"expert_axis={self.expert_axis!r} is not an axis of the mesh (axes: {names})")
+        data_axes = (self.data_axes,) if isinstance(self.data_axes, str) else tuple(self.data_axes)
+        for axis in data_axes:
+            if axis not in names:
+                raise ValueError(f"data_axes={data_axes!r}: {axis!r} is not an axis of the mesh (axes: {names})")
+        if self.expert_axis in data_axes or len(set(data_axes)) != len(data_axes):
+            raise ValueError(
+                f"data_axes={data_axes!r} must be distinct and must not contain expert_axis={self.expert_axis!r}"
+            )
+        object.__setattr__(self, "data_axes", data_axes)
+        object.__setattr__(self, "exchange", Exchange.parse(self.exchange))
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return (*self.data_axes, self.expert_axis)
+
+    @property
+    def expert_size(self) -> int:
+        return self.mesh.shape[self.expert_axis]
+
+    @property
+    def token_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+
+def moe_block(
+    x: jax.Array,
+    router_kernel: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    *,
+    routing: RoutingConfig,
+    score_bias: jax.Array | None = None,
+    recipe: str = "mxfp8",
+    parallel: ExpertParallel | None = None,
+) -> jax.Array:
+    """A drop-free mixture-of-experts layer of squared-ReLU experts.
+
+    Args:
+      x: ``[..., H]`` tokens, any order (the block sorts them).
+      router_kernel: ``[H, E]``; logits are ``x @ router_kernel`` in float32.
+      w1: ``[E, H, F]`` and w2: ``[E, F, H]``, the stacked expert weights.
+      routing: top-k, score function, normalisation and scaling (:class:`RoutingConfig`).
+      score_bias: optional ``[E]`` added to the scores for expert *selection* only
+        (DeepSeek-V3 / Nemotron-3 ``e_score_correction_bias``); gets no gradient use.
+      recipe: ``grouped_mlp``'s recipe, ``"mxfp8"`` or ``"bf16"``.
+      parallel: expert parallelism over a mesh, or None for one device.
+
+    Returns:
+      ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)``, summed in float32.
+    """
+    if not isinstance(routing, RoutingConfig):
+        raise TypeError(f"routing must be a RoutingConfig, got routing={type(routing).__name__}")
+    if parallel is not None and not isinstance(parallel, ExpertParallel):
+        raise TypeError(f"parallel must be an ExpertParallel or None, got parallel={type(parallel).__name__}")
+    _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel)
+    lead_shape = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if score_bias is not None:
+        score_bias = jax.lax.stop_gradient(score_bias)
+    if parallel is None:
+        y = _moe_local(x2, router_kernel, score_bias, w1, w2, None, routing=routing, recipe=recipe)
+    else:
+        y = _moe_sharded(x2, router_kernel, score_bias, w1, w2, routing=routing, recipe=recipe, parallel=parallel)
+    return y.reshape(*lead_shape, x.shape[-1])
+
+
+def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None:
+    for name, arr in (("x", x), ("router_kernel", router_kernel), ("w1", w1), ("w2", w2)):
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise TypeError(f"{name} must be an array, got {name}={type(arr).__name__}")
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a float array, got {name}.dtype={arr.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"x must be [..., H] with at least one token axis, got x.shape={x.shape}")
+    h = x.shape[-1]
+    if router_kernel.ndim != 2 or router_kernel.shape[0] != h:
+        raise ValueError(f"router_kernel must be [H, E] with H={h}, got router_kernel.shape={router_kernel.shape}")
+    e = router_kernel.shape[1]
+    if w1.ndim != 3 or w1.shape[:2] != (e, h):
+        raise ValueError(f"w1 must be [E, H, F] with E={e}, H={h}, got w1.shape={w1.shape}")
+    f = w1.shape[2]
+    if w2.shape != (e, f, h):
+        raise ValueError(f"w2 must be [E, F, H]={(e, f, h)}, got w2.shape={w2.shape}")
+    if score_bias is not None and getattr(score_bias, "shape", None) != (e,):
+        raise ValueError(f"score_bias must be [E]=({e},), got score_bias.shape={getattr(score_bias, 'shape', None)}")
+    if routing.top_k > e:
+        raise ValueError(f"routing.top_k={routing.top_k} is larger than the number of experts E={e}")
+    if parallel is not None and e % parallel.expert_size:
+        raise ValueError(
+            f"the number of experts E={e} must be divisible by the size of "
+            f"expert_axis={parallel.expert_axis!r} ({parallel.expert_size})"
+        )
+
+
+def _combine(y_sorted: jax.Array, inverse: jax.Array, num_tokens: int, top_k: int, dtype) -> jax.Array:
+    """Sorted per-pair outputs (already weighted inside grouped_mlp) -> per-token sums."""
+    y = y_sorted[inverse].reshape(num_tokens, top_k, -1)
+    return jnp.sum(y.astype(jnp.float32), axis=1).astype(dtype)
+
+
+def _route_pairs(x, router_kernel, score_bias, num_valid, routing):
+    """Router on local tokens -> flat expert ids ``[T*k]`` and weights ``[T*k]``.
+
+    Rows at or past ``num_valid`` (padding) get expert id E: they sort last and
+    count towards no group.
+    """
+    logits = jnp.dot(
+        x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    expert_ids, weights = routing_lib.route(logits, routing, score_bias)
+    if num_valid is not None:
+        valid = jnp.arange(x.shape[0]) < num_valid
+        expert_ids = jnp.where(valid[:, None], expert_ids, router_kernel.shape[1])
+    return expert_ids.reshape(-1), weights.reshape(-1)
+
+
+def _moe_local(x, router_kernel, score_bias, w1, w2, num_valid, *, routing, recipe):
+    t, k, e = x.shape[0], routing.top_k, w1.shape[0]
+    expert_ids, weights = _route_pairs(x, router_kernel, score_bias, num_valid, routing)
+    perm = routing_lib.sort_by_expert(expert_ids, e)
+    xs = x[perm.order // k]
+    ys = grouped_mlp(xs, w1, w2, perm.group_sizes, weights[perm.order], recipe=recipe)
+    return _combine(ys, perm.inverse, t, k, x.dtype)
+
+
+def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, parallel):
+    mesh, token_axes = parallel.mesh, parallel.token_axes
+    t = x.shape[0]
+    shards = parallel.token_shards
+    t_pad = -(-t // shards) * shards
+    if t_pad != t:
+        x = jnp.pad(x, ((0, t_pad - t), (0, 0)))
+    platform = mesh.devices.flat[0].platform
+    body = _ExpertParallelBody(
+        routing=routing,
+        recipe=recipe,
+        axis=parallel.expert_axis,
+        data_axes=parallel.data_axes,
+        num_tokens=t,
+        exchange=parallel.exchange.resolve(platform),
+    )
+    tok, exp = P(token_axes, None), P(parallel.expert_axis, None, None)
+    if score_bias is None:
+        score_bias = jnp.zeros((router_kernel.shape[1],), jnp.float32)  # selection-neutral
+    args = (x, router_kernel, score_bias, w1, w2)
+    specs = (tok, P(None, None), P(None), exp, exp)
+    args = tuple(_reshard(a, mesh, s) for a, s in zip(args, specs))
+    # check_vma=False: grouped_mlp is a custom_vjp (and on GPU an FFI call) whose
+    # internals need not carry shard_map's varying-axes types. The transpose then sums
+    # the replicated inputs' gradients (router, and weights over the data axes) itself.
+    y = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tok, check_vma=False)(*args)
+    if t_pad != t:  # an explicit mesh cannot slice a sharded axis to a non-multiple
+        y = _reshard(y, mesh, P(None, None))[:t]
+    return y
+
+
+def _reshard(a, mesh, spec):
+    """Explicit-mode meshes need operands already laid out as shard_map's in_specs."""
+    explicit = jax.sharding.AxisType.Explicit
+    if any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+    return a
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertParallelBody:
+    """The per-device program of the expert-parallel block (runs inside shard_map)."""
+
+    routing: RoutingConfig
+    recipe: str
+    axis: str
+    data_axes: tuple[str, ...]
+    num_tokens: int
+    exchange: Exchange
+
+    def __call__(self, x, router_kernel, score_bias, w1, w2):
+        k = self.routing.top_k
+        ep = jax.lax.axis_size(self.axis)
+        t_local, h = x.shape
+        e_local = w1.shape[0]
+        n = t_local * k
+
+        # 1. Route local tokens; padding rows (past num_tokens globally) go nowhere.
+        first_row = jax.lax.axis_index((*self.data_axes, self.axis)) * t_local
+        expert_ids, weights = _route_pairs(x, router_kernel, score_bias, self.num_tokens - first_row, self.routing)
+        # Global expert order is also owner order: expert e lives on device e // e_local.
+        perm = routing_lib.sort_by_expert(expert_ids, ep * e_local)
+        xs = x[perm.order // k]
+        ps = weights[perm.order]
+
+        # 2. Block sizes: per (peer, local expert) counts out, the transposed counts in.
+        counts_out = perm.group_sizes.reshape(ep, e_local)
+        counts_in = jax.lax.all_to_all(counts_out, self.axis, 0, 0, tiled=True)  # [source, e_local]
+        send_sizes = counts_out.sum(axis=1)
+        recv_sizes = counts_in.sum(axis=1)
+        send_offsets = exclusive_cumsum(send_sizes)
+        recv_offsets = exclusive_cumsum(recv_sizes)  # blocks land contiguously, by source
+        dest_offsets = jax.lax.all_to_all(recv_offsets, self.axis, 0, 0, tiled=True)
+        back_offsets = jax.lax.all_to_all(send_offsets, self.axis, 0, 0, tiled=True)
+
+        def send(operand):
+            out = jnp.zeros((ep * n, *operand.shape[1:]), operand.dtype)
+            return ragged_all_to_all(
+                operand, out, send_offsets, send_sizes, dest_offsets, recv_sizes,
+                axis_name=self.axis, exchange=self.exchange,
+            )
+
+        x_in = send(xs)
+        p_in = send(ps)
+
+        # 3. Sort what arrived (source-major, expert-minor runs) by local expert.
+        run_ends = jnp.cumsum(counts_in.reshape(-1))
+        run = jnp.searchsorted(run_ends, jnp.arange(ep * n, dtype=jnp.int32), side="right")
+        local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
+        local = routing_lib.sort_by_expert(local_ids, e_local)
+        y_local = grouped_mlp(
+            x_in[local.order], w1, w2, local.group_sizes, p_in[local.order], recipe=self.recipe
+        )
+        y_in = y_local[local.inverse]
+
+        # 4. Results go back to where their pairs came from, then combine per token.
+        ys = ragged_all_to_all(
+            y_in, jnp.zeros((n, h), y_in.dtype), recv_offsets, recv_sizes, back_offsets, send_sizes,
+            axis_name=self.axis, exchange=self.exchange,
+        )
+        return _combine(ys, perm.inverse, t_local, k, x.dtype)
+
