@@ -1,0 +1,116 @@
+// Shared helpers for the XLA FFI handlers around our AOT-compiled CuTe DSL kernels.
+//
+// Each kernel variant is a header + object pair exported by
+// jax_grouped_mlp/kernels/aot.py (``export_to_c``). Its header defines a module
+// type, ``<name>_Kernel_Module_Load`` (loads the cubin into every device, once) and
+// ``cute_dsl_<name>_wrapper`` (launches on a stream). The handlers below validate
+// XLA's buffers, make sure the module is loaded, and call the wrapper.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jgm {
+
+namespace ffi = xla::ffi;
+
+// The exported module-load helpers report CUDA errors through this macro; we keep
+// the first error instead of printing it.
+inline thread_local cudaError_t tls_load_error = cudaSuccess;
+
+}  // namespace jgm
+
+#define CUTE_DSL_CUDA_ERROR_CHECK(err)                                          \
+  do {                                                                          \
+    cudaError_t jgm_err_ = (err);                                               \
+    if (jgm_err_ != cudaSuccess && ::jgm::tls_load_error == cudaSuccess)        \
+      ::jgm::tls_load_error = jgm_err_;                                         \
+  } while (0)
+
+namespace jgm {
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline std::string DimsToString(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+// InvalidArgument unless `buf` has exactly `dims` and element type `dtype`.
+inline ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& buf,
+                              ffi::DataType dtype,
+                              std::initializer_list<int64_t> dims) {
+  if (buf.element_type() != dtype) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": wrong element type (data type enum " +
+        std::to_string(static_cast<int>(buf.element_type())) + ", expected " +
+        std::to_string(static_cast<int>(dtype)) + ")");
+  }
+  auto got = buf.dimensions();
+  bool same = got.size() == dims.size();
+  size_t i = 0;
+  for (int64_t d : dims) {
+    if (!same) break;
+    same = got[i++] == d;
+  }
+  if (!same) {
+    std::string want = "[";
+    i = 0;
+    for (int64_t d : dims) want += (i++ ? ", " : "") + std::to_string(d);
+    return ffi::Error::InvalidArgument(std::string(name) + ": shape " +
+                                       DimsToString(got) + ", expected " + want + "]");
+  }
+  return ffi::Error::Success();
+}
+
+// Loads a kernel module into every device exactly once per process, thread-safely.
+// `load` is the exported <name>_Kernel_Module_Load bound to a static module object.
+class ModuleOnce {
+ public:
+  template <typename LoadFn>
+  ffi::Error Ensure(const char* name, LoadFn load) {
+    std::call_once(once_, [&] {
+      tls_load_error = cudaSuccess;
+      load();
+      error_ = tls_load_error;
+      tls_load_error = cudaSuccess;
+    });
+    if (error_ != cudaSuccess) {
+      return ffi::Error::Internal(std::string(name) + ": loading the kernel module failed: " +
+                                  cudaGetErrorString(error_));
+    }
+    return ffi::Error::Success();
+  }
+
+ private:
+  std::once_flag once_;
+  cudaError_t error_ = cudaSuccess;
+};
+
+inline ffi::Error LaunchResult(const char* name, int32_t ret) {
+  if (ret != 0) {
+    return ffi::Error::Internal(std::string(name) + ": kernel launch failed: " +
+                                cudaGetErrorString(static_cast<cudaError_t>(ret)));
+  }
+  cudaError_t err = cudaPeekAtLastError();
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(name) + ": kernel launch failed: " +
+                                cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jgm
+
+// Handlers defined in the per-family .cc files (registered in module.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8Instantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8);

@@ -1,0 +1,30 @@
+// The extension module jax_grouped_mlp._kernels: exposes the FFI handlers as capsules.
+#include <pybind11/pybind11.h>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+py::capsule Capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "not an XLA FFI handler");
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_kernels, m) {
+  m.doc() = "AOT-compiled CuTe DSL kernels for jax_grouped_mlp, as XLA FFI handlers.";
+  m.def("registrations", [] {
+    py::dict d;
+    py::dict quantize;
+    quantize["instantiate"] = Capsule(JgmQuantizeMxfp8Instantiate);
+    quantize["execute"] = Capsule(JgmQuantizeMxfp8);
+    d["jgm_quantize_mxfp8"] = quantize;
+    return d;
+  });
+  m.attr("ARCH") = "sm_90a";
+}

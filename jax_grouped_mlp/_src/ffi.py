@@ -1,0 +1,128 @@
+"""XLA FFI bindings of the AOT-compiled CUDA kernels (extension ``jax_grouped_mlp._kernels``).
+
+The extension is optional: without it (no CUDA toolkit at build time, or a CPU-only
+install) :func:`available` is False and callers use the pure-JAX reference. With
+it, the handlers are registered for the CUDA platform once, at first use, and the
+functions here emit ``jax.ffi.ffi_call`` custom calls. Those only lower for CUDA:
+put them behind ``jax.lax.platform_dependent`` (``primitives.register_cuda_impl``).
+
+Nothing is JIT-compiled at run time; the kernel modules are loaded once per
+process, in the handlers' instantiate stage, so the execute stage is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_grouped_mlp._src import mxfp8
+from jax_grouped_mlp._src.groups import cdiv
+from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+
+QUANTIZE_TARGET = "jgm_quantize_mxfp8"
+# Columns per thread of the quantize kernel (compiled variants: 4 and 8); 4 measured
+# faster on the H200 (benchmarks/results/quantize_mxfp8_h200.json).
+QUANTIZE_VEC = 4
+_QUANTIZE_VECS = (4, 8)
+
+
+@functools.cache
+def _load():
+    try:
+        from jax_grouped_mlp import _kernels
+    except ImportError:
+        return None
+    for name, handlers in _kernels.registrations().items():
+        jax.ffi.register_ffi_target(name, handlers, platform="CUDA")
+    return _kernels
+
+
+def available() -> bool:
+    """True when the CUDA extension is built and its FFI targets are registered."""
+    return _load() is not None
+
+
+def registered_targets() -> tuple[str, ...]:
+    """Names of the FFI targets the extension provides (empty without it)."""
+    ext = _load()
+    return tuple(ext.registrations()) if ext is not None else ()
+
+
+def quantize_supported(x: jax.Array) -> bool:
+    """Whether the CUDA quantize kernel takes ``x`` (else use the reference)."""
+    if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
+        return False
+    m, k = x.shape
+    return k % 8 == 0 and m * k < 2**31
+
+
+def quantize_mxfp8_both_cuda(
+    x: jax.Array, group_sizes: jax.Array, *, vec: int = QUANTIZE_VEC
+) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    """One kernel: ``(quantize_mxfp8(x, axis=1), quantize_mxfp8_grouped(x, group_sizes))``.
+
+    Bit-identical to the reference quantizers in :mod:`mxfp8`. ``x`` is bf16
+    ``[M, K]`` with ``K % 8 == 0``; ``group_sizes`` int ``[G]`` stays on the device.
+    Lowers only for CUDA and needs :func:`available`.
+    """
+    if not available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    if not quantize_supported(x):
+        raise ValueError(
+            f"quantize_mxfp8_both_cuda needs bf16 [M, K] with K % 8 == 0 and M*K < 2**31, "
+            f"got {x.shape=} {x.dtype=}"
+        )
+    if vec not in _QUANTIZE_VECS:
+        raise ValueError(f"vec must be one of {_QUANTIZE_VECS}, got {vec=}")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"group_sizes must be a 1-D integer array, got {group_sizes.shape=} {group_sizes.dtype=}"
+        )
+    group_sizes = group_sizes.astype(jnp.int32)
+    m, k = x.shape
+    g = group_sizes.shape[0]
+    out = (
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),  # row_data
+        jax.ShapeDtypeStruct((m, cdiv(k, mxfp8.BLOCK)), jnp.float8_e8m0fnu),  # row_scale
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),  # col_data
+        jax.ShapeDtypeStruct((mxfp8.grouped_scale_rows(m, g), k), jnp.float8_e8m0fnu),  # col_scale
+    )
+    row_data, row_scale, col_data, col_scale = jax.ffi.ffi_call(QUANTIZE_TARGET, out)(
+        x, group_sizes, vec=np.int32(vec)
+    )
+    return (
+        MXFP8Tensor(row_data, row_scale, axis=1),
+        MXFP8Tensor(col_data, col_scale, axis=0, group_sizes=group_sizes),
+    )
+
+
+# Adapters with the signatures of primitives' "quantize" / "quantize_grouped", falling
+# back to the reference for shapes the kernel does not take (decided at trace time).
+
+
+def quantize_cuda(x: jax.Array, *, axis: int) -> MXFP8Tensor:
+    """``primitives`` "quantize" on CUDA: the kernel for bf16 [M, K] blocked along K."""
+    if not quantize_supported(x) or axis % x.ndim != x.ndim - 1:
+        return mxfp8.quantize_mxfp8(x, axis=axis)
+    # G = 0: the columnwise half has nothing to do (all rows are past the groups).
+    return quantize_mxfp8_both_cuda(x, jnp.zeros((0,), jnp.int32))[0]
+
+
+def quantize_grouped_cuda(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
+    """``primitives`` "quantize_grouped" on CUDA (the rowwise half is a by-product)."""
+    if not quantize_supported(x):
+        return mxfp8.quantize_mxfp8_grouped(x, group_sizes)
+    return quantize_mxfp8_both_cuda(x, group_sizes)[1]
+
+
+def export_disabled_checks() -> list:
+    """``disabled_checks`` for ``jax.export.export`` of functions calling our kernels.
+
+    Our targets carry no cross-version compatibility guarantee from JAX; an exported
+    artifact needs the same build of this package wherever it is deserialized.
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in registered_targets()]

@@ -1,0 +1,128 @@
+"""Ahead-of-time build of every kernel variant: CuTe DSL -> sm_90a -> C header + object.
+
+Run with the build venv's Python (nvidia-cutlass-dsl installed; no GPU needed):
+
+    python -m jax_grouped_mlp.kernels.aot --out build/kernels
+
+For each variant it writes ``<name>.h`` and ``<name>.o`` (exported with
+``export_to_c``: a host launch wrapper taking the stream, the cubin, and a
+module load/unload pair) and one ``kernels.json`` listing them. M, K and G are
+symbolic, so one binary serves every shape (K must be a multiple of 8).
+
+``export_to_c`` needs the DSL's CUDA-dialect runtime symbols in the process even
+though nothing runs: we link ``libcuda_dialect_runtime_static.a`` (whole archive)
+with cudart and a one-symbol libcuda stub into a shared library and load it with
+RTLD_GLOBAL first (see ``_load_dialect_runtime``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ARCH = "sm_90a"
+
+
+def dsl_libdir() -> pathlib.Path:
+    import nvidia_cutlass_dsl
+
+    roots = [pathlib.Path(p) for p in nvidia_cutlass_dsl.__path__]
+    for root in roots:
+        for lib in sorted(root.glob("cu*/lib/libcuda_dialect_runtime_static.a")):
+            return lib.parent
+    raise FileNotFoundError(f"libcuda_dialect_runtime_static.a not found under {roots}")
+
+
+def cuda_home() -> pathlib.Path:
+    """The CUDA toolkit root: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, or nvcc's parent."""
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and (pathlib.Path(cand) / "include" / "cuda.h").exists():
+            return pathlib.Path(cand)
+    out = subprocess.run(["which", "nvcc"], capture_output=True, text=True)
+    if out.returncode:
+        raise FileNotFoundError("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
+    return pathlib.Path(out.stdout.strip()).resolve().parent.parent
+
+
+def _load_dialect_runtime(workdir: pathlib.Path) -> None:
+    """Makes the CUDA-dialect runtime's symbols global in this process (export needs them)."""
+    lib = workdir / "libcute_dialect_rt_export.so"
+    if not lib.exists():
+        stub = workdir / "cuda_stub.c"
+        # The archive resolves driver entry points through cudart; this stub only
+        # satisfies the one direct libcuda reference so dlopen succeeds without a driver.
+        stub.write_text("int cuGetProcAddress_v2(void){return 1;}\n")
+        home = cuda_home()
+        cudart_dirs = [home / "lib64", home / "targets/x86_64-linux/lib"]
+        cmd = ["cc", "-shared", "-fPIC", "-o", str(lib), str(stub),
+               "-Wl,--whole-archive", str(dsl_libdir() / "libcuda_dialect_runtime_static.a"),
+               "-Wl,--no-whole-archive"]
+        cmd += [f"-L{d}" for d in cudart_dirs if d.exists()]
+        cmd += ["-lcudart_static", "-ldl", "-lpthread", "-lrt"]
+        subprocess.run(cmd, check=True)
+    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def variants():
+    """(name, kernel object, fake arguments) for every variant we ship."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from jax_grouped_mlp.kernels.quantize_mxfp8 import QuantizeConfig, QuantizeMxfp8
+
+    def t(dtype, shape, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
+                                        assumed_align=align, use_32bit_stride=True)
+
+    for cfg in (QuantizeConfig(vec=8, threads=128), QuantizeConfig(vec=4, threads=128)):
+        m = cute.sym_int32()
+        k = cute.sym_int32(divisibility=8)
+        kb = cute.sym_int32()
+        g = cute.sym_int32()
+        nb = cute.sym_int32()
+        args = (
+            t(cutlass.BFloat16, (m, k)),
+            t(cutlass.Int32, (g,), align=4),
+            t(cutlass.Uint8, (m, k)),
+            t(cutlass.Uint8, (m, kb), align=1),
+            t(cutlass.Uint8, (m, k)),
+            t(cutlass.Uint8, (nb, k)),
+            make_fake_stream(),
+        )
+        yield cfg.name, QuantizeMxfp8(cfg), args
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=pathlib.Path)
+    ap.add_argument("--only", default=None, help="build only the variant with this name")
+    ns = ap.parse_args(argv)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    _load_dialect_runtime(ns.out)
+
+    import cutlass.cute as cute
+
+    built = []
+    for name, kernel, args in variants():
+        if ns.only and name != ns.only:
+            continue
+        t0 = time.time()
+        compiled = cute.compile(kernel, *args, options=f"--gpu-arch {ARCH}")
+        compiled.export_to_c(str(ns.out), name, function_prefix=name)
+        print(f"[aot] {name}: {time.time() - t0:.1f}s -> {ns.out / name}.h/.o", flush=True)
+        built.append(name)
+    (ns.out / "kernels.json").write_text(json.dumps({"arch": ARCH, "kernels": built}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Small PTX helpers for the MXFP8 kernels (CuTe DSL inline assembly).
+
+Everything here works on raw bit patterns: bf16 pairs packed in a 32-bit word
+(element 0 in the low half), E8M0 scale bytes in the low byte of a 32-bit word.
+Only used at kernel build time (needs nvidia-cutlass-dsl).
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(result_type, operands, text: str, constraints: str):
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        text,
+        constraints,
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def abs_bf16x2(a: Uint32, *, loc=None, ip=None) -> Uint32:
+    """|x| of both bf16 halves as bits (clears the sign bits)."""
+    return Uint32(
+        _asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip)], "and.b32 $0, $1, 0x7FFF7FFF;", "=r,r")
+    )
+
+
+@dsl_user_op
+def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Per-half unsigned max (sm_90). On sign-cleared bf16 bits this is |x|'s max,
+    and NaN (> 0x7F80) and Inf (0x7F80) win over every finite value, so one integer
+    max tracks both the amax and 'the block is not finite'."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            "max.u16x2 $0, $1, $2;",
+            "=r,r,r",
+        )
+    )
+
+
+@dsl_user_op
+def e8m0_rceil(amax_bits: Uint32, *, loc=None, ip=None) -> Uint32:
+    """RCEIL E8M0 byte for a bf16 block amax given as sign-cleared bits (low 16).
+
+    s = bf16(f32(amax) / 448), then the exponent of s rounded up unless s
+    is a power of two (JAX's cast_to_e8m0_with_rounding_up). NaN/Inf amax -> 0xFF.
+
+    The division is a multiply by float32(1/448): for every one of the 2**15
+    non-negative bf16 values, bf16(a * f32(1/448)) == bf16(a / 448) bit for bit
+    (checked exhaustively, subnormals included; tests/test_quantize_gpu.py repeats
+    the check), and it avoids div.rn's slow path and its registers.
+    """
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(amax_bits).ir_value(loc=loc, ip=ip)],
+            "{\n"
+            ".reg .b32 a, e, m, bits;\n"
+            ".reg .f32 fa, fs;\n"
+            ".reg .b16 h;\n"
+            ".reg .pred nf, up, z, lo, ne;\n"
+            "shl.b32 a, $1, 16;\n"
+            "mov.b32 fa, a;\n"
+            "mul.rn.f32 fs, fa, 0f3B124925;\n"
+            "cvt.rn.bf16.f32 h, fs;\n"
+            "mov.b32 bits, {0, h};\n"
+            "shr.u32 e, bits, 23;\n"
+            "and.b32 m, bits, 0x7FFFFF;\n"
+            "setp.ne.u32 up, m, 0;\n"
+            "setp.eq.u32 z, e, 0;\n"
+            "setp.le.u32 lo, m, 0x400000;\n"
+            "and.pred z, z, lo;\n"
+            "not.pred z, z;\n"
+            "and.pred up, up, z;\n"
+            "setp.ne.u32 ne, e, 0xFE;\n"
+            "and.pred up, up, ne;\n"
+            "@up add.u32 e, e, 1;\n"
+            "setp.ge.u32 nf, $1, 0x7F80;\n"
+            "@nf mov.b32 e, 0xFF;\n"
+            "mov.b32 $0, e;\n"
+            "}",
+            "=r,r",
+        )
+    )
+
+
+@dsl_user_op
+def e8m0_reciprocal(e: Uint32, *, loc=None, ip=None) -> Float32:
+    """2**(127 - e) as float32 (a normal number for e in [0, 254]); NaN for 0xFF,
+    so that every element of a non-finite block encodes to the E4M3 NaN."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Uint32(e).ir_value(loc=loc, ip=ip)],
+            "{\n"
+            ".reg .b32 b;\n"
+            ".reg .pred nan;\n"
+            "sub.s32 b, 254, $1;\n"
+            "max.s32 b, b, 1;\n"
+            "shl.b32 b, b, 23;\n"
+            "setp.eq.u32 nan, $1, 0xFF;\n"
+            "@nan mov.b32 b, 0x7FFFFFFF;\n"
+            "mov.b32 $0, b;\n"
+            "}",
+            "=f,r",
+        )
+    )
+
+
+@dsl_user_op
+def encode_e4m3x4(
+    w0: Uint32, w1: Uint32, s0: Float32, s1: Float32, s2: Float32, s3: Float32, *, loc=None, ip=None
+) -> Uint32:
+    """Four bf16 (two packed words) times their reciprocal scales -> four E4M3 bytes.
+
+    cvt.rn.satfinite is round-to-nearest-even with the clip to +-448 built in; NaN
+    stays NaN (0x7F). Element i of the input lands in byte i of the result.
+    """
+    ops = [Uint32(w0).ir_value(loc=loc, ip=ip), Uint32(w1).ir_value(loc=loc, ip=ip)]
+    ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (s0, s1, s2, s3)]
+    return Uint32(
+        _asm(
+            T.i32(),
+            ops,
+            "{\n"
+            ".reg .b32 x0, x1, x2, x3;\n"
+            ".reg .f32 f0, f1, f2, f3;\n"
+            ".reg .b16 lo, hi;\n"
+            "shl.b32 x0, $1, 16;\n"
+            "and.b32 x1, $1, 0xFFFF0000;\n"
+            "shl.b32 x2, $2, 16;\n"
+            "and.b32 x3, $2, 0xFFFF0000;\n"
+            "mov.b32 f0, x0;\n"
+            "mov.b32 f1, x1;\n"
+            "mov.b32 f2, x2;\n"
+            "mov.b32 f3, x3;\n"
+            "mul.rn.f32 f0, f0, $3;\n"
+            "mul.rn.f32 f1, f1, $4;\n"
+            "mul.rn.f32 f2, f2, $5;\n"
+            "mul.rn.f32 f3, f3, $6;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
+            "mov.b32 $0, {lo, hi};\n"
+            "}",
+            "=r,r,r,f,f,f,f",
+        )
+    )

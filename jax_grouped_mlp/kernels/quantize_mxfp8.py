@@ -1,0 +1,202 @@
+"""One-pass MXFP8 quantize of a bf16 ``[M, K]`` tensor, rowwise and group-aware columnwise.
+
+Outputs (byte tensors; the FFI handler hands XLA's buffers straight through):
+  row_data  [M, K]          E4M3, 32-blocks along K
+  row_scale [M, cdiv(K,32)] E8M0
+  col_data  [M, K]          E4M3, 32-row blocks along M that never cross a group
+  col_scale [cdiv(M,32)+G, K] E8M0; block b of the group layout is scale row b
+
+Work split: CTA ``b`` owns columnwise block ``b`` of the group layout (rows
+``[row0, row0 + nrows)`` of one group, ``nrows <= 32``). Blocks past the last used
+one cover the rows after ``sum(group_sizes)`` (rowwise only; their columnwise data and
+scale rows are zero). So every row is read exactly once and every scale row is
+written exactly once, with no host sync: the CTA finds its rows by walking
+``group_sizes`` itself (``G`` cheap steps per CTA).
+
+Each thread holds ``vec`` consecutive columns of all 32 rows in registers (one
+8- or 16-byte load per row, coalesced across the warp), so:
+  * columnwise amax is a private reduction over its 32 rows, and
+  * rowwise amax needs only ``32 / vec`` neighbouring lanes (butterfly shuffles).
+Amax runs on the integer pipe: sign-cleared bf16 bits compare like the values,
+and NaN/Inf bits are larger than every finite one (``max.u16x2``), which also
+flags non-finite blocks for free. The grid's second axis tiles K in steps of
+``vec * threads`` columns (a loop over K inside the CTA made the compiler hoist all
+32 row offsets out of it and run out of registers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Int32, Uint8, Uint32
+
+from jax_grouped_mlp.kernels import ptx
+
+BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """Compile-time knobs of :class:`QuantizeMxfp8`.
+
+    vec: bf16 columns per thread (4 -> 8-byte loads, 8 -> 16-byte loads).
+    threads: threads per CTA (a multiple of 32).
+    """
+
+    vec: int = 8
+    threads: int = 128
+
+    def __post_init__(self):
+        if self.vec not in (4, 8):
+            raise ValueError(f"vec must be 4 or 8, got {self.vec=}")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {self.threads=}")
+
+    @property
+    def name(self) -> str:
+        return f"quantize_mxfp8_v{self.vec}_t{self.threads}"
+
+
+class QuantizeMxfp8:
+    """bf16 -> (rowwise MXFP8, group-aware columnwise MXFP8) in one pass; see module doc."""
+
+    def __init__(self, config: QuantizeConfig):
+        self.config = config
+        self.vec = config.vec
+        self.threads = config.threads
+        self.lanes_per_block = BLOCK // config.vec  # lanes sharing one rowwise block
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # [M, K] bf16
+        group_sizes: cute.Tensor,  # [G] int32
+        row_data: cute.Tensor,  # [M, K] uint8
+        row_scale: cute.Tensor,  # [M, cdiv(K, 32)] uint8
+        col_data: cute.Tensor,  # [M, K] uint8
+        col_scale: cute.Tensor,  # [cdiv(M, 32) + G, K] uint8
+        stream: cuda.CUstream,
+    ):
+        tile = (1, self.vec)
+        self.kernel(
+            cute.zipped_divide(x, tile),
+            group_sizes,
+            cute.zipped_divide(row_data, tile),
+            row_scale,
+            cute.zipped_divide(col_data, tile),
+            cute.zipped_divide(col_scale, tile),
+            x.shape[0],
+        ).launch(
+            grid=(col_scale.shape[0], cute.ceil_div(x.shape[1], self.vec * self.threads), 1),
+            block=(self.threads, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        gx: cute.Tensor,  # ((1, vec), (M, K / vec))
+        group_sizes: cute.Tensor,
+        g_row_data: cute.Tensor,
+        row_scale: cute.Tensor,
+        g_col_data: cute.Tensor,
+        g_col_scale: cute.Tensor,  # ((1, vec), (NB, K / vec))
+        m: Int32,
+    ):
+        vec = self.vec
+        words = vec // 2  # bf16x2 words per row per thread
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        b = Int32(bidx)
+
+        # ---- which rows does block b own? (walk the clamped group sizes) ----
+        cum = Int32(0)  # clamped end of the groups so far
+        used = Int32(0)  # blocks used by the groups so far
+        row0 = Int32(0)
+        nrows = Int32(0)
+        in_group = Int32(0)
+        for g in cutlass.range(group_sizes.shape[0]):
+            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m)
+            end = cutlass.min(cum + size, m)
+            nblk = (end - cum + (BLOCK - 1)) // BLOCK
+            if b >= used:
+                if b < used + nblk:
+                    row0 = cum + (b - used) * BLOCK
+                    nrows = cutlass.min(end - row0, Int32(BLOCK))
+                    in_group = Int32(1)
+            used = used + nblk
+            cum = end
+        if b >= used:
+            # Rows past sum(group_sizes): rowwise only.
+            row0 = cum + (b - used) * BLOCK
+            nrows = cutlass.max(cutlass.min(m - row0, Int32(BLOCK)), Int32(0))
+        # All ones when the rows are in a group, else zero: masks columnwise output.
+        col_mask = Uint32(0) - Uint32(in_group)
+
+        n_chunks = gx.shape[1][1]
+        lane_in_block = tidx % self.lanes_per_block
+        if True:
+            chunk = bidy * self.threads + tidx
+            valid = chunk < n_chunks
+
+            # ---- load 32 rows x vec columns (zeros where out of range) ----
+            rx = []
+            for r in cutlass.range_constexpr(BLOCK):
+                t = cute.make_rmem_tensor((1, vec), BFloat16)
+                t.fill(0.0)
+                if valid:
+                    if r < nrows:
+                        cute.autovec_copy(gx[(None, (row0 + r, chunk))], t)
+                rx.append(cute.recast_tensor(t, Uint32))
+
+            # ---- columnwise: amax over the 32 rows, one scale per column ----
+            cmax = [ptx.abs_bf16x2(rx[0][w]) for w in range(words)]
+            for r in cutlass.range_constexpr(1, BLOCK):
+                for w in cutlass.range_constexpr(words):
+                    cmax[w] = ptx.max_u16x2(cmax[w], ptx.abs_bf16x2(rx[r][w]))
+            ecol = []
+            for j in cutlass.range_constexpr(vec):
+                bits = (cmax[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF)
+                ecol.append(ptx.e8m0_rceil(bits) & col_mask)
+            scol = [ptx.e8m0_reciprocal(e) for e in ecol]
+
+            # ---- rowwise (amax over vec columns here, then across the block's lanes),
+            # encode both copies and store, one row at a time to keep registers low.
+            # The shuffles run on every lane; only the stores are predicated. ----
+            for r in cutlass.range_constexpr(BLOCK):
+                a = ptx.abs_bf16x2(rx[r][0])
+                for w in cutlass.range_constexpr(1, words):
+                    a = ptx.max_u16x2(a, ptx.abs_bf16x2(rx[r][w]))
+                a = cutlass.max(a & Uint32(0xFFFF), a >> 16)
+                off = 1
+                while off < self.lanes_per_block:
+                    a = cutlass.max(a, Uint32(cute.arch.shuffle_sync_bfly(a, offset=off)))
+                    off *= 2
+                erow = ptx.e8m0_rceil(a)
+                if valid:
+                    if r < nrows:
+                        srow = ptx.e8m0_reciprocal(erow)
+                        out_row = cute.make_rmem_tensor((1, vec), Uint8)
+                        out_col = cute.make_rmem_tensor((1, vec), Uint8)
+                        orw = cute.recast_tensor(out_row, Uint32)
+                        ocw = cute.recast_tensor(out_col, Uint32)
+                        for q in cutlass.range_constexpr(vec // 4):
+                            w0 = rx[r][2 * q]
+                            w1 = rx[r][2 * q + 1]
+                            orw[q] = ptx.encode_e4m3x4(w0, w1, srow, srow, srow, srow)
+                            ocw[q] = col_mask & ptx.encode_e4m3x4(
+                                w0, w1, scol[4 * q], scol[4 * q + 1], scol[4 * q + 2], scol[4 * q + 3]
+                            )
+                        row = row0 + r
+                        cute.autovec_copy(out_row, g_row_data[(None, (row, chunk))])
+                        cute.autovec_copy(out_col, g_col_data[(None, (row, chunk))])
+                        if lane_in_block == 0:
+                            row_scale[row, chunk // self.lanes_per_block] = Uint8(erow)
+            if valid:
+                out_scale = cute.make_rmem_tensor((1, vec), Uint8)
+                for j in cutlass.range_constexpr(vec):
+                    out_scale[j] = Uint8(ecol[j])
+                cute.autovec_copy(out_scale, g_col_scale[(None, (b, chunk))])

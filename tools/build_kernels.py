@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Builds the CUDA extension ``jax_grouped_mlp/_kernels*.so`` (no GPU needed).
+
+    python tools/build_kernels.py            # with a Python that has nvidia-cutlass-dsl,
+                                             # jax and pybind11 (the .so is for that Python)
+
+Steps: (1) compile every CuTe DSL kernel variant for sm_90a and export it to C
+(``jax_grouped_mlp/kernels/aot.py`` -> ``build/kernels/<name>.h/.o``); (2) compile
+the FFI handlers in ``csrc/`` against XLA's FFI headers (``jax.ffi.include_dir()``)
+and pybind11; (3) link them with the kernel objects, the DSL's static CUDA-dialect
+runtime (whole archive) and the static CUDA runtime into one extension. The
+result needs only the NVIDIA driver at run time: no cutlass-dsl, no JIT.
+
+When the CUDA toolkit, nvidia-cutlass-dsl or pybind11 is missing it says what
+is missing and exits 0 without building (``--strict``: exit 1), so the CPU path
+of the package keeps working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import sysconfig
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+BUILD = ROOT / "build"
+SOURCES = ["quantize_mxfp8.cc", "module.cc"]
+
+
+def _missing() -> list[str]:
+    missing = []
+    for mod, pkg in (("cutlass", "nvidia-cutlass-dsl>=4.8,<4.9"), ("pybind11", "pybind11"),
+                     ("jax", "jax")):
+        if importlib.util.find_spec(mod) is None:
+            missing.append(f"{pkg} (pip install '{pkg}')")
+    try:
+        sys.path.insert(0, str(ROOT))
+        from jax_grouped_mlp.kernels import aot
+
+        home = aot.cuda_home()
+        if not (home / "include" / "cuda_runtime.h").exists():
+            missing.append(f"the CUDA toolkit headers under {home}")
+    except FileNotFoundError as e:
+        missing.append(str(e))
+    return missing
+
+
+def _run(cmd: list[str]) -> None:
+    print("+", shlex.join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strict", action="store_true", help="fail instead of skipping")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ns = ap.parse_args(argv)
+
+    missing = _missing()
+    if missing:
+        print("[build_kernels] NOT building the CUDA kernels (the CPU path still works); missing:\n  "
+              + "\n  ".join(missing), flush=True)
+        return 1 if ns.strict else 0
+
+    import jax
+    import pybind11
+
+    from jax_grouped_mlp.kernels import aot
+
+    t0 = time.time()
+    kdir = BUILD / "kernels"
+    odir = BUILD / "ext"
+    odir.mkdir(parents=True, exist_ok=True)
+    # (1) AOT export in a child process: the DSL is heavy and loads a runtime shim.
+    _run([sys.executable, "-m", "jax_grouped_mlp.kernels.aot", "--out", str(kdir)])
+    kernel_objs = sorted(kdir.glob("*.o"))
+
+    # (2) handlers.
+    home = aot.cuda_home()
+    includes = [f"-I{CSRC}", f"-I{kdir}", f"-I{jax.ffi.include_dir()}",
+                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                f"-I{home / 'include'}"]
+    cxx = os.environ.get("CXX", "g++")
+    flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"]
+    procs, objs = [], []
+    for src in SOURCES:
+        obj = odir / (pathlib.Path(src).stem + ".o")
+        cmd = [cxx, *flags, *includes, "-c", str(CSRC / src), "-o", str(obj)]
+        print("+", shlex.join(cmd), flush=True)
+        procs.append(subprocess.Popen(cmd))
+        objs.append(obj)
+        if len(procs) >= ns.jobs:
+            if procs.pop(0).wait():
+                raise SystemExit("compile failed")
+    if any(p.wait() for p in procs):
+        raise SystemExit("compile failed")
+
+    # (3) link.
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    out = ROOT / "jax_grouped_mlp" / f"_kernels{suffix}"
+    libdirs = [d for d in (home / "lib64", home / "targets/x86_64-linux/lib") if d.exists()]
+    _run([cxx, "-shared", "-o", str(out), *map(str, objs), *map(str, kernel_objs),
+          "-Wl,--whole-archive", str(aot.dsl_libdir() / "libcuda_dialect_runtime_static.a"),
+          "-Wl,--no-whole-archive", *[f"-L{d}" for d in libdirs],
+          "-lcudart_static", "-ldl", "-lpthread", "-lrt",
+          "-Wl,--exclude-libs,ALL", "-s"])
+    print(f"[build_kernels] built {out.relative_to(ROOT)} ({out.stat().st_size / 1e6:.1f} MB) "
+          f"in {time.time() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
