@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 from typing import Callable
 
@@ -25,21 +24,25 @@ from jax_grouped_mlp._src.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.planner import LayerShape, LayerTime, _check_positive_int
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile and warm up
-    times = []
+def _best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall time of each function, run round-robin so load from other processes
+    spreads over all of them instead of biasing one."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile and warm up
+    best = {k: float("inf") for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
 def measure_host_bandwidth(nbytes: int = 64 << 20, *, repeats: int = 5, device=None) -> float:
     """Bytes/s of copies between ``device`` and its pinned host memory, the slower way.
 
     Copies an ``nbytes`` buffer to ``pinned_host`` and back ``repeats`` times and
-    returns ``nbytes`` over the median time of the slower direction.
+    returns ``nbytes`` over the best time of the slower direction.
     """
     _check_positive_int("nbytes", nbytes)
     _check_positive_int("repeats", repeats)
@@ -51,9 +54,11 @@ def measure_host_bandwidth(nbytes: int = 64 << 20, *, repeats: int = 5, device=N
     on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
     x = jax.device_put(np.ones(nbytes, np.uint8), on_device)
     h = jax.device_put(x, on_host)
-    to_host = _median_time(lambda: jax.device_put(x, on_host), repeats)
-    to_device = _median_time(lambda: jax.device_put(h, on_device), repeats)
-    return nbytes / max(to_host, to_device)
+    t = _best_times(
+        {"to_host": lambda: jax.device_put(x, on_host), "to_device": lambda: jax.device_put(h, on_device)},
+        repeats,
+    )
+    return nbytes / max(t.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +88,11 @@ class _Layer:
         return lambda: fwd(*self.args)
 
     def step(self, **placement: str):
-        """Forward + backward (grads of x, w1, w2, probs) under ``offload_policy(**placement)``."""
+        """Forward + backward (loss and grads of x, w1, w2, probs) under ``offload_policy(**placement)``.
+
+        The loss value is returned so that the forward pass is live: with ``jax.grad``
+        alone XLA drops a lone layer's forward when everything is recomputed.
+        """
         from jax_grouped_mlp._src.mlp import grouped_mlp
         from jax_grouped_mlp._src.policy import offload_policy
 
@@ -95,7 +104,7 @@ class _Layer:
         def loss(x, w1, w2, gs, probs):
             return jnp.vdot(layer(x, w1, w2, gs, probs).astype(jnp.float32), dy)
 
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4)))
         return lambda: grad(*self.args)
 
 
@@ -109,7 +118,7 @@ def measure_layer_time(
     repeats: int = 5,
     seed: int = 0,
 ) -> LayerTime:
-    """Time one :func:`grouped_mlp` layer on the default device (median of ``repeats``).
+    """Time one :func:`grouped_mlp` layer on the default device (best of ``repeats``).
 
     ``forward`` is the jitted forward alone; ``backward`` is forward+backward with every
     residual on the device, minus ``forward``; ``recompute[r]`` is the step time with
@@ -120,12 +129,11 @@ def measure_layer_time(
     _check_positive_int("repeats", repeats)
     layer = _Layer.make(shape, recipe, seed)
     keep = {n: "device" for n in RESIDUAL_NAMES}
-    forward = _median_time(layer.forward(), repeats)
-    total = _median_time(layer.step(**keep), repeats)
-    recompute = {
-        n: max(0.0, _median_time(layer.step(**{**keep, n: "recompute"}), repeats) - total)
-        for n in RESIDUAL_NAMES
-    }
+    fns = {"forward": layer.forward(), "all_device": layer.step(**keep)}
+    fns |= {n: layer.step(**{**keep, n: "recompute"}) for n in RESIDUAL_NAMES}
+    t = _best_times(fns, repeats)
+    forward, total = t["forward"], t["all_device"]
+    recompute = {n: max(0.0, t[n] - total) for n in RESIDUAL_NAMES}
     backward = max(total - forward, 1e-3 * total)
     return LayerTime(forward, backward, recompute)
 
