@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     nbytes = 2 * m * k + 2 * m * k + m * (-(-k // 32)) + nb * k + 4 * g
 
     results = {}
-    for vec in (4, 8):
-        fn = jax.jit(lambda x, gs, vec=vec: ffi.quantize_mxfp8_both_cuda(x, gs, vec=vec))
+    for variant in ffi.quantize_variants():
+        fn = jax.jit(lambda x, gs, v=variant: ffi.quantize_mxfp8_both_cuda(x, gs, variant=v))
         t = _time(fn, x, gs, iters=ns.iters)
-        results[f"kernel_vec{vec}"] = {"seconds": t, "GBps": nbytes / t / 1e9}
+        results[f"kernel:{variant}"] = {"seconds": t, "GBps": nbytes / t / 1e9}
 
     ref = jax.jit(lambda x, gs: (mxfp8.quantize_mxfp8(x), mxfp8.quantize_mxfp8_grouped(x, gs)))
     t = _time(ref, x, gs, iters=5, warmup=1)
@@ -117,6 +117,8 @@ def main(argv=None) -> int:
         "shape": {"M": m, "K": k, "G": g},
         "bytes_moved": nbytes,
         "results": results,
+        "default_variant": ffi.QUANTIZE_VARIANT,
+        "best_variant": max((n for n in results if n.startswith("kernel")), key=lambda n: results[n]["GBps"]),
         "kernel_fraction_of_copy": best_kernel / best_copy,
         "target_fraction": 0.70,
     }

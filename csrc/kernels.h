@@ -111,6 +111,12 @@ inline ffi::Error LaunchResult(const char* name, int32_t ret) {
 
 }  // namespace jgm
 
+namespace jgm {
+// Names of the compiled quantize variants, indexed by the `variant` attribute.
+extern const char* const kQuantizeVariants[];
+extern const int kNumQuantizeVariants;
+}  // namespace jgm
+
 // Handlers defined in the per-family .cc files (registered in module.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8);

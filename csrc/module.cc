@@ -26,5 +26,8 @@ PYBIND11_MODULE(_kernels, m) {
     d["jgm_quantize_mxfp8"] = quantize;
     return d;
   });
+  py::list variants;
+  for (int i = 0; i < jgm::kNumQuantizeVariants; ++i) variants.append(jgm::kQuantizeVariants[i]);
+  m.attr("QUANTIZE_VARIANTS") = py::tuple(variants);
   m.attr("ARCH") = "sm_90a";
 }

@@ -8,45 +8,49 @@
 //   row_scale    f8e8m0fnu [M, cdiv(K, 32)]
 //   col_data     f8e4m3fn  [M, K]
 //   col_scale    f8e8m0fnu [cdiv(M, 32) + G, K]
-// Attribute: vec (int32, 4 or 8): which compiled variant (columns per thread).
+// Attribute: variant (int32): index into JGM_QUANTIZE_VARIANTS, the compiled
+// kernel configurations (jax_grouped_mlp/kernels/aot.py builds the same list).
 #include "kernels.h"
 #include "quantize_mxfp8_v4_t128.h"
+#include "quantize_mxfp8_v4_t256_b2.h"
 #include "quantize_mxfp8_v8_t128.h"
+#include "quantize_mxfp8_v8_t128_b3.h"
+
+// X(name): every exported variant, in the order of the `variant` attribute.
+#define JGM_QUANTIZE_VARIANTS(X) \
+  X(quantize_mxfp8_v8_t128)      \
+  X(quantize_mxfp8_v8_t128_b3)   \
+  X(quantize_mxfp8_v4_t128)      \
+  X(quantize_mxfp8_v4_t256_b2)
 
 namespace jgm {
+
+const char* const kQuantizeVariants[] = {
+#define JGM_NAME(name) #name,
+    JGM_QUANTIZE_VARIANTS(JGM_NAME)
+#undef JGM_NAME
+};
+const int kNumQuantizeVariants = sizeof(kQuantizeVariants) / sizeof(kQuantizeVariants[0]);
+
 namespace {
 
-quantize_mxfp8_v8_t128_Kernel_Module_t g_module_v8;
-quantize_mxfp8_v4_t128_Kernel_Module_t g_module_v4;
-ModuleOnce g_once_v8, g_once_v4;
+#define JGM_MODULE(name)           \
+  name##_Kernel_Module_t g_##name; \
+  ModuleOnce g_once_##name;
+JGM_QUANTIZE_VARIANTS(JGM_MODULE)
+#undef JGM_MODULE
 
-ffi::Error LoadModule(int32_t vec) {
-  if (vec == 8) {
-    return g_once_v8.Ensure("quantize_mxfp8",
-                            [] { quantize_mxfp8_v8_t128_Kernel_Module_Load(&g_module_v8); });
-  }
-  if (vec == 4) {
-    return g_once_v4.Ensure("quantize_mxfp8",
-                            [] { quantize_mxfp8_v4_t128_Kernel_Module_Load(&g_module_v4); });
-  }
-  return ffi::Error::InvalidArgument("quantize_mxfp8: attribute vec=" + std::to_string(vec) +
-                                     " not supported (expected 4 or 8)");
-}
-
-// The exported tensor structs of both variants have the same layout; fill one.
-template <typename X, typename GS, typename RD, typename RS, typename CD, typename CS>
-void Fill(X& x, GS& gs, RD& rd, RS& rs, CD& cd, CS& cs, ffi::AnyBuffer in,
-          ffi::AnyBuffer sizes, ffi::Result<ffi::AnyBuffer> row_data,
-          ffi::Result<ffi::AnyBuffer> row_scale, ffi::Result<ffi::AnyBuffer> col_data,
-          ffi::Result<ffi::AnyBuffer> col_scale, int32_t m, int32_t k, int32_t g) {
-  const int32_t kb = static_cast<int32_t>(CeilDiv(k, 32));
-  const int32_t nb = static_cast<int32_t>(CeilDiv(m, 32) + g);
-  x = {in.untyped_data(), {m, k}, {k}};
-  gs = {sizes.untyped_data(), {g}};
-  rd = {row_data->untyped_data(), {m, k}, {k}};
-  rs = {row_scale->untyped_data(), {m, kb}, {kb}};
-  cd = {col_data->untyped_data(), {m, k}, {k}};
-  cs = {col_scale->untyped_data(), {nb, k}, {k}};
+ffi::Error LoadModule(int32_t variant) {
+  int32_t i = 0;
+#define JGM_LOAD(name)                                                   \
+  if (variant == i++)                                                    \
+    return g_once_##name.Ensure("quantize_mxfp8",                        \
+                                [] { name##_Kernel_Module_Load(&g_##name); });
+  JGM_QUANTIZE_VARIANTS(JGM_LOAD)
+#undef JGM_LOAD
+  return ffi::Error::InvalidArgument("quantize_mxfp8: attribute variant=" +
+                                     std::to_string(variant) + " out of range [0, " +
+                                     std::to_string(kNumQuantizeVariants) + ")");
 }
 
 ffi::Error Validate(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
@@ -92,44 +96,39 @@ ffi::Error Validate(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeMxfp8Instantiate(int32_t vec) { return LoadModule(vec); }
+ffi::Error QuantizeMxfp8Instantiate(int32_t variant) { return LoadModule(variant); }
 
 ffi::Error QuantizeMxfp8(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
                          ffi::Result<ffi::AnyBuffer> row_data,
                          ffi::Result<ffi::AnyBuffer> row_scale,
                          ffi::Result<ffi::AnyBuffer> col_data,
-                         ffi::Result<ffi::AnyBuffer> col_scale, int32_t vec) {
-  int64_t m, k, g;
+                         ffi::Result<ffi::AnyBuffer> col_scale, int32_t variant) {
+  int64_t m = 0, k = 0, g = 0;
   if (auto e = Validate(x, group_sizes, row_data, row_scale, col_data, col_scale, &m, &k, &g);
       e.failure())
     return e;
   // Normally a no-op: the instantiate stage loaded the module already.
-  if (auto e = LoadModule(vec); e.failure()) return e;
+  if (auto e = LoadModule(variant); e.failure()) return e;
   if (k == 0 || CeilDiv(m, 32) + g == 0) return ffi::Error::Success();  // nothing to write
-  int32_t ret;
-  if (vec == 8) {
-    quantize_mxfp8_v8_t128_Tensor_x_t tx;
-    quantize_mxfp8_v8_t128_Tensor_group_sizes_t tg;
-    quantize_mxfp8_v8_t128_Tensor_row_data_t trd;
-    quantize_mxfp8_v8_t128_Tensor_row_scale_t trs;
-    quantize_mxfp8_v8_t128_Tensor_col_data_t tcd;
-    quantize_mxfp8_v8_t128_Tensor_col_scale_t tcs;
-    Fill(tx, tg, trd, trs, tcd, tcs, x, group_sizes, row_data, row_scale, col_data, col_scale,
-         m, k, g);
-    ret = cute_dsl_quantize_mxfp8_v8_t128_wrapper(&g_module_v8, &tx, &tg, &trd, &trs, &tcd,
-                                                  &tcs, stream);
-  } else {
-    quantize_mxfp8_v4_t128_Tensor_x_t tx;
-    quantize_mxfp8_v4_t128_Tensor_group_sizes_t tg;
-    quantize_mxfp8_v4_t128_Tensor_row_data_t trd;
-    quantize_mxfp8_v4_t128_Tensor_row_scale_t trs;
-    quantize_mxfp8_v4_t128_Tensor_col_data_t tcd;
-    quantize_mxfp8_v4_t128_Tensor_col_scale_t tcs;
-    Fill(tx, tg, trd, trs, tcd, tcs, x, group_sizes, row_data, row_scale, col_data, col_scale,
-         m, k, g);
-    ret = cute_dsl_quantize_mxfp8_v4_t128_wrapper(&g_module_v4, &tx, &tg, &trd, &trs, &tcd,
-                                                  &tcs, stream);
+  const int32_t kb = static_cast<int32_t>(CeilDiv(k, 32));
+  const int32_t nb = static_cast<int32_t>(CeilDiv(m, 32) + g);
+  const int32_t mi = static_cast<int32_t>(m), ki = static_cast<int32_t>(k),
+                gi = static_cast<int32_t>(g);
+  int32_t ret = 0;
+  int32_t i = 0;
+  // The exported tensor structs: data pointer, dynamic shapes, dynamic row stride.
+#define JGM_LAUNCH(name)                                                                    \
+  if (variant == i++) {                                                                     \
+    name##_Tensor_x_t tx = {x.untyped_data(), {mi, ki}, {ki}};                              \
+    name##_Tensor_group_sizes_t tg = {group_sizes.untyped_data(), {gi}};                    \
+    name##_Tensor_row_data_t trd = {row_data->untyped_data(), {mi, ki}, {ki}};              \
+    name##_Tensor_row_scale_t trs = {row_scale->untyped_data(), {mi, kb}, {kb}};            \
+    name##_Tensor_col_data_t tcd = {col_data->untyped_data(), {mi, ki}, {ki}};              \
+    name##_Tensor_col_scale_t tcs = {col_scale->untyped_data(), {nb, ki}, {ki}};            \
+    ret = cute_dsl_##name##_wrapper(&g_##name, &tx, &tg, &trd, &trs, &tcd, &tcs, stream); \
   }
+  JGM_QUANTIZE_VARIANTS(JGM_LAUNCH)
+#undef JGM_LAUNCH
   return LaunchResult("quantize_mxfp8", ret);
 }
 
@@ -137,7 +136,7 @@ ffi::Error QuantizeMxfp8(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g
 }  // namespace jgm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmQuantizeMxfp8Instantiate, jgm::QuantizeMxfp8Instantiate,
-                              xla::ffi::Ffi::BindInstantiate().Attr<int32_t>("vec"));
+                              xla::ffi::Ffi::BindInstantiate().Attr<int32_t>("variant"));
 
 // No host synchronisation and no lazy loading per call (the instantiate stage loads
 // the module), so XLA may capture it in a CUDA graph.
@@ -151,5 +150,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()     // row_scale
         .Ret<xla::ffi::AnyBuffer>()     // col_data
         .Ret<xla::ffi::AnyBuffer>()     // col_scale
-        .Attr<int32_t>("vec"),
+        .Attr<int32_t>("variant"),
     {xla::ffi::Traits::kCmdBufferCompatible});

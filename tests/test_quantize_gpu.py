@@ -54,7 +54,7 @@ def _poison(shapes, value: int) -> None:
     del bufs
 
 
-_both = jax.jit(ffi.quantize_mxfp8_both_cuda, static_argnames="vec")
+_both = jax.jit(ffi.quantize_mxfp8_both_cuda, static_argnames="variant")
 
 
 @jax.jit
@@ -78,7 +78,7 @@ def _assert_same(got: mxfp8.MXFP8Tensor, want: mxfp8.MXFP8Tensor, what: str) -> 
     assert got.axis == want.axis
 
 
-def _check(x: np.ndarray, group_sizes, vec: int = ffi.QUANTIZE_VEC) -> None:
+def _check(x: np.ndarray, group_sizes, variant: str = ffi.QUANTIZE_VARIANT) -> None:
     x = jnp.asarray(x, jnp.bfloat16)
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     m, k = x.shape
@@ -87,7 +87,7 @@ def _check(x: np.ndarray, group_sizes, vec: int = ffi.QUANTIZE_VEC) -> None:
     runs = []
     for value in (0x5A, 0xA5):
         _poison(shapes, value)
-        runs.append(jax.block_until_ready(_both(x, gs, vec=vec)))
+        runs.append(jax.block_until_ready(_both(x, gs, variant=variant)))
     for row, col in runs:
         _assert_same(row, want_row, "rowwise")
         _assert_same(col, want_col, "columnwise")
@@ -106,7 +106,7 @@ def _sizes(rng, m, g, total):
 
 @pytest.mark.gpu
 @needs_kernels
-@pytest.mark.parametrize("vec", [4, 8])
+@pytest.mark.parametrize("variant", ffi.quantize_variants() or ["none"])
 @pytest.mark.parametrize(
     "m,k,g,total",
     [
@@ -118,8 +118,8 @@ def _sizes(rng, m, g, total):
         (2048, 4096, 16, 2000),
     ],
 )
-def test_random(rng, vec, m, k, g, total):
-    _check(_random(rng, m, k), _sizes(rng, m, g, total), vec)
+def test_random(rng, variant, m, k, g, total):
+    _check(_random(rng, m, k), _sizes(rng, m, g, total), variant)
 
 
 @pytest.mark.gpu
@@ -174,8 +174,8 @@ def test_special_values(rng):
 @needs_kernels
 def test_small_for_sanitizer(rng):
     """Small and quick: the case compute-sanitizer runs (docs/gpu.md)."""
-    _check(_random(rng, 70, 72), [10, 0, 33, 20], vec=4)
-    _check(_random(rng, 70, 72), [10, 0, 33, 20], vec=8)
+    for variant in ffi.quantize_variants():
+        _check(_random(rng, 70, 72), [10, 0, 33, 20], variant)
 
 
 @pytest.mark.gpu
@@ -235,7 +235,7 @@ def test_handler_rejects_bad_buffers():
     )
     with pytest.raises(Exception, match="row_scale"):
         jax.block_until_ready(
-            jax.jit(lambda x, gs: jax.ffi.ffi_call(ffi.QUANTIZE_TARGET, bad)(x, gs, vec=np.int32(4)))(x, gs)
+            jax.jit(lambda x, gs: jax.ffi.ffi_call(ffi.QUANTIZE_TARGET, bad)(x, gs, variant=np.int32(0)))(x, gs)
         )
     with pytest.raises(ValueError, match="K % 8"):
         ffi.quantize_mxfp8_both_cuda(jnp.zeros((4, 12), jnp.bfloat16), gs)

@@ -84,9 +84,10 @@ def main(argv=None) -> int:
 
     # (2) handlers.
     home = aot.cuda_home()
-    includes = [f"-I{CSRC}", f"-I{kdir}", f"-I{jax.ffi.include_dir()}",
-                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-                f"-I{home / 'include'}"]
+    includes = [f"-I{CSRC}", f"-I{kdir}"]
+    for d in (jax.ffi.include_dir(), pybind11.get_include(), sysconfig.get_paths()["include"],
+              home / "include"):
+        includes += ["-isystem", str(d)]  # third-party headers: no warnings from them
     cxx = os.environ.get("CXX", "g++")
     flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"]
     procs, objs = [], []

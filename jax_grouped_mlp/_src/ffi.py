@@ -23,10 +23,9 @@ from jax_grouped_mlp._src.groups import cdiv
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 QUANTIZE_TARGET = "jgm_quantize_mxfp8"
-# Columns per thread of the quantize kernel (compiled variants: 4 and 8); 4 measured
-# faster on the H200 (benchmarks/results/quantize_mxfp8_h200.json).
-QUANTIZE_VEC = 4
-_QUANTIZE_VECS = (4, 8)
+# The compiled quantize configuration used by default (names: quantize_variants());
+# chosen by benchmarks/bench_quantize.py on the H200 (results/quantize_mxfp8_h200.json).
+QUANTIZE_VARIANT = "quantize_mxfp8_v8_t128"
 
 
 @functools.cache
@@ -51,6 +50,12 @@ def registered_targets() -> tuple[str, ...]:
     return tuple(ext.registrations()) if ext is not None else ()
 
 
+def quantize_variants() -> tuple[str, ...]:
+    """Names of the compiled quantize kernel configurations (empty without the extension)."""
+    ext = _load()
+    return tuple(ext.QUANTIZE_VARIANTS) if ext is not None else ()
+
+
 def quantize_supported(x: jax.Array) -> bool:
     """Whether the CUDA quantize kernel takes ``x`` (else use the reference)."""
     if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
@@ -60,7 +65,7 @@ def quantize_supported(x: jax.Array) -> bool:
 
 
 def quantize_mxfp8_both_cuda(
-    x: jax.Array, group_sizes: jax.Array, *, vec: int = QUANTIZE_VEC
+    x: jax.Array, group_sizes: jax.Array, *, variant: str = QUANTIZE_VARIANT
 ) -> tuple[MXFP8Tensor, MXFP8Tensor]:
     """One kernel: ``(quantize_mxfp8(x, axis=1), quantize_mxfp8_grouped(x, group_sizes))``.
 
@@ -75,8 +80,8 @@ def quantize_mxfp8_both_cuda(
             f"quantize_mxfp8_both_cuda needs bf16 [M, K] with K % 8 == 0 and M*K < 2**31, "
             f"got {x.shape=} {x.dtype=}"
         )
-    if vec not in _QUANTIZE_VECS:
-        raise ValueError(f"vec must be one of {_QUANTIZE_VECS}, got {vec=}")
+    if variant not in quantize_variants():
+        raise ValueError(f"{variant=} is not one of the compiled {quantize_variants()}")
     group_sizes = jnp.asarray(group_sizes)
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
@@ -92,7 +97,7 @@ def quantize_mxfp8_both_cuda(
         jax.ShapeDtypeStruct((mxfp8.grouped_scale_rows(m, g), k), jnp.float8_e8m0fnu),  # col_scale
     )
     row_data, row_scale, col_data, col_scale = jax.ffi.ffi_call(QUANTIZE_TARGET, out)(
-        x, group_sizes, vec=np.int32(vec)
+        x, group_sizes, variant=np.int32(quantize_variants().index(variant))
     )
     return (
         MXFP8Tensor(row_data, row_scale, axis=1),

@@ -70,19 +70,32 @@ def _load_dialect_runtime(workdir: pathlib.Path) -> None:
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
+def _quantize_variants():
+    from jax_grouped_mlp.kernels.quantize_mxfp8 import QuantizeConfig
+
+    return (
+        QuantizeConfig(vec=8, threads=128),
+        QuantizeConfig(vec=8, threads=128, min_blocks=3),
+        QuantizeConfig(vec=4, threads=128),
+        QuantizeConfig(vec=4, threads=256, min_blocks=2),
+    )
+
+
 def variants():
     """(name, kernel object, fake arguments) for every variant we ship."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    from jax_grouped_mlp.kernels.quantize_mxfp8 import QuantizeConfig, QuantizeMxfp8
+    from jax_grouped_mlp.kernels.quantize_mxfp8 import QuantizeMxfp8
+
+    QUANTIZE_VARIANTS = _quantize_variants()
 
     def t(dtype, shape, align=16):
         return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
                                         assumed_align=align, use_32bit_stride=True)
 
-    for cfg in (QuantizeConfig(vec=8, threads=128), QuantizeConfig(vec=4, threads=128)):
+    for cfg in QUANTIZE_VARIANTS:
         m = cute.sym_int32()
         k = cute.sym_int32(divisibility=8)
         kb = cute.sym_int32()

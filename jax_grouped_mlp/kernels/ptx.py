@@ -154,3 +154,52 @@ def encode_e4m3x4(
             "=r,r,r,f,f,f,f",
         )
     )
+
+
+@dsl_user_op
+def encode_both_e4m3x4(
+    w0: Uint32, w1: Uint32, srow: Float32, s0: Float32, s1: Float32, s2: Float32, s3: Float32,
+    *, loc=None, ip=None,
+) -> tuple[Uint32, Uint32]:
+    """Four bf16 -> (four E4M3 bytes with the row scale, four with per-column scales).
+
+    One asm block so that the bf16 -> f32 unpacking is shared by both encodings.
+    """
+    ops = [Uint32(w0).ir_value(loc=loc, ip=ip), Uint32(w1).ir_value(loc=loc, ip=ip)]
+    ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (srow, s0, s1, s2, s3)]
+    res = _asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]),
+        ops,
+        "{\n"
+        ".reg .b32 x0, x1, x2, x3;\n"
+        ".reg .f32 f0, f1, f2, f3, r0, r1, r2, r3, c0, c1, c2, c3;\n"
+        ".reg .b16 lo, hi, clo, chi;\n"
+        "shl.b32 x0, $2, 16;\n"
+        "and.b32 x1, $2, 0xFFFF0000;\n"
+        "shl.b32 x2, $3, 16;\n"
+        "and.b32 x3, $3, 0xFFFF0000;\n"
+        "mov.b32 f0, x0;\n"
+        "mov.b32 f1, x1;\n"
+        "mov.b32 f2, x2;\n"
+        "mov.b32 f3, x3;\n"
+        "mul.rn.f32 r0, f0, $4;\n"
+        "mul.rn.f32 r1, f1, $4;\n"
+        "mul.rn.f32 r2, f2, $4;\n"
+        "mul.rn.f32 r3, f3, $4;\n"
+        "mul.rn.f32 c0, f0, $5;\n"
+        "mul.rn.f32 c1, f1, $6;\n"
+        "mul.rn.f32 c2, f2, $7;\n"
+        "mul.rn.f32 c3, f3, $8;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, r1, r0;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, r3, r2;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 clo, c1, c0;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 chi, c3, c2;\n"
+        "mov.b32 $0, {lo, hi};\n"
+        "mov.b32 $1, {clo, chi};\n"
+        "}",
+        "=r,=r,r,r,f,f,f,f,f",
+    )
+    return (
+        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+        Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
+    )
