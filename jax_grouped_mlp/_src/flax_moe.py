@@ -85,8 +85,10 @@ class MoEBlock(nnx.Module):
         return moe_block(
             jnp.asarray(x).astype(self.dtype),
             self.router[...],
-            self.experts.w1[...].astype(self.dtype),
-            self.experts.w2[...].astype(self.dtype),
+            # Params go in as stored: grouped_mlp casts/quantizes them itself, and their
+            # gradients come back (and are summed over data shards) in param_dtype.
+            self.experts.w1[...],
+            self.experts.w2[...],
             routing=self.routing,
             score_bias=None if self.score_bias is None else self.score_bias[...],
             recipe=self.recipe,
