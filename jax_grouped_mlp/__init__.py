@@ -7,10 +7,15 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
   :class:`MXFP8Tensor` - the MXFP8 format;
 * ``RESIDUAL_NAMES`` - the ``checkpoint_name`` tags of the residuals;
   :func:`residual_placements` - where a traced program keeps them;
+* :func:`moe_block` - the whole MoE layer (router, top-k, permute, experts, combine),
+  with :class:`RoutingConfig`, :class:`ScoreFunction`, and :class:`ExpertParallel` /
+  :class:`Exchange` for experts sharded over a mesh axis (docs/moe.md);
 * ``jax_grouped_mlp.flax`` - Flax NNX modules.
 """
 
+from jax_grouped_mlp._src.exchange import Exchange
 from jax_grouped_mlp._src.mlp import grouped_mlp
+from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
 from jax_grouped_mlp._src.mxfp8 import (
     MXFP8Tensor,
     dequantize,
@@ -20,12 +25,18 @@ from jax_grouped_mlp._src.mxfp8 import (
 from jax_grouped_mlp._src.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.placement import residual_placements
 from jax_grouped_mlp._src.policy import offload_policy
+from jax_grouped_mlp._src.routing import RoutingConfig, ScoreFunction
 
 __all__ = [
+    "Exchange",
+    "ExpertParallel",
     "MXFP8Tensor",
     "RESIDUAL_NAMES",
+    "RoutingConfig",
+    "ScoreFunction",
     "dequantize",
     "grouped_mlp",
+    "moe_block",
     "offload_policy",
     "quantize_mxfp8",
     "quantize_mxfp8_grouped",

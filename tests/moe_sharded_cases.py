@@ -32,10 +32,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_grouped_mlp as jgm  # noqa: E402
-from jax_grouped_mlp._src.exchange import Exchange, ragged_all_to_all  # noqa: E402
-from jax_grouped_mlp._src.flax_moe import MoEBlock  # noqa: E402
-from jax_grouped_mlp._src.moe import ExpertParallel, moe_block  # noqa: E402
-from jax_grouped_mlp._src.routing import RoutingConfig, route  # noqa: E402
+from jax_grouped_mlp import Exchange, ExpertParallel, RoutingConfig, moe_block  # noqa: E402
+from jax_grouped_mlp._src.exchange import ragged_all_to_all  # noqa: E402
+from jax_grouped_mlp._src.routing import route  # noqa: E402
+from jax_grouped_mlp.flax import MoEBlock  # noqa: E402
 from moe_helpers import host_copies  # noqa: E402
 
 P = jax.sharding.PartitionSpec

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src.flax_moe import MoEBlock
-from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
-from jax_grouped_mlp._src.routing import RoutingConfig, route, sort_by_expert
+from jax_grouped_mlp import ExpertParallel, RoutingConfig, moe_block
+from jax_grouped_mlp._src.routing import route, sort_by_expert
+from jax_grouped_mlp.flax import MoEBlock
 from moe_helpers import host_copies
 
 # Relative-error bands (||got - ref|| / ||ref||) of the block against the float64
