@@ -2,7 +2,7 @@
 // (jax_grouped_mlp/kernels/quantize_mxfp8.py; Python side: _src/ffi.py).
 //
 // Operands and results (row-major, as XLA lays them out by default):
-//   x            bf16   [M, K]            K % 8 == 0, M * K < 2^31
+//   x            bf16   [M, K]            K % 8 == 0, M * K and (cdiv(M,32)+G) * K < 2^31
 //   group_sizes  s32    [G]               read on the device only
 //   row_data     f8e4m3fn  [M, K]
 //   row_scale    f8e8m0fnu [M, cdiv(K, 32)]
@@ -79,6 +79,11 @@ ffi::Error Validate(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
         DimsToString(group_sizes.dimensions()));
   }
   *g = group_sizes.dimensions()[0];
+  if ((CeilDiv(*m, 32) + *g) * *k >= (int64_t{1} << 31)) {
+    return ffi::Error::InvalidArgument(
+        "quantize_mxfp8: col_scale would have (cdiv(M, 32) + G) * K = " +
+        std::to_string((CeilDiv(*m, 32) + *g) * *k) + " elements; must be < 2^31");
+  }
   if (auto e = CheckBuffer("quantize_mxfp8: row_data", *row_data, ffi::F8E4M3FN, {*m, *k});
       e.failure())
     return e;

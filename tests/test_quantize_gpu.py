@@ -253,3 +253,44 @@ def test_every_called_target_is_registered_and_lowers_for_cuda():
         disabled_checks=ffi.export_disabled_checks(),
     )(x, gs)
     assert f"@{ffi.QUANTIZE_TARGET}" in exported.mlir_module()
+
+
+_GRAPH_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax_grouped_mlp._src import ffi, mxfp8
+x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.bfloat16)
+gs = jnp.asarray([100, 0, 90], jnp.int32)
+def f(x, gs):
+    row, col = ffi.quantize_mxfp8_both_cuda(x * 2, gs + 1)
+    return row.data, row.scale, col.data, col.scale
+def ref(x, gs):
+    row = mxfp8.quantize_mxfp8(x * 2)
+    col = mxfp8.quantize_mxfp8_grouped(x * 2, gs + 1)
+    return row.data, row.scale, col.data, col.scale
+fj, rj = jax.jit(f), jax.jit(ref)
+want = [np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) for a in rj(x, gs)]
+for _ in range(3):
+    got = [np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) for a in fj(x, gs)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+print("graph-ok")
+"""
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_inside_cuda_graph():
+    """With XLA's command buffers on for custom calls, the handler is captured in a
+    CUDA graph (it is marked compatible) and still gives the reference bytes."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "")
+        + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _GRAPH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "graph-ok" in out.stdout, out.stdout + out.stderr

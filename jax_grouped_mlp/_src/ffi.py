@@ -56,12 +56,16 @@ def quantize_variants() -> tuple[str, ...]:
     return tuple(ext.QUANTIZE_VARIANTS) if ext is not None else ()
 
 
-def quantize_supported(x: jax.Array) -> bool:
-    """Whether the CUDA quantize kernel takes ``x`` (else use the reference)."""
+def quantize_supported(x: jax.Array, num_groups: int = 0) -> bool:
+    """Whether the CUDA quantize kernel takes ``x`` (else use the reference).
+
+    bf16 ``[M, K]`` with ``K % 8 == 0`` (16-byte rows of 8 columns per thread) and
+    offsets that fit in 32 bits (the kernel indexes with int32).
+    """
     if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
         return False
     m, k = x.shape
-    return k % 8 == 0 and m * k < 2**31
+    return k % 8 == 0 and m * k < 2**31 and mxfp8.grouped_scale_rows(m, num_groups) * k < 2**31
 
 
 def quantize_mxfp8_both_cuda(
@@ -75,10 +79,11 @@ def quantize_mxfp8_both_cuda(
     """
     if not available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
-    if not quantize_supported(x):
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
+    if not quantize_supported(x, g):
         raise ValueError(
-            f"quantize_mxfp8_both_cuda needs bf16 [M, K] with K % 8 == 0 and M*K < 2**31, "
-            f"got {x.shape=} {x.dtype=}"
+            "quantize_mxfp8_both_cuda needs bf16 [M, K] with K % 8 == 0 and M*K, "
+            f"(cdiv(M, 32) + G)*K < 2**31, got {x.shape=} {x.dtype=} G={g}"
         )
     if variant not in quantize_variants():
         raise ValueError(f"{variant=} is not one of the compiled {quantize_variants()}")
@@ -119,7 +124,7 @@ def quantize_cuda(x: jax.Array, *, axis: int) -> MXFP8Tensor:
 
 def quantize_grouped_cuda(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     """``primitives`` "quantize_grouped" on CUDA (the rowwise half is a by-product)."""
-    if not quantize_supported(x):
+    if not quantize_supported(x, jnp.shape(group_sizes)[0]):
         return mxfp8.quantize_mxfp8_grouped(x, group_sizes)
     return quantize_mxfp8_both_cuda(x, group_sizes)[1]
 
