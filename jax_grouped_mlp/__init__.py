@@ -10,10 +10,14 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 * :func:`moe_block` - the whole MoE layer (router, top-k, permute, experts, combine),
   with :class:`RoutingConfig`, :class:`ScoreFunction`, and :class:`ExpertParallel` /
   :class:`Exchange` for experts sharded over a mesh axis (docs/moe.md);
+* :func:`plan_offload` - picks the policy from a cost model (docs/offload.md), with
+  :class:`OffloadPlan`, :class:`LayerTime`, :func:`measure_host_bandwidth` and
+  :func:`measure_layer_time`;
 * ``jax_grouped_mlp.flax`` - Flax NNX modules.
 """
 
 from jax_grouped_mlp._src.exchange import Exchange
+from jax_grouped_mlp._src.measure import measure_host_bandwidth, measure_layer_time
 from jax_grouped_mlp._src.mlp import grouped_mlp
 from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
 from jax_grouped_mlp._src.mxfp8 import (
@@ -24,20 +28,26 @@ from jax_grouped_mlp._src.mxfp8 import (
 )
 from jax_grouped_mlp._src.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.placement import residual_placements
+from jax_grouped_mlp._src.planner import LayerTime, OffloadPlan, plan_offload
 from jax_grouped_mlp._src.policy import offload_policy
 from jax_grouped_mlp._src.routing import RoutingConfig, ScoreFunction
 
 __all__ = [
     "Exchange",
     "ExpertParallel",
+    "LayerTime",
     "MXFP8Tensor",
+    "OffloadPlan",
     "RESIDUAL_NAMES",
     "RoutingConfig",
     "ScoreFunction",
     "dequantize",
     "grouped_mlp",
+    "measure_host_bandwidth",
+    "measure_layer_time",
     "moe_block",
     "offload_policy",
+    "plan_offload",
     "quantize_mxfp8",
     "quantize_mxfp8_grouped",
     "residual_placements",
