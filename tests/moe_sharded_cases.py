@@ -126,6 +126,50 @@ def test_expert_parallel_matches_single_device(single_device_results, case, layo
         assert not np.any(g[3]) and not np.any(g[6])
 
 
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+def test_capacity_factor_drops_the_documented_pairs(single_device_results, factor):
+    """capacity_factor=c: each device keeps the first ceil(c * local pairs) arrivals.
+
+    Expected result: the single-device computation with the dropped pairs' routing
+    weights set to zero (grouped_mlp then gives exact zeros for them).
+    """
+    inputs, singles = single_device_results
+    x, router, w1, w2, dy, bias = inputs
+    recipe, config = CASES["bf16_softmax"]
+    ep, k = 4, config.top_k
+    t_local, e_local = -(-T // ep), E // ep
+    rows = min(ep * t_local * k, int(np.ceil(factor * t_local * k)))
+    logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    ids, weights = (np.asarray(a) for a in route(logits, config, bias))
+    keep = np.zeros((T, k), bool)
+    for dest in range(ep):
+        taken = 0
+        for src in range(ep):  # arrivals: by source, then (expert, token, choice)
+            block = sorted(
+                (ids[t, c], t * k + c)
+                for t in range(src * t_local, min((src + 1) * t_local, T))
+                for c in range(k)
+                if ids[t, c] // e_local == dest
+            )
+            for _, pair in block:
+                keep[pair // k, pair % k] = taken < rows
+                taken += 1
+    assert keep.all() if factor >= ep else not keep.all()
+
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    sizes = jnp.asarray(np.bincount(ids.reshape(-1), minlength=E), jnp.int32)
+    probs = jnp.asarray((weights * keep).reshape(-1)[order], jnp.float32)
+    y_pairs = np.asarray(jgm.grouped_mlp(x[order // k], w1, w2, sizes, probs, recipe=recipe), np.float32)
+    want = y_pairs[np.argsort(order)].reshape(T, k, H).sum(axis=1)
+
+    parallel = ExpertParallel(mesh_of(ep, 1), "expert", capacity_factor=factor)
+    (_, y), grads = value_and_grads(config, recipe, parallel)(*inputs)
+    assert rel_err(y, jnp.asarray(want, jnp.bfloat16)) <= EXACT
+    if factor >= ep:
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(singles["bf16_softmax"][0], np.float32))
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
 def test_auto_axis_mesh_and_no_data_axes(single_device_results):
     inputs, singles = single_device_results
     recipe, config = CASES["bf16_softmax"]
@@ -220,6 +264,8 @@ def test_bad_parallel_configs():
                  rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="data_axes"):
         ExpertParallel(mesh_of(2, 2), "expert", ("batch",))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ExpertParallel(mesh_of(2, 2), "expert", capacity_factor=0.0)
 
 
 def test_flax_moe_block_expert_parallel_matches_single_device():

@@ -9,10 +9,10 @@ routes its own tokens, sorts the pairs by expert (which also sorts them by ownin
 device), sends each device its block with a ragged all-to-all, sorts what arrived by
 local expert, runs ``grouped_mlp`` on its local experts, and sends the results back
 the same way. Block sizes travel as small dense ``all_to_all``s; nothing goes to the
-host. Drop-free: the receive buffer holds ``axis_size * tokens * top_k`` rows, the
-worst case of every pair in the axis choosing this device. ``grouped_mlp`` only
-computes the rows its ``group_sizes`` cover, but its residuals are allocated at the
-buffer's size.
+host. Drop-free by default: the receive buffer holds ``axis_size * tokens * top_k``
+rows, the worst case of every pair in the axis choosing this device. ``grouped_mlp``
+only computes the rows its ``group_sizes`` cover, but its residuals are allocated at
+the buffer's size; ``capacity_factor`` trades that memory for dropped pairs.
 """
 
 from __future__ import annotations
@@ -37,12 +37,21 @@ class ExpertParallel:
     the flattened ``x``) over ``(*data_axes, expert_axis)``; the router is replicated.
     ``exchange`` picks the collective (see :class:`Exchange`); ``"auto"`` uses the
     ragged all-to-all except on CPU.
+
+    ``capacity_factor=None`` (default) is drop-free. A number ``c`` sizes each
+    device's receive buffer (the ``M`` of its ``grouped_mlp``) at ``ceil(c * local
+    pairs)`` rows instead of ``axis_size`` times that, where local pairs is a token
+    shard's ``tokens * top_k``; ``c >= axis_size`` is drop-free. Pairs that do not
+    fit are dropped (they contribute zero and get zero gradient): a device accepts
+    its peers' blocks in rank order along the expert axis, each block ordered by
+    local expert then token, and drops the tail.
     """
 
     mesh: jax.sharding.Mesh
     expert_axis: str
     data_axes: tuple[str, ...] = ()
     exchange: Exchange = Exchange.AUTO
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.mesh, jax.sharding.Mesh):
@@ -60,6 +69,11 @@ class ExpertParallel:
             )
         object.__setattr__(self, "data_axes", data_axes)
         object.__setattr__(self, "exchange", Exchange.parse(self.exchange))
+        c = self.capacity_factor
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+                raise ValueError(f"capacity_factor must be a positive number or None, got capacity_factor={c!r}")
+            object.__setattr__(self, "capacity_factor", float(c))
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -190,6 +204,7 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, paral
         data_axes=parallel.data_axes,
         num_tokens=t,
         exchange=parallel.exchange.resolve(platform),
+        capacity_factor=parallel.capacity_factor,
     )
     tok, exp = P(token_axes, None), P(parallel.expert_axis, None, None)
     if score_bias is None:
@@ -224,6 +239,7 @@ class _ExpertParallelBody:
     data_axes: tuple[str, ...]
     num_tokens: int
     exchange: Exchange
+    capacity_factor: float | None
 
     def __call__(self, x, router_kernel, score_bias, w1, w2):
         k = self.routing.top_k
@@ -231,6 +247,9 @@ class _ExpertParallelBody:
         t_local, h = x.shape
         e_local = w1.shape[0]
         n = t_local * k
+        rows = ep * n  # receive buffer: drop-free worst case ...
+        if self.capacity_factor is not None:  # ... or what the capacity allows
+            rows = min(rows, max(1, math.ceil(self.capacity_factor * n)))
 
         # 1. Route local tokens; padding rows (past num_tokens globally) go nowhere.
         first_row = jax.lax.axis_index((*self.data_axes, self.axis)) * t_local
@@ -243,15 +262,21 @@ class _ExpertParallelBody:
         # 2. Block sizes: per (peer, local expert) counts out, the transposed counts in.
         counts_out = perm.group_sizes.reshape(ep, e_local)
         counts_in = jax.lax.all_to_all(counts_out, self.axis, 0, 0, tiled=True)  # [source, e_local]
-        send_sizes = counts_out.sum(axis=1)
+        send_offsets = exclusive_cumsum(counts_out.sum(axis=1))  # block starts in xs
         recv_sizes = counts_in.sum(axis=1)
-        send_offsets = exclusive_cumsum(send_sizes)
+        if rows < ep * n:  # keep what fits, in source order; each block loses its tail
+            recv_sizes = jnp.minimum(recv_sizes, jnp.maximum(rows - exclusive_cumsum(recv_sizes), 0))
+            kept = jnp.minimum(jnp.cumsum(counts_in, axis=1), recv_sizes[:, None])
+            counts_in = jnp.diff(kept, axis=1, prepend=jnp.zeros_like(kept[:, :1]))
+            send_sizes = jax.lax.all_to_all(recv_sizes, self.axis, 0, 0, tiled=True)
+        else:
+            send_sizes = counts_out.sum(axis=1)
         recv_offsets = exclusive_cumsum(recv_sizes)  # blocks land contiguously, by source
         dest_offsets = jax.lax.all_to_all(recv_offsets, self.axis, 0, 0, tiled=True)
         back_offsets = jax.lax.all_to_all(send_offsets, self.axis, 0, 0, tiled=True)
 
         def send(operand):
-            out = jnp.zeros((ep * n, *operand.shape[1:]), operand.dtype)
+            out = jnp.zeros((rows, *operand.shape[1:]), operand.dtype)
             return ragged_all_to_all(
                 operand, out, send_offsets, send_sizes, dest_offsets, recv_sizes,
                 axis_name=self.axis, exchange=self.exchange,
@@ -262,7 +287,7 @@ class _ExpertParallelBody:
 
         # 3. Sort what arrived (source-major, expert-minor runs) by local expert.
         run_ends = jnp.cumsum(counts_in.reshape(-1))
-        run = jnp.searchsorted(run_ends, jnp.arange(ep * n, dtype=jnp.int32), side="right")
+        run = jnp.searchsorted(run_ends, jnp.arange(rows, dtype=jnp.int32), side="right")
         local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
         local = routing_lib.sort_by_expert(local_ids, e_local)
         y_local = grouped_mlp(
