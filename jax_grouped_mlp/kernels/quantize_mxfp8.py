@@ -197,67 +197,66 @@ class QuantizeMxfp8:
 
         n_chunks = gx.shape[1][1]
         lane_in_block = tidx % self.lanes_per_block
-        if True:
-            chunk = bidy * self.threads + tidx
-            valid = chunk < n_chunks
+        chunk = bidy * self.threads + tidx
+        valid = chunk < n_chunks
 
-            # ---- load 32 rows x vec columns (zeros where out of range) ----
-            rx = []
-            for r in cutlass.range_constexpr(BLOCK):
-                t = cute.make_rmem_tensor((1, vec), BFloat16)
-                t.fill(0.0)
-                if valid:
-                    if r < nrows:
-                        cute.autovec_copy(gx[(None, (row0 + r, chunk))], t)
-                rx.append(cute.recast_tensor(t, Uint32))
-
-            # ---- columnwise: amax over the 32 rows, one scale per column ----
-            ax = [[ptx.abs_bf16x2(rx[r][w]) for w in range(words)] for r in range(BLOCK)]
-            cmax = [ax[0][w] for w in range(words)]
-            for r in cutlass.range_constexpr(1, BLOCK):
-                for w in cutlass.range_constexpr(words):
-                    cmax[w] = ptx.max_u16x2(cmax[w], ax[r][w])
-            ecol = []
-            for j in cutlass.range_constexpr(vec):
-                bits = (cmax[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF)
-                ecol.append(ptx.e8m0_rceil(bits) & col_mask)
-            scol = [ptx.e8m0_reciprocal(e) for e in ecol]
-
-            # ---- rowwise (amax over vec columns here, then across the block's lanes),
-            # encode both copies and store, one row at a time to keep registers low.
-            # The shuffles run on every lane; only the stores are predicated. ----
-            for r in cutlass.range_constexpr(BLOCK):
-                a = ax[r][0]
-                for w in cutlass.range_constexpr(1, words):
-                    a = ptx.max_u16x2(a, ax[r][w])
-                a = cutlass.max(a & Uint32(0xFFFF), a >> 16)
-                off = 1
-                while off < self.lanes_per_block:
-                    a = cutlass.max(a, Uint32(cute.arch.shuffle_sync_bfly(a, offset=off)))
-                    off *= 2
-                erow = ptx.e8m0_rceil(a)
-                if valid:
-                    if r < nrows:
-                        srow = ptx.e8m0_reciprocal(erow)
-                        out_row = cute.make_rmem_tensor((1, vec), Uint8)
-                        out_col = cute.make_rmem_tensor((1, vec), Uint8)
-                        orw = cute.recast_tensor(out_row, Uint32)
-                        ocw = cute.recast_tensor(out_col, Uint32)
-                        for q in cutlass.range_constexpr(vec // 4):
-                            w0 = rx[r][2 * q]
-                            w1 = rx[r][2 * q + 1]
-                            rw, cw = ptx.encode_both_e4m3x4(
-                                w0, w1, srow, scol[4 * q], scol[4 * q + 1], scol[4 * q + 2], scol[4 * q + 3]
-                            )
-                            orw[q] = rw
-                            ocw[q] = col_mask & cw
-                        row = row0 + r
-                        cute.autovec_copy(out_row, g_row_data[(None, (row, chunk))])
-                        cute.autovec_copy(out_col, g_col_data[(None, (row, chunk))])
-                        if lane_in_block == 0:
-                            row_scale[row, chunk // self.lanes_per_block] = Uint8(erow)
+        # ---- load 32 rows x vec columns (zeros where out of range) ----
+        rx = []
+        for r in cutlass.range_constexpr(BLOCK):
+            t = cute.make_rmem_tensor((1, vec), BFloat16)
+            t.fill(0.0)
             if valid:
-                out_scale = cute.make_rmem_tensor((1, vec), Uint8)
-                for j in cutlass.range_constexpr(vec):
-                    out_scale[j] = Uint8(ecol[j])
-                cute.autovec_copy(out_scale, g_col_scale[(None, (b, chunk))])
+                if r < nrows:
+                    cute.autovec_copy(gx[(None, (row0 + r, chunk))], t)
+            rx.append(cute.recast_tensor(t, Uint32))
+
+        # ---- columnwise: amax over the 32 rows, one scale per column ----
+        ax = [[ptx.abs_bf16x2(rx[r][w]) for w in range(words)] for r in range(BLOCK)]
+        cmax = [ax[0][w] for w in range(words)]
+        for r in cutlass.range_constexpr(1, BLOCK):
+            for w in cutlass.range_constexpr(words):
+                cmax[w] = ptx.max_u16x2(cmax[w], ax[r][w])
+        ecol = []
+        for j in cutlass.range_constexpr(vec):
+            bits = (cmax[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF)
+            ecol.append(ptx.e8m0_rceil(bits) & col_mask)
+        scol = [ptx.e8m0_reciprocal(e) for e in ecol]
+
+        # ---- rowwise (amax over vec columns here, then across the block's lanes),
+        # encode both copies and store, one row at a time to keep registers low.
+        # The shuffles run on every lane; only the stores are predicated. ----
+        for r in cutlass.range_constexpr(BLOCK):
+            a = ax[r][0]
+            for w in cutlass.range_constexpr(1, words):
+                a = ptx.max_u16x2(a, ax[r][w])
+            a = cutlass.max(a & Uint32(0xFFFF), a >> 16)
+            off = 1
+            while off < self.lanes_per_block:
+                a = cutlass.max(a, Uint32(cute.arch.shuffle_sync_bfly(a, offset=off)))
+                off *= 2
+            erow = ptx.e8m0_rceil(a)
+            if valid:
+                if r < nrows:
+                    srow = ptx.e8m0_reciprocal(erow)
+                    out_row = cute.make_rmem_tensor((1, vec), Uint8)
+                    out_col = cute.make_rmem_tensor((1, vec), Uint8)
+                    orw = cute.recast_tensor(out_row, Uint32)
+                    ocw = cute.recast_tensor(out_col, Uint32)
+                    for q in cutlass.range_constexpr(vec // 4):
+                        w0 = rx[r][2 * q]
+                        w1 = rx[r][2 * q + 1]
+                        rw, cw = ptx.encode_both_e4m3x4(
+                            w0, w1, srow, scol[4 * q], scol[4 * q + 1], scol[4 * q + 2], scol[4 * q + 3]
+                        )
+                        orw[q] = rw
+                        ocw[q] = col_mask & cw
+                    row = row0 + r
+                    cute.autovec_copy(out_row, g_row_data[(None, (row, chunk))])
+                    cute.autovec_copy(out_col, g_col_data[(None, (row, chunk))])
+                    if lane_in_block == 0:
+                        row_scale[row, chunk // self.lanes_per_block] = Uint8(erow)
+        if valid:
+            out_scale = cute.make_rmem_tensor((1, vec), Uint8)
+            for j in cutlass.range_constexpr(vec):
+                out_scale[j] = Uint8(ecol[j])
+            cute.autovec_copy(out_scale, g_col_scale[(None, (b, chunk))])
