@@ -1,8 +1,8 @@
 """Train a small MoE model under the offload policy the planner picks.
 
-A Flax NNX model of ``--layers`` MoE blocks (a top-k softmax router, then the
-squared-ReLU experts as one :class:`jax_grouped_mlp.flax.GroupedMLP` over tokens
-sorted by expert) learns a synthetic task: map each of ``--vocab`` tokens to a fixed
+A Flax NNX model of ``--layers`` :class:`jax_grouped_mlp.flax.MoEBlock` layers (a
+top-k softmax router, then the squared-ReLU experts as one grouped MLP over the
+tokens sorted by expert) learns a synthetic task: map each of ``--vocab`` tokens to a fixed
 random target token. Before training, :func:`jax_grouped_mlp.plan_offload` chooses
 where each residual lives from the host link bandwidth and the layer time measured
 on this device; every block runs under ``nnx.remat`` with that policy, and the
@@ -28,40 +28,19 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jax_grouped_mlp._src.measure import measure_host_bandwidth, measure_layer_time
-from jax_grouped_mlp._src.names import RESIDUAL_NAMES
-from jax_grouped_mlp._src.placement import residual_placements
-from jax_grouped_mlp._src.planner import LayerShape, plan_offload
-from jax_grouped_mlp.flax import GroupedMLP
-
-
-class MoE(nnx.Module):
-    """Top-k router + experts. Tokens are sorted by expert on the device (no host sync)."""
-
-    def __init__(self, hidden, ffn, num_experts, top_k, *, recipe, rngs: nnx.Rngs):
-        self.top_k, self.num_experts = top_k, num_experts
-        self.router = nnx.Linear(hidden, num_experts, use_bias=False, rngs=rngs)
-        self.experts = GroupedMLP(num_experts, hidden, ffn, recipe=recipe, rngs=rngs)
-
-    def __call__(self, x):  # x [T, hidden]
-        t = x.shape[0]
-        probs, expert = jax.lax.top_k(jax.nn.softmax(self.router(x).astype(jnp.float32)), self.top_k)
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-        expert, probs = expert.reshape(-1), probs.reshape(-1)  # [T*k]
-        order = jnp.argsort(expert, stable=True)
-        token = order // self.top_k  # which token each sorted row came from
-        sizes = jnp.bincount(expert, length=self.num_experts).astype(jnp.int32)
-        y = self.experts(x[token].astype(jnp.bfloat16), sizes, probs[order])
-        return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y.astype(jnp.float32))
+import jax_grouped_mlp as jgm
+from jax_grouped_mlp.flax import MoEBlock
 
 
 class Model(nnx.Module):
     def __init__(self, vocab, hidden, ffn, num_experts, top_k, layers, *, recipe, policy, rngs):
         self.embed = nnx.Embed(vocab, hidden, rngs=rngs)
         self.norms = nnx.List([nnx.RMSNorm(hidden, rngs=rngs) for _ in range(layers)])
-        self.blocks = nnx.List(
-            [MoE(hidden, ffn, num_experts, top_k, recipe=recipe, rngs=rngs) for _ in range(layers)]
-        )
+        routing = jgm.RoutingConfig(top_k=top_k)
+        self.blocks = nnx.List([
+            MoEBlock(num_experts, hidden, ffn, routing=routing, recipe=recipe, rngs=rngs)
+            for _ in range(layers)
+        ])  # fmt: skip
         self.out_norm = nnx.RMSNorm(hidden, rngs=rngs)
         self.head = nnx.Linear(hidden, vocab, rngs=rngs)
         self.policy = policy
@@ -138,18 +117,21 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     # 1. Plan. The grouped MLP sees tokens * top_k rows per layer.
-    shape = LayerShape(args.tokens * args.top_k, args.hidden, args.ffn, args.experts)
-    per_layer = sum(shape.residual_bytes(args.recipe).values())
-    budget = args.budget_mb * 1e6 if args.budget_mb is not None else args.layers * per_layer / 2
+    shape = dict(tokens=args.tokens * args.top_k, hidden=args.hidden, ffn=args.ffn,
+                 num_experts=args.experts)  # fmt: skip
+    if args.budget_mb is not None:
+        budget = args.budget_mb * 1e6
+    else:  # half of what keeping everything would take
+        keep_all = jgm.plan_offload(**shape, num_layers=args.layers, budget_bytes=float("inf"),
+                                    host_bandwidth=1.0, layer_time=1.0, recipe=args.recipe)  # fmt: skip
+        budget = keep_all.chosen.device_bytes / 2
     platform = jax.devices()[0].platform
     print(f"planning on {jax.devices()[0].device_kind} ({platform})...", flush=True)
-    plan = plan_offload(
-        tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn, num_experts=shape.num_experts,
-        num_layers=args.layers, budget_bytes=budget, recipe=args.recipe,
-        host_bandwidth=measure_host_bandwidth(1 << 22, repeats=3),
-        layer_time=args.layer_time if args.layer_time is not None else measure_layer_time(
-            tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn,
-            num_experts=shape.num_experts, recipe=args.recipe, repeats=3),
+    plan = jgm.plan_offload(
+        **shape, num_layers=args.layers, budget_bytes=budget, recipe=args.recipe,
+        host_bandwidth=jgm.measure_host_bandwidth(1 << 22, repeats=3),
+        layer_time=args.layer_time if args.layer_time is not None
+        else jgm.measure_layer_time(**shape, recipe=args.recipe, repeats=3),
         overlap=1.0 if platform == "gpu" else 0.0,
     )  # fmt: skip
     print(plan.table(top=8), flush=True)
@@ -173,10 +155,12 @@ def main(argv=None) -> dict:
     # 3. Check the traced step places the residuals as planned.
     tokens, targets = batch()
     graphdef, state = nnx.split(model)
-    placed = residual_placements(
-        jax.grad(lambda s: _loss(nnx.merge(graphdef, s), tokens, targets)), state
-    )
-    placed = {n: placed.get(n, "recompute") for n in RESIDUAL_NAMES}
+
+    def loss_of(state):
+        return _loss(nnx.merge(graphdef, state), tokens, targets)
+
+    placed = jgm.residual_placements(jax.grad(loss_of), state)
+    placed = {n: placed.get(n, "recompute") for n in jgm.RESIDUAL_NAMES}
     print(f"residuals in the traced step: {placed}", flush=True)
     if placed != plan.placement:
         raise RuntimeError(f"placement {placed} differs from the plan {plan.placement}")
@@ -210,7 +194,7 @@ def main(argv=None) -> dict:
         **memory,
         "losses": losses,
     }
-    print(f"\n{'placement':<24}{'/'.join(plan.placement[n] for n in RESIDUAL_NAMES)} (fc1/act/fc2)")
+    print(f"\n{'placement':<24}{'/'.join(plan.placement[n] for n in jgm.RESIDUAL_NAMES)} (fc1/act/fc2)")
     print(f"{'loss':<24}{report['first_loss']:.4f} -> {report['final_loss']:.4f} "
           f"(mean of last {tail} steps; ln(vocab) = {np.log(args.vocab):.4f})")  # fmt: skip
     print(f"{'step time':<24}{step_time * 1e3:.2f} ms (median)")

@@ -53,6 +53,7 @@ def test_ample_budget_keeps_everything_on_device():
     assert plan.placement == {n: "device" for n in RESIDUAL_NAMES}
     assert plan.chosen.fits and plan.chosen.exposed_transfer == 0 and plan.chosen.recompute == 0
     assert len(plan.candidates) == 27
+    assert _nano_plan(budget_bytes=float("inf")).placement == plan.placement
 
 
 def test_ample_budget_and_free_transfers_still_prefers_device():

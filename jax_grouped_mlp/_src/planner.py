@@ -70,13 +70,17 @@ def _check_positive_int(name: str, value) -> int:
     return value
 
 
-def _check_positive_float(name: str, value, *, allow_zero: bool = False) -> float:
+def _check_positive_float(
+    name: str, value, *, allow_zero: bool = False, allow_inf: bool = False
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {name}={value!r}")
     v = float(value)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+    bad_inf = math.isinf(v) and not allow_inf
+    if math.isnan(v) or bad_inf or v < 0 or (v == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be finite and {bound}, got {name}={value!r}")
+        finite = "" if allow_inf else "finite and "
+        raise ValueError(f"{name} must be {finite}{bound}, got {name}={value!r}")
     return v
 
 
@@ -360,7 +364,8 @@ def plan_offload(
       tokens: M, the rows of x per layer (tokens times top-k).
       hidden, ffn, num_experts: H, F and G of the layer.
       num_layers: layers in the stack, each under its own ``jax.checkpoint``.
-      budget_bytes: device memory the residuals of the whole stack may use.
+      budget_bytes: device memory the residuals of the whole stack may use
+        (``math.inf``: no limit).
       host_bandwidth: bytes/s each way between device and pinned host memory
         (:func:`measure_host_bandwidth`; about 53e9 on the H200 here).
       layer_time: one layer's compute, a :class:`LayerTime`
@@ -383,7 +388,7 @@ def plan_offload(
     """
     shape = LayerShape(tokens, hidden, ffn, num_experts)
     _check_positive_int("num_layers", num_layers)
-    budget_bytes = _check_positive_float("budget_bytes", budget_bytes, allow_zero=True)
+    budget_bytes = _check_positive_float("budget_bytes", budget_bytes, allow_zero=True, allow_inf=True)
     host_bandwidth = _check_positive_float("host_bandwidth", host_bandwidth)
     recipe = _check_recipe(recipe)
     overlap = _check_positive_float("overlap", overlap, allow_zero=True)
