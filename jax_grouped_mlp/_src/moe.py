@@ -99,7 +99,7 @@ def moe_block(
     recipe: str = "mxfp8",
     parallel: ExpertParallel | None = None,
 ) -> jax.Array:
-    """A drop-free mixture-of-experts layer of squared-ReLU experts.
+    """A mixture-of-experts layer of squared-ReLU experts; drop-free unless a capacity is set.
 
     Args:
       x: ``[..., H]`` tokens, any order (the block sorts them).
@@ -107,12 +107,17 @@ def moe_block(
       w1: ``[E, H, F]`` and w2: ``[E, F, H]``, the stacked expert weights.
       routing: top-k, score function, normalisation and scaling (:class:`RoutingConfig`).
       score_bias: optional ``[E]`` added to the scores for expert *selection* only
-        (DeepSeek-V3 / Nemotron-3 ``e_score_correction_bias``); gets no gradient use.
+        (DeepSeek-V3 / Nemotron-3 ``e_score_correction_bias``); gets no gradient.
       recipe: ``grouped_mlp``'s recipe, ``"mxfp8"`` or ``"bf16"``.
-      parallel: expert parallelism over a mesh, or None for one device.
+      parallel: expert parallelism over a mesh (:class:`ExpertParallel`, which also
+        holds the optional ``capacity_factor``), or None for one device.
 
     Returns:
       ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)``, summed in float32.
+
+    Raises:
+      TypeError, ValueError: at trace time, naming the argument, for bad shapes,
+        dtypes, ``top_k > E`` or ``E`` not divisible by the expert axis size.
     """
     if not isinstance(routing, RoutingConfig):
         raise TypeError(f"routing must be a RoutingConfig, got routing={type(routing).__name__}")
