@@ -288,7 +288,7 @@ class _ExpertParallelBody:
             )
 
         x_in = send(xs)
-        p_in = send(ps)
+        p_in = send(ps[:, None])[:, 0]  # ragged_all_to_all documents operands of rank >= 2
 
         # 3. Sort what arrived (source-major, expert-minor runs) by local expert.
         run_ends = jnp.cumsum(counts_in.reshape(-1))
