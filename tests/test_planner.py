@@ -9,7 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src.measure import measure_host_bandwidth, residual_bytes_kept
+from jax_grouped_mlp._src.measure import (
+    measure_host_bandwidth,
+    measure_layer_time,
+    residual_bytes_kept,
+)
 from jax_grouped_mlp._src.mlp import grouped_mlp
 from jax_grouped_mlp._src.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.placement import residual_placements
@@ -161,6 +165,14 @@ def test_measure_host_bandwidth_runs():
     assert np.isfinite(bw) and bw > 0
     with pytest.raises(ValueError, match="nbytes"):
         measure_host_bandwidth(0)
+
+
+def test_measure_layer_time_runs():
+    lt = measure_layer_time(tokens=64, hidden=32, ffn=32, num_experts=2, repeats=1)
+    assert lt.forward > 0 and lt.backward > 0
+    assert set(lt.recompute) == set(RESIDUAL_NAMES) and min(lt.recompute.values()) >= 0
+    with pytest.raises(ValueError, match="recipe"):
+        measure_layer_time(tokens=64, hidden=32, ffn=32, num_experts=2, recipe="fp4")
 
 
 # --- The plan applied: a small stack of layers under jax.checkpoint ------------------

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_grouped_mlp._src.names import RESIDUAL_NAMES
-from jax_grouped_mlp._src.planner import LayerShape, LayerTime, _check_positive_int
+from jax_grouped_mlp._src.planner import LayerShape, LayerTime, _check_positive_int, _check_recipe
 
 
 def _best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -127,7 +127,7 @@ def measure_layer_time(
     """
     shape = LayerShape(tokens, hidden, ffn, num_experts)
     _check_positive_int("repeats", repeats)
-    layer = _Layer.make(shape, recipe, seed)
+    layer = _Layer.make(shape, _check_recipe(recipe), seed)
     keep = {n: "device" for n in RESIDUAL_NAMES}
     fns = {"forward": layer.forward(), "all_device": layer.step(**keep)}
     fns |= {n: layer.step(**{**keep, n: "recompute"}) for n in RESIDUAL_NAMES}
