@@ -176,3 +176,12 @@ def test_bad_inputs():
         jgm.quantize_mxfp8_grouped(jnp.ones((4, 32), jnp.float32), jnp.array([4.0]))
     with pytest.raises(TypeError, match="dequantize expects an MXFP8Tensor"):
         jgm.dequantize(jnp.ones(3))
+
+
+def test_grouped_with_no_groups_and_no_rows(rng):
+    x = _random(rng, (40, 32), jnp.bfloat16)
+    q = jgm.quantize_mxfp8_grouped(x, jnp.zeros((0,), jnp.int32))
+    assert q.scale.shape == (2, 32)
+    assert np.all(_u8(q.data) == 0) and np.all(_u8(q.scale) == 0)
+    q0 = jgm.quantize_mxfp8_grouped(x[:0], jnp.asarray([0, 0], jnp.int32))
+    assert q0.data.shape == (0, 32) and q0.scale.shape == (2, 32)

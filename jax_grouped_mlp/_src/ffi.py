@@ -129,6 +129,13 @@ def quantize_grouped_cuda(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     return quantize_mxfp8_both_cuda(x, group_sizes)[1]
 
 
+def quantize_both_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    """``primitives`` "quantize_both" on CUDA: both copies from one kernel launch."""
+    if not quantize_supported(x, jnp.shape(group_sizes)[0]):
+        return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
+    return quantize_mxfp8_both_cuda(x, group_sizes)
+
+
 def export_disabled_checks() -> list:
     """``disabled_checks`` for ``jax.export.export`` of functions calling our kernels.
 

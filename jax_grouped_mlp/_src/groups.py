@@ -67,11 +67,14 @@ def num_tiles(m: int, num_groups: int, tile: int) -> int:
 def tile_layout(group_sizes: jax.Array, m: int, tile: int) -> TileLayout:
     """Splits each group into ``tile``-row tiles that never cross a group boundary."""
     g = group_sizes.shape[0]
+    t = jnp.arange(num_tiles(m, g, tile), dtype=jnp.int32)
+    if g == 0:  # no groups: every tile unused
+        zeros = jnp.zeros_like(t)
+        return TileLayout(tile, zeros, zeros, zeros, jnp.zeros((0,), jnp.int32))
     starts, ends = group_bounds(group_sizes, m)
     tiles_per_group = (ends - starts + tile - 1) // tile
     tile_ends = jnp.cumsum(tiles_per_group)
     first_tile = tile_ends - tiles_per_group
-    t = jnp.arange(num_tiles(m, g, tile), dtype=jnp.int32)
     group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)
     safe = jnp.minimum(group, g - 1)
     start = starts[safe] + (t - first_tile[safe]) * tile
@@ -83,10 +86,27 @@ def tile_layout(group_sizes: jax.Array, m: int, tile: int) -> TileLayout:
 def row_tile_ids(group_sizes: jax.Array, m: int, tile: int) -> jax.Array:
     """Index of the group-aligned tile holding each row, ``[M]``; ``num_tiles`` past the total."""
     g = group_sizes.shape[0]
-    starts, _ = group_bounds(group_sizes, m)
     layout = tile_layout(group_sizes, m, tile)
+    if g == 0:
+        return jnp.full((m,), layout.num_tiles, jnp.int32)
+    starts, _ = group_bounds(group_sizes, m)
     gid = row_group_ids(group_sizes, m)
     safe = jnp.minimum(gid, g - 1)
     rows = jnp.arange(m, dtype=jnp.int32)
     tid = layout.first_tile[safe] + (rows - starts[safe]) // tile
     return jnp.where(gid < g, tid, layout.num_tiles).astype(jnp.int32)
+
+
+def gather_tiles(x: jax.Array, layout: TileLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rows of every tile of ``x [M, ...]``: ``[num_tiles, tile, ...]`` (zero where invalid).
+
+    Also returns each slot's row index ``[num_tiles, tile]`` and its validity mask.
+    ``M`` must be positive.
+    """
+    m = x.shape[0]
+    offs = jnp.arange(layout.tile, dtype=jnp.int32)
+    rows = layout.start[:, None] + offs[None, :]
+    valid = offs[None, :] < layout.length[:, None]
+    mask = valid.reshape(valid.shape + (1,) * (x.ndim - 1))
+    tiles = jnp.where(mask, x[jnp.clip(rows, 0, m - 1)], jnp.zeros((), x.dtype))
+    return tiles, rows, valid

@@ -55,35 +55,43 @@ def _srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
     return probs[:, None] * (r * r)
 
 
-def _forward(x, w1, w2, group_sizes, probs, recipe: Recipe):
-    h = primitives.grouped_gemm(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, jnp.bfloat16)
+def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe):
+    """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and float32 ``a``."""
+    h = primitives.grouped_gemm(x_row, recipe.weight(w1, 1), group_sizes, jnp.bfloat16)
     h = checkpoint_name(h, ACTIVATION_INPUT)
     a = _srelu_scaled(h, probs)
-    y = primitives.grouped_gemm(recipe.row(a, 1), recipe.weight(w2, 1), group_sizes, x.dtype)
-    return y, h, a
+    return h, a
+
+
+def _fc2(a_row, w2, group_sizes, recipe: Recipe, out_dtype):
+    return primitives.grouped_gemm(a_row, recipe.weight(w2, 1), group_sizes, out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe):
-    return _forward(x, w1, w2, group_sizes, probs, recipe)[0]
+    _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe)
+    return _fc2(recipe.row(a, 1), w2, group_sizes, recipe, x.dtype)
 
 
 def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe):
-    y, h, a = _forward(x, w1, w2, group_sizes, probs, recipe)
-    x_col = _tag(recipe.col(x, group_sizes), FC1_INPUT)
-    a_col = _tag(recipe.col(a, group_sizes), FC2_INPUT)
-    return y, (x_col, h, a_col, w1, w2, group_sizes, probs)
+    x_row, x_col = recipe.row_and_col(x, group_sizes)
+    h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
+    a_row, a_col = recipe.row_and_col(a, group_sizes)
+    y = _fc2(a_row, w2, group_sizes, recipe, x.dtype)
+    return y, (_tag(x_col, FC1_INPUT), h, _tag(a_col, FC2_INPUT), w1, w2, group_sizes, probs)
 
 
 def _mlp_bwd(recipe: Recipe, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
-    da = primitives.grouped_gemm(recipe.row(dy, 1), recipe.weight(w2, 2), group_sizes, jnp.float32)
+    dy_row, dy_col = recipe.row_and_col(dy, group_sizes)
+    da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.float32)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     dprobs = jnp.sum(da * (r * r), axis=1)
     dh = da * (2.0 * probs[:, None]) * r
-    dx = primitives.grouped_gemm(recipe.row(dh, 1), recipe.weight(w1, 2), group_sizes, dy.dtype)
-    dw2 = primitives.grouped_wgrad(a_col, recipe.col(dy, group_sizes), group_sizes, w2.dtype)
-    dw1 = primitives.grouped_wgrad(x_col, recipe.col(dh, group_sizes), group_sizes, w1.dtype)
+    dh_row, dh_col = recipe.row_and_col(dh, group_sizes)
+    dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype)
+    dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
+    dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
     return dx, dw1, dw2, None, dprobs.astype(probs.dtype)
 
 

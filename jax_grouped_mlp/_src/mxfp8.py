@@ -204,25 +204,26 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
             f"dtype {group_sizes.dtype}"
         )
     group_sizes = group_sizes.astype(jnp.int32)
-    m, _ = x.shape
+    m, k = x.shape
     nblocks = grouped_scale_rows(m, group_sizes.shape[0])
-    block_of_row = groups.row_tile_ids(group_sizes, m, BLOCK)  # nblocks for rows past the end
-    a = jnp.abs(x).astype(jnp.float32)
-    amax = jax.ops.segment_max(a, block_of_row, num_segments=nblocks + 1, indices_are_sorted=True)
-    has_nan = jax.ops.segment_max(
-        jnp.isnan(x).astype(jnp.int32), block_of_row, num_segments=nblocks + 1, indices_are_sorted=True
-    )
-    # Empty segments come back as -inf (or INT_MIN): they are unused blocks -> byte 0.
-    used = has_nan >= 0
-    amax = jnp.where(has_nan > 0, jnp.float32(jnp.nan), jnp.where(used, amax, 0.0))
-    e = scale_bytes(amax.astype(x.dtype), x.dtype)
-    e = jnp.where(used, e, jnp.uint8(0))
-    row_e = e[block_of_row]
+    if m == 0:
+        return MXFP8Tensor(
+            data=jnp.zeros((0, k), jnp.float8_e4m3fn),
+            scale=jnp.zeros((nblocks, k), jnp.float8_e8m0fnu),
+            axis=0,
+            group_sizes=group_sizes,
+        )
+    # Gather each block's (at most 32) rows: [nblocks, 32, K], zero-filled. Unused
+    # blocks are all zero and so get scale byte 0.
+    xb, _, _ = groups.gather_tiles(x, groups.tile_layout(group_sizes, m, BLOCK))
+    e = scale_bytes(_block_amax(xb, 1), x.dtype)
+    block_of_row = groups.row_tile_ids(group_sizes, m, BLOCK)  # nblocks past the end
+    row_e = e[jnp.minimum(block_of_row, nblocks - 1)]
     in_group = (block_of_row < nblocks)[:, None]
     data = jnp.where(in_group, _encode(x, row_e), jnp.zeros((), jnp.float8_e4m3fn))
     return MXFP8Tensor(
         data=data,
-        scale=jax.lax.bitcast_convert_type(e[:nblocks], jnp.float8_e8m0fnu),
+        scale=jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu),
         axis=0,
         group_sizes=group_sizes,
     )

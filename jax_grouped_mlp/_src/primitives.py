@@ -22,7 +22,7 @@ from jax_grouped_mlp._src import mxfp8, reference
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
-OpName = Literal["quantize", "quantize_grouped", "grouped_gemm", "grouped_wgrad"]
+OpName = Literal["quantize", "quantize_grouped", "quantize_both", "grouped_gemm", "grouped_wgrad"]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
 
@@ -74,9 +74,14 @@ def _ref_quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     return mxfp8.quantize_mxfp8_grouped(x, group_sizes)
 
 
+def _ref_quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
+
+
 _REFERENCE: dict[str, Callable] = {
     "quantize": _ref_quantize,
     "quantize_grouped": _ref_quantize_grouped,
+    "quantize_both": _ref_quantize_both,
     "grouped_gemm": _ref_grouped_gemm,
     "grouped_wgrad": _ref_grouped_wgrad,
 }
@@ -92,6 +97,11 @@ def quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     return _dispatch("quantize_grouped", x, group_sizes)
 
 
+def quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    """``(quantize(x, 1), quantize_grouped(x, group_sizes))`` for ``[M, K]``: one pass on CUDA."""
+    return _dispatch("quantize_both", x, group_sizes)
+
+
 def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:
     """``out[m] = lhs[m] @ rhs[group(m)]``: ``lhs [M, K]`` (blocks along K), ``rhs [G, K, N]`` (blocks along K)."""
     return _dispatch("grouped_gemm", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))
@@ -100,3 +110,17 @@ def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) 
 def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:
     """``out[g] = lhs_g^T @ rhs_g``: both ``[M, *]`` in group-aware blocks along M; ``[G, K, N]``."""
     return _dispatch("grouped_wgrad", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))
+
+
+def _register_available_kernels() -> None:
+    """Plugs in whatever the CUDA extension provides (nothing when it is not built)."""
+    from jax_grouped_mlp._src import ffi
+
+    if not ffi.available():
+        return
+    register_cuda_impl("quantize", ffi.quantize_cuda)
+    register_cuda_impl("quantize_grouped", ffi.quantize_grouped_cuda)
+    register_cuda_impl("quantize_both", ffi.quantize_both_cuda)
+
+
+_register_available_kernels()

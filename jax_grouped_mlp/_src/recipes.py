@@ -48,6 +48,13 @@ class Recipe(str, enum.Enum):
         w = w.astype(jnp.bfloat16)
         return w if reduce_axis == 1 else jnp.swapaxes(w, 1, 2)
 
+    def row_and_col(self, x: jax.Array, group_sizes: jax.Array) -> tuple[Operand, Operand]:
+        """``(row(x, 1), col(x, group_sizes))`` for ``[M, K]``, in one pass where a kernel can."""
+        if self is Recipe.MXFP8:
+            return primitives.quantize_both(x, group_sizes)
+        x = x.astype(jnp.bfloat16)
+        return x, x
+
     def col(self, x: jax.Array, group_sizes: jax.Array) -> Operand:
         if self is Recipe.MXFP8:
             return primitives.quantize_grouped(x, group_sizes)

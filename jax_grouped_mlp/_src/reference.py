@@ -20,16 +20,6 @@ DEFAULT_TILE = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _gather_tiles(x: jax.Array, layout: groups.TileLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rows of every tile, ``[T, tile, K]`` (zeros where invalid), their row indices and validity."""
-    m = x.shape[0]
-    offs = jnp.arange(layout.tile, dtype=jnp.int32)
-    rows = layout.start[:, None] + offs[None, :]
-    valid = offs[None, :] < layout.length[:, None]
-    tiles = jnp.where(valid[..., None], x[jnp.clip(rows, 0, m - 1)], 0)
-    return tiles, rows, valid
-
-
 def ragged_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -49,7 +39,7 @@ def ragged_matmul(
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     layout = groups.tile_layout(group_sizes, m, tile)
-    tiles, rows, valid = _gather_tiles(lhs.astype(jnp.float32), layout)
+    tiles, rows, valid = groups.gather_tiles(lhs.astype(jnp.float32), layout)
     rhs32 = rhs.astype(jnp.float32)
 
     def one_tile(args):
@@ -87,8 +77,8 @@ def ragged_transpose_matmul(
     if m == 0:
         return acc[:g].astype(out_dtype)
     layout = groups.tile_layout(group_sizes, m, tile)
-    a_tiles, _, _ = _gather_tiles(lhs.astype(jnp.float32), layout)
-    b_tiles, _, _ = _gather_tiles(rhs.astype(jnp.float32), layout)
+    a_tiles, _, _ = groups.gather_tiles(lhs.astype(jnp.float32), layout)
+    b_tiles, _, _ = groups.gather_tiles(rhs.astype(jnp.float32), layout)
 
     def step(carry, args):
         a, b, grp = args
