@@ -37,6 +37,20 @@ def _code(placement) -> str:
     return "".join(SHORT[placement[n]] for n in RESIDUAL_NAMES)
 
 
+def _label_clusters(candidates):
+    """One label per group of points that would print on top of each other."""
+    pts = sorted((c.device_bytes / 1e9, c.step_time * 1e3, _code(c.placement)) for c in candidates)
+    span = max(p[1] for p in pts) - min(p[1] for p in pts)
+    groups: list[list] = []
+    for y, x, code in pts:
+        g = groups[-1] if groups else None
+        if g and abs(g[0][0] - y) < 0.05 and abs(g[-1][1] - x) < 0.08 * span:
+            g.append((y, x, code))
+        else:
+            groups.append([(y, x, code)])
+    return [((g[0][1], g[0][0]), [code for _, _, code in g]) for g in groups]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
@@ -61,8 +75,8 @@ def main(argv=None) -> None:
     for c in plan.candidates:
         n_off = sum(v == "offload" for v in c.placement.values())
         ax.scatter(c.step_time * 1e3, c.device_bytes / 1e9, color=COLOR[n_off], s=30, zorder=3)
-        ax.annotate(_code(c.placement), (c.step_time * 1e3, c.device_bytes / 1e9),
-                    textcoords="offset points", xytext=(4, 3), fontsize=7)  # fmt: skip
+    for (x, y), codes in _label_clusters(plan.candidates):
+        ax.annotate(",".join(codes), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
     ch = plan.chosen
     ax.scatter(ch.step_time * 1e3, ch.device_bytes / 1e9, s=160, facecolors="none",
                edgecolors="black", linewidths=1.5, zorder=4, label=f"chosen: {_code(ch.placement)}")  # fmt: skip
