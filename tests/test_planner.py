@@ -120,6 +120,9 @@ def test_report_prints_a_table():
     assert len(rows) == 27
     assert sum(line.startswith("*") for line in rows) == 1
     assert f"chosen (*): {plan.chosen.label()}" in text
+    # A shortened table still shows the chosen row.
+    short = [line for line in plan.table(top=2).splitlines() if line.startswith("*")]
+    assert short == [line for line in rows if line.startswith("*")]
 
 
 def test_layer_time_from_float_matches_total():

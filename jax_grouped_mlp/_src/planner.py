@@ -51,7 +51,7 @@ import math
 from typing import Mapping
 
 from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT, RESIDUAL_NAMES
-from jax_grouped_mlp._src.policy import PLACEMENTS
+from jax_grouped_mlp._src.policy import PLACEMENTS, offload_policy
 
 BLOCK = 32  # MXFP8 block: 32 tokens share one e8m0 scale in the columnwise residuals
 RECIPES = ("mxfp8", "bf16")
@@ -256,8 +256,6 @@ class OffloadPlan:
     @property
     def policy(self):
         """The ``jax.checkpoint`` policy of the chosen placement (:func:`offload_policy`)."""
-        from jax_grouped_mlp._src.policy import offload_policy
-
         return offload_policy(**self.placement)
 
     def candidate(self, **placement: str) -> Candidate:
@@ -268,7 +266,10 @@ class OffloadPlan:
         raise ValueError(f"no candidate with placement {placement!r}")
 
     def table(self, top: int | None = None) -> str:
-        """The report as text: inputs, residuals, then candidates (fastest first)."""
+        """The report as text: inputs, residuals, then candidates (fastest first).
+
+        ``top`` keeps the fastest ``top`` candidates (and the chosen one, wherever it ranks).
+        """
         s = self.shape
         lt = self.layer_time
         lines = [
@@ -291,15 +292,21 @@ class OffloadPlan:
             "  fc1_input / activation_input / fc2_input   device mem   host mem"
             "   exposed xfer   recompute   step time  fits",
         ]
-        rows = self.candidates if top is None else self.candidates[:top]
+        chosen = self.chosen
+        rows = list(self.candidates if top is None else self.candidates[:top])
+        if chosen not in rows:
+            rows += [None, chosen]  # None: a "..." row
         for c in rows:
-            mark = "*" if c is self.chosen else " "
+            if c is None:
+                lines.append("  ...")
+                continue
+            mark = "*" if c is chosen else " "
             lines.append(
                 f"{mark} {c.label():<42}{_fmt_bytes(c.device_bytes):>11}{_fmt_bytes(c.host_bytes):>11}"
                 f"{_fmt_time(c.exposed_transfer):>15}{_fmt_time(c.recompute):>12}"
                 f"{_fmt_time(c.step_time):>12}  {'yes' if c.fits else 'no'}"
             )
-        lines.append(f"  chosen (*): {self.chosen.label()}")
+        lines.append(f"  chosen (*): {chosen.label()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
