@@ -153,7 +153,8 @@ def residual_bytes_kept(fun: Callable, *args, argnums=0) -> dict[str, dict[str, 
     layers in ``jax.checkpoint``) and follows every value each checkpoint carries into
     its backward pass back to a ``checkpoint_name`` tag. Returns, for each of
     "fc1_input", "activation_input", "fc2_input", ``{"device_bytes": ...,
-    "host_bytes": ...}`` summed over all checkpoints (0 and 0 when recomputed). For
+    "host_bytes": ...}`` summed over all checkpoints (0 and 0 when recomputed; a
+    checkpoint inside a ``scan`` body counts once, not once per iteration). For
     the placement alone, :func:`jax_grouped_mlp._src.placement.residual_placements`.
     """
     jaxpr = jax.make_jaxpr(jax.grad(fun, argnums=argnums))(*args).jaxpr
