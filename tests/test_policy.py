@@ -139,3 +139,25 @@ def test_extra_names_combine_with_user_tags(inputs):
 def test_bad_policy_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         jgm.offload_policy(**kwargs)
+
+
+def test_placements_with_constant_inputs_and_shard_map(inputs):
+    """Literal inputs to the remat and a shard_map around the layer do not confuse the reader."""
+    x, w1, w2, probs, gs = inputs
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("e",))
+    P = jax.sharding.PartitionSpec
+
+    def loss(x, w1, w2, probs):
+        def layer(x, w1, w2, p, scale):
+            return jgm.grouped_mlp(x * scale, w1, w2, gs, p)
+
+        body = lambda x, w1, w2, p: jax.checkpoint(layer, policy=jgm.offload_policy("device"))(
+            x, w1, w2, p, 2.0
+        )
+        y = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x, w1, w2, probs)
+        return jnp.sum(y.astype(jnp.float32))
+
+    fn = jax.grad(loss, argnums=(1, 2))
+    got = jgm.residual_placements(fn, x, w1, w2, probs)
+    assert got == {"fc1_input": "device", "activation_input": "offload", "fc2_input": "offload"}
+    jax.block_until_ready(jax.jit(fn)(x, w1, w2, probs))

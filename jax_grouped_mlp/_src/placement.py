@@ -1,11 +1,16 @@
 """Reads off a traced program where each named residual lives between forward and backward.
 
-``jax.checkpoint`` (remat) with a policy turns into a ``remat`` equation whose inputs
-are the residuals it saved. For every such equation we look at where each input
-came from: a ``name`` equation (kept on the device), a ``device_put`` to host memory
-of a named value (offloaded), or nothing named (the name was recomputed inside the
-remat body). This is what the tests, the demo and the planner use to show that a
-policy did what it says, without running anything.
+Under ``jax.grad``, ``jax.checkpoint`` (remat) with a policy leaves one ``name``
+equation per tagged value in the forward pass, follows it with a ``device_put`` to
+host memory when the policy offloads it, and repeats the ``name`` equation inside the
+differentiated remat body when the policy recomputes it. Counting those three
+things per name (through jit, scan, shard_map and other nested programs) tells where
+each residual lives, without running anything and without having to link values
+across program boundaries. This is what the tests, the demo and the planner use to
+show that a policy did what it says.
+
+A tagged value that the backward pass does not need at all is reported as
+``"device"`` (the forward computed it and nothing moved or recomputed it).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax
 from jax.extend import core as jex_core
 
 UNNAMED_OFFLOAD = "<unnamed>"
-# Value-preserving primitives that remat may put between a ``name`` and the saved value.
+# Value-preserving primitives that may sit between a ``name`` and its host copy.
 _ALIASES = frozenset({"reduce_precision", "copy", "copy_p"})
 
 
@@ -27,46 +32,26 @@ def _is_to_host(eqn) -> bool:
     return any(getattr(d, "name", None) == "Host" or str(d).endswith("Host") for d in eqn.params.get("devices", ()))
 
 
-def _names_in(jaxpr) -> set[str]:
-    found: set[str] = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name":
-            found.add(eqn.params["name"])
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            found |= _names_in(sub)
-    return found
+def _is_remat_body_owner(eqn) -> bool:
+    return eqn.primitive.name in ("remat", "remat2", "checkpoint") and eqn.params.get("differentiated", False)
 
 
-def _walk(jaxpr, out: dict[str, collections.Counter]) -> None:
+def _walk(jaxpr, counts: dict[str, collections.Counter], in_body: bool) -> None:
+    """Counts, per name, forward occurrences, host copies and recomputations."""
     named: dict[Any, str] = {}
-    host_copy_of: dict[Any, str] = {}
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         if prim == "name":
             named[eqn.outvars[0]] = eqn.params["name"]
-        elif prim in _ALIASES and eqn.invars[0] in named:
+            counts[eqn.params["name"]]["recompute" if in_body else "forward"] += 1
+        elif prim in _ALIASES and isinstance(eqn.invars[0], jex_core.Var) and eqn.invars[0] in named:
             named[eqn.outvars[0]] = named[eqn.invars[0]]
         elif _is_to_host(eqn):
-            for src, dst in zip(eqn.invars, eqn.outvars):
-                if src in named:
-                    host_copy_of[dst] = named[src]
-                else:
-                    out[UNNAMED_OFFLOAD]["offload"] += 1
-        if prim in ("remat", "remat2", "checkpoint") and eqn.params.get("differentiated", False):
-            body = eqn.params["jaxpr"]
-            body = getattr(body, "jaxpr", body)
-            saved: set[str] = set()
-            for v in eqn.invars:
-                if v in host_copy_of:
-                    out[host_copy_of[v]]["offload"] += 1
-                    saved.add(host_copy_of[v])
-                elif v in named:
-                    out[named[v]]["device"] += 1
-                    saved.add(named[v])
-            for n in _names_in(body) - saved:
-                out[n]["recompute"] += 1
+            for src in eqn.invars:
+                key = named.get(src, UNNAMED_OFFLOAD) if isinstance(src, jex_core.Var) else UNNAMED_OFFLOAD
+                counts[key]["offload"] += 1
         for sub in jex_core.jaxprs_in_params(eqn.params):
-            _walk(sub, out)
+            _walk(sub, counts, in_body or _is_remat_body_owner(eqn))
 
 
 def residual_placements(fn: Callable, *args, **kwargs) -> dict[str, str]:
@@ -85,10 +70,19 @@ def residual_placements(fn: Callable, *args, **kwargs) -> dict[str, str]:
     """
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    _walk(closed.jaxpr, counts)
+    _walk(closed.jaxpr, counts, in_body=False)
     result: dict[str, str] = {}
     for name, c in sorted(counts.items()):
-        kinds = [k for k, v in c.items() if v]
-        if kinds:
-            result[name] = kinds[0] if len(kinds) == 1 else "mixed"
+        if name == UNNAMED_OFFLOAD:
+            result[name] = "offload"
+            continue
+        kinds = {
+            "offload": c["offload"],
+            "recompute": c["recompute"],
+            # Every placement computes the value once in the forward pass.
+            "device": max(c["forward"] - c["offload"] - c["recompute"], 0),
+        }
+        present = [k for k, v in kinds.items() if v]
+        if present:
+            result[name] = present[0] if len(present) == 1 else "mixed"
     return result

@@ -73,7 +73,9 @@ def ragged_transpose_matmul(
     if m != m2:
         raise ValueError(f"row mismatch: lhs {lhs.shape} vs rhs {rhs.shape}")
     g = group_sizes.shape[0]
-    acc = jnp.zeros((g + 1, k, n), jnp.float32)
+    # zeros_like keeps lhs's varying-manual-axes type, so the scan carry type-checks
+    # inside shard_map.
+    acc = jnp.zeros_like(lhs, shape=(g + 1, k, n), dtype=jnp.float32)
     if m == 0:
         return acc[:g].astype(out_dtype)
     layout = groups.tile_layout(group_sizes, m, tile)
