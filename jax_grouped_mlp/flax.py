@@ -3,5 +3,4 @@
 from jax_grouped_mlp._src.flax_mlp import GroupedMLP, default_kernel_init
 from jax_grouped_mlp._src.flax_moe import MoEBlock, RouterBias, default_router_init
 
-__all__ = ["GroupedMLP", "default_kernel_init"]
-__all__ += ["MoEBlock", "RouterBias", "default_router_init"]
+__all__ = ["GroupedMLP", "MoEBlock", "RouterBias", "default_kernel_init", "default_router_init"]
