@@ -115,8 +115,13 @@ namespace jgm {
 // Names of the compiled quantize variants, indexed by the `variant` attribute.
 extern const char* const kQuantizeVariants[];
 extern const int kNumQuantizeVariants;
+// Names of the compiled grouped GEMM variants, indexed by the `variant` attribute.
+extern const char* const kGroupedGemmVariants[];
+extern const int kNumGroupedGemmVariants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemm);

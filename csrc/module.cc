@@ -24,10 +24,18 @@ PYBIND11_MODULE(_kernels, m) {
     quantize["instantiate"] = Capsule(JgmQuantizeMxfp8Instantiate);
     quantize["execute"] = Capsule(JgmQuantizeMxfp8);
     d["jgm_quantize_mxfp8"] = quantize;
+    py::dict grouped_gemm;
+    grouped_gemm["instantiate"] = Capsule(JgmGroupedGemmInstantiate);
+    grouped_gemm["execute"] = Capsule(JgmGroupedGemm);
+    d["jgm_grouped_gemm"] = grouped_gemm;
     return d;
   });
   py::list variants;
   for (int i = 0; i < jgm::kNumQuantizeVariants; ++i) variants.append(jgm::kQuantizeVariants[i]);
   m.attr("QUANTIZE_VARIANTS") = py::tuple(variants);
+  py::list gemm_variants;
+  for (int i = 0; i < jgm::kNumGroupedGemmVariants; ++i)
+    gemm_variants.append(jgm::kGroupedGemmVariants[i]);
+  m.attr("GROUPED_GEMM_VARIANTS") = py::tuple(gemm_variants);
   m.attr("ARCH") = "sm_90a";
 }

@@ -81,6 +81,30 @@ def _quantize_variants():
     )
 
 
+def _grouped_gemm_variants():
+    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
+
+    # Keep in the order of JGM_GROUPED_GEMM_VARIANTS in csrc/grouped_gemm.cc.
+    return (GroupedGemmConfig(tile_n=256), GroupedGemmConfig(tile_n=192), GroupedGemmConfig(tile_n=128))
+
+
+def _grouped_gemm_args():
+    """Fake (lhs [M, K], rhs seen as (N, K, G) N-contiguous, out [M, N], group_sizes, num_ctas, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def t(dtype, shape, order, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
+                                        use_32bit_stride=True)
+
+    m, g = cute.sym_int32(), cute.sym_int32()
+    n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
+    return (t(cutlass.BFloat16, (m, k), (1, 0)), t(cutlass.BFloat16, (n, k, g), (0, 1, 2)),
+            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
+            cutlass.Int32(132), make_fake_stream())
+
+
 def variants():
     """(name, kernel object, fake arguments) for every variant we ship."""
     import cutlass
@@ -111,6 +135,11 @@ def variants():
             make_fake_stream(),
         )
         yield cfg.name, QuantizeMxfp8(cfg), args
+
+    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmSm90
+
+    for cfg in _grouped_gemm_variants():
+        yield cfg.name, GroupedGemmSm90(cfg), _grouped_gemm_args()
 
 
 def main(argv=None) -> int:

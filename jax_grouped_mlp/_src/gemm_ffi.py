@@ -1,0 +1,117 @@
+"""XLA FFI binding of the Hopper grouped GEMM (``csrc/grouped_gemm.cc``, kernel
+``kernels/grouped_gemm_sm90.py``).
+
+``out[m] = lhs[m] @ rhs[group(m)]`` with ``lhs [M, K]`` and ``rhs [G, K, N]`` in bf16,
+fp32 accumulation, bf16 output, ``group_sizes [G]`` int32 read on the device (no host
+sync; sizes are clamped to ``M``), rows at or past ``sum(group_sizes)`` zero. MXFP8
+operands are dequantized to bf16 first, which is exact (``e4m3 * 2^k`` fits bf16), so
+the result equals the reference's up to fp32 summation order and the final bf16
+rounding. Lowers only for CUDA: dispatch through ``primitives.register_cuda_impl``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_grouped_mlp._src import ffi, mxfp8, reference
+from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+
+GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
+_MAX = 2**31
+
+
+def grouped_gemm_variants() -> tuple[str, ...]:
+    """Names of the compiled tile configurations (empty without the extension)."""
+    ext = ffi._load()
+    return tuple(getattr(ext, "GROUPED_GEMM_VARIANTS", ())) if ext is not None else ()
+
+
+def grouped_gemm_supported(m: int, n: int, k: int, g: int) -> bool:
+    """Whether the kernel takes these dimensions (16-byte TMA strides, 32-bit offsets)."""
+    return n % 8 == 0 and k % 8 == 0 and m * k < _MAX and m * n < _MAX and g * k * n < _MAX
+
+
+def tile_n(variant: str) -> int:
+    """The CTA tile width of a variant name (``..._m128n256k64_...`` -> 256)."""
+    found = re.search(r"_m\d+n(\d+)k\d+", variant)
+    if not found:
+        raise ValueError(f"not a grouped GEMM variant name: {variant!r}")
+    return int(found.group(1))
+
+
+def default_variant(n: int) -> str:
+    """The tile width for ``N`` output columns: least column padding, then the widest tile.
+
+    Provisional until the H200 numbers in docs/gemm.md pick per-shape winners.
+    """
+    names = grouped_gemm_variants()
+    if not names:
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+
+    def cost(name: str) -> tuple[int, int]:
+        t = tile_n(name)
+        return (-(-n // t) * t, -t)
+
+    return min(names, key=cost)
+
+
+def grouped_gemm_bf16_cuda(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, variant: str | None = None
+) -> jax.Array:
+    """The kernel on bf16 operands: ``lhs [M, K]``, ``rhs [G, K, N]`` -> bf16 ``[M, N]``."""
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"need lhs [M, K] and rhs [G, K, N], got {lhs.shape=} {rhs.shape=}")
+    m, k = lhs.shape
+    g, k2, n = rhs.shape
+    if k != k2:
+        raise ValueError(f"contraction mismatch: {lhs.shape=} vs {rhs.shape=}")
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(lhs.dtype) != bf16 or jnp.dtype(rhs.dtype) != bf16:
+        raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
+    if not grouped_gemm_supported(m, n, k, g):
+        raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integer [{g}], got {group_sizes.shape=} {group_sizes.dtype=}")
+    names = grouped_gemm_variants()
+    variant = default_variant(n) if variant is None else variant
+    if variant not in names:
+        raise ValueError(f"{variant=} is not one of the compiled {names}")
+    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(
+        lhs, rhs, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
+    )
+
+
+def _as_bf16(x) -> jax.Array:
+    if isinstance(x, MXFP8Tensor):
+        return mxfp8.dequantize(x, jnp.bfloat16)  # exact
+    return x
+
+
+def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
+
+    Takes MXFP8 or bf16 operands; falls back to the reference (decided at trace time)
+    when the output is not bf16 or an operand is wider than bf16 (rounding it to bf16
+    would change the result) or the shape is outside :func:`grouped_gemm_supported`.
+    """
+    a, b = _as_bf16(lhs), _as_bf16(rhs)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    m, k = a.shape
+    g, _, n = b.shape
+    if (
+        jnp.dtype(out_dtype) != bf16
+        or jnp.dtype(a.dtype) != bf16
+        or jnp.dtype(b.dtype) != bf16
+        or not grouped_gemm_supported(m, n, k, g)
+    ):
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        return reference.ragged_matmul(f32(a), f32(b), group_sizes, out_dtype=out_dtype)
+    return grouped_gemm_bf16_cuda(a, b, group_sizes)

@@ -1,0 +1,388 @@
+"""Hopper (sm_90a) grouped GEMM over ragged M: ``out[m] = A[m] @ B[group(m)]``.
+
+Operands (row-major as JAX stores them; no transposes on the JAX side):
+  A            [M, K]      bf16, K contiguous      (TMA, K-major wgmma operand)
+  B            [G, K, N]   bf16, N contiguous      (TMA, MN-major wgmma operand;
+                                                     seen by the kernel as (N, K, G))
+  group_sizes  [G]         int32, read on the device only
+  out          [M, N]      bf16
+
+MXFP8 operands enter as bf16 (the JAX side dequantizes; e4m3 * 2^k is exact in bf16),
+so this is DESIGN.md's strategy 2 with the conversion outside the kernel.
+
+Work decomposition ("segments"): segment ``g < G`` is group ``g``'s rows
+``[start_g, start_g + size_g)`` with sizes clamped so that every segment lies inside
+``[0, M)``; segment ``G`` (the tail) is the rows past ``sum(group_sizes)``. Each segment
+is cut into row tiles of ``tile_m`` that never cross its end, times ``cdiv(N, tile_n)``
+column tiles. Tiles are numbered segment by segment; within a segment they go in panels
+of ``panel_m`` row tiles, column tile outer and row tile inner (neighbouring CTAs share
+B tiles and a few A tiles in L2).
+
+Persistent grid (one CTA per SM): CTA ``b`` takes tiles ``b, b + grid, ...``. Every warp
+role walks the segments with a forward-only cursor (group sizes read from global, one
+load per group boundary passed), so no host sync, no prefix-sum workspace and no
+communication between roles is needed.
+
+Warp roles (384 threads, 1 CTA per SM):
+  * warp group 0, warp 0 -- TMA producer. For each tile and each ``tile_k`` slice it
+    waits for a free stage, then loads the A tile (rows from the tile's start; rows past
+    the group end are harmless extra rows, rows past M are zero-filled by TMA) and the
+    B tile of the tile's group. Registers dropped to 40 (setmaxnreg).
+  * warp groups 1 and 2 -- consumers. Each owns 64 of the tile's 128 rows: bf16
+    wgmma (64 x tile_n x 16) from shared memory into fp32 registers, one wgmma batch in
+    flight while the next stage is awaited, then the epilogue: convert to bf16 and store
+    from registers with a row predicate (``row < end of the tile's group``), so a tile
+    never writes rows of the next group. Tail tiles skip the mainloop and store zeros.
+    Registers raised to 232.
+
+Pipeline: ``stages`` shared-memory slots of (A tile, B tile), ``PipelineTmaAsync``
+(full barrier with TMA transaction bytes, empty barrier arrived by each consumer warp).
+The producer runs ahead across tile boundaries, so the next tile's loads overlap this
+tile's epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
+_BIG = 1 << 30  # "infinitely many tiles": stops the cursor past the tail segment
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Compile-time knobs of :class:`GroupedGemmSm90`.
+
+    tile_n: output columns per CTA tile (the wgmma N; 64..256, multiple of 64).
+    tile_k: K per pipeline stage (64 bf16 = one 128-byte swizzle atom).
+    stages: shared-memory pipeline depth (0: as many as fit).
+    panel_m: row tiles per rasterization panel (L2 locality).
+    The CTA tile has 128 rows: two consumer warp groups of 64.
+    """
+
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 0
+    panel_m: int = 8
+
+    tile_m = 128
+
+    def __post_init__(self):
+        if self.tile_n % 64 or not 64 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 64 in [64, 256], got {self.tile_n=}")
+        if self.tile_k != 64:
+            raise ValueError(f"tile_k must be 64, got {self.tile_k=}")
+        if self.panel_m < 1:
+            raise ValueError(f"panel_m must be >= 1, got {self.panel_m=}")
+        if self.num_stages < 2:
+            raise ValueError(f"{self} leaves room for {self.num_stages} stages; need >= 2")
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.tile_m + self.tile_n) * self.tile_k * 2
+
+    @property
+    def num_stages(self) -> int:
+        fit = (SMEM_CAPACITY - 1024) // self.stage_bytes
+        return min(fit, self.stages) if self.stages else fit
+
+    @property
+    def name(self) -> str:
+        s = f"grouped_gemm_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
+        return s + (f"_p{self.panel_m}" if self.panel_m != 8 else "")
+
+
+def is_supported(config: GroupedGemmConfig, m: int, n: int, k: int, g: int) -> bool:
+    """Whether the kernel takes this problem (else the caller uses the reference).
+
+    TMA needs 16-byte aligned row strides (N, K multiples of 8); offsets are 32-bit.
+    Tiles past N or K are zero-filled by TMA and masked on store, so N and K need not
+    be multiples of the tile.
+    """
+    del config
+    return (
+        n % 8 == 0 and k % 8 == 0 and n > 0 and g >= 0
+        and m * k < 2**31 and m * n < 2**31 and g * k * n < 2**31
+    )
+
+
+class GroupedGemmSm90:
+    """Persistent warp-specialized TMA + wgmma grouped GEMM; see the module docstring."""
+
+    def __init__(self, config: GroupedGemmConfig):
+        self.config = config
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_k = config.tile_k
+        self.stages = config.num_stages
+        self.panel_m = config.panel_m
+        self.tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups stacked along M
+        self.num_mma_warp_groups = 2
+        self.threads = 128 * (1 + self.num_mma_warp_groups)
+        self.acc_dtype = Float32
+        self.load_regs = 40
+        self.mma_regs = 232
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (M, K) bf16, K contiguous
+        b: cute.Tensor,  # (N, K, G) bf16, N contiguous (JAX's [G, K, N])
+        out: cute.Tensor,  # (M, N) bf16, N contiguous
+        group_sizes: cute.Tensor,  # (G,) int32
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.ab_dtype = a.element_type
+        self.out_dtype = out.element_type
+        a_layout = utils.LayoutEnum.from_tensor(a)
+        b_layout = utils.LayoutEnum.from_tensor(b)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_n),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            a,
+            cute.slice_(a_smem, (None, None, 0)),
+            (self.tile_m, self.tile_k),
+        )
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            b,
+            cute.slice_(b_smem, (None, None, 0)),
+            (self.tile_n, self.tile_k),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_atom_a, tma_a, tma_atom_b, tma_b, out, group_sizes, self.tiled_mma, a_smem, b_smem
+        ).launch(
+            grid=(num_ctas, 1, 1),
+            block=(self.threads, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---- tile scheduler: a forward-only cursor over segments (see module doc) ----
+
+    @cute.jit
+    def _segment_rows(self, group_sizes: cute.Tensor, seg: Int32, row0: Int32, m: Int32) -> Int32:
+        """Rows of segment ``seg`` starting at ``row0`` (clamped to M; tail = the rest)."""
+        num_groups = group_sizes.shape[0]
+        rows = Int32(0)
+        if seg < num_groups:
+            rows = cutlass.min(cutlass.max(Int32(group_sizes[seg]), Int32(0)), m - row0)
+        elif seg == num_groups:
+            rows = m - row0
+        return rows
+
+    @cute.jit
+    def _seek(self, group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles):
+        """Advances the cursor until tile ``t`` lies in segment ``seg`` (or past the tail)."""
+        num_groups = group_sizes.shape[0]
+        while t - seg_tile0 >= seg_tiles:
+            seg_tile0 = seg_tile0 + seg_tiles
+            seg_row0 = seg_row0 + seg_rows
+            seg = seg + 1
+            seg_rows = self._segment_rows(group_sizes, seg, seg_row0, m)
+            seg_tiles = (seg_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
+            if seg > num_groups:
+                seg_tiles = Int32(_BIG)
+        return seg, seg_tile0, seg_row0, seg_rows, seg_tiles
+
+    @cute.jit
+    def _tile_coords(self, t, seg_tile0, seg_rows, n_tiles):
+        """(first row offset in the segment, rows valid, column tile) of tile ``t``."""
+        local = t - seg_tile0
+        m_tiles = (seg_rows + (self.tile_m - 1)) // self.tile_m
+        panel_tiles = self.panel_m * n_tiles
+        panel = local // panel_tiles
+        r = local - panel * panel_tiles
+        rows_in_panel = cutlass.min(Int32(self.panel_m), m_tiles - panel * self.panel_m)
+        n_tile = r // rows_in_panel
+        m_tile = panel * self.panel_m + (r - n_tile * rows_in_panel)
+        row_off = m_tile * self.tile_m
+        return row_off, cutlass.min(seg_rows - row_off, Int32(self.tile_m)), n_tile
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,  # TMA coordinate tensor (M, K)
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
+        mOut: cute.Tensor,  # (M, N)
+        group_sizes: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+
+        m = mOut.shape[0]
+        n = mOut.shape[1]
+        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
+        num_groups = group_sizes.shape[0]
+
+        # (tile_n, tile_k, n_tiles, k_tiles, G)
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        k_tiles = cute.size(gB, mode=[3])
+
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        # Cursor start: segment 0 (or the tail directly when G == 0).
+        seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
+        seg0_tiles = (seg0_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
+
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                t = Int32(bidx)
+                seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                    group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
+                )
+                while seg <= num_groups:
+                    row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+                    if seg < num_groups:
+                        row0 = seg_row0 + row_off
+                        gA = cute.local_tile(
+                            cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
+                        )
+                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                            cute.group_modes(gA, 0, 2),
+                        )
+                        tBgB_tile = tBgB[(None, n_tile, None, seg)]
+                        for k in range(k_tiles):
+                            mainloop.producer_acquire(state)
+                            bar = mainloop.producer_get_barrier(state)
+                            cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                            mainloop.producer_commit(state)
+                            state.advance()
+                    t = t + gdim
+                    seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                        group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
+                    )
+                mainloop.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            thr_mma = tiled_mma.get_slice(tidx - 128)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            # Coordinates of each accumulator element inside the tile, for the row predicate.
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            out_frag = cute.make_rmem_tensor(tCcC.shape, self.out_dtype)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            t = Int32(bidx)
+            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
+            )
+            while seg <= num_groups:
+                row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+                acc.fill(0.0)
+                if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    # First stage: issue and keep in flight.
+                    mainloop.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        c = (None, None, kb, read.index)
+                        cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read.advance()
+                    for k in range(1, k_tiles):
+                        mainloop.consumer_wait(read)
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            c = (None, None, kb, read.index)
+                            cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+                        cute.nvgpu.warpgroup.commit_group()
+                        # The previous stage's wgmmas are done: hand its slot back.
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        mainloop.consumer_release(release)
+                        release.advance()
+                        read.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    mainloop.consumer_release(release)
+                    release.advance()
+
+                # Epilogue: bf16, stored straight from registers; rows past the
+                # tile's group end (and columns past N) are masked.
+                out_frag.store(acc.load().to(self.out_dtype))
+                row0 = seg_row0 + row_off
+                col0 = n_tile * self.tile_n
+                gOut = cute.local_tile(
+                    cute.domain_offset((row0, col0), mOut), (self.tile_m, self.tile_n), (0, 0)
+                )
+                tCgC = thr_mma.partition_C(gOut)
+                cols_valid = n - col0
+                for i in cutlass.range_constexpr(cute.size(tCcC)):
+                    r, c = tCcC[i]
+                    if r < rows_valid:
+                        if c < cols_valid:
+                            tCgC[i] = out_frag[i]
+
+                t = t + gdim
+                seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                    group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
+                )
