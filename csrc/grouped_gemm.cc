@@ -11,15 +11,19 @@
 // Attribute: variant (int32): index into JGM_GROUPED_GEMM_VARIANTS (the compiled
 // tile configurations; jax_grouped_mlp/kernels/aot.py builds the same list).
 #include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
-#include "grouped_gemm_sm90_bf16_m128n128k64_s7.h"
+#include "grouped_gemm_sm90_bf16_m128n128k64_s6.h"
 #include "grouped_gemm_sm90_bf16_m128n192k64_s5.h"
 #include "grouped_gemm_sm90_bf16_m128n256k64_s4.h"
+#include "grouped_gemm_sm90_bf16_m128n256k64_s4_p16.h"
+#include "grouped_gemm_sm90_bf16_m128n256k64_s4_p4.h"
 
 // X(name): every exported variant, in the order of the `variant` attribute.
 #define JGM_GROUPED_GEMM_VARIANTS(X)        \
   X(grouped_gemm_sm90_bf16_m128n256k64_s4) \
   X(grouped_gemm_sm90_bf16_m128n192k64_s5) \
-  X(grouped_gemm_sm90_bf16_m128n128k64_s7)
+  X(grouped_gemm_sm90_bf16_m128n128k64_s6) \
+  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p4) \
+  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p16)
 
 namespace jgm {
 

@@ -46,7 +46,8 @@ def tile_n(variant: str) -> int:
 def default_variant(n: int) -> str:
     """The tile width for ``N`` output columns: least column padding, then the widest tile.
 
-    Provisional until the H200 numbers in docs/gemm.md pick per-shape winners.
+    On the H200 this picked the fastest measured variant (up to timing noise) at every
+    benchmark shape: n256 for N = 4096 and 1536, n192 for N = 1856 and 2688 (docs/gemm.md).
     """
     names = grouped_gemm_variants()
     if not names:

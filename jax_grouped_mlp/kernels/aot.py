@@ -85,7 +85,8 @@ def _grouped_gemm_variants():
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
 
     # Keep in the order of JGM_GROUPED_GEMM_VARIANTS in csrc/grouped_gemm.cc.
-    return (GroupedGemmConfig(tile_n=256), GroupedGemmConfig(tile_n=192), GroupedGemmConfig(tile_n=128))
+    return (GroupedGemmConfig(tile_n=256), GroupedGemmConfig(tile_n=192), GroupedGemmConfig(tile_n=128),
+            GroupedGemmConfig(tile_n=256, panel_m=4), GroupedGemmConfig(tile_n=256, panel_m=16))
 
 
 def _grouped_gemm_args():

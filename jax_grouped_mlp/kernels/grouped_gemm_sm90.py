@@ -30,10 +30,16 @@ Warp roles (384 threads, 1 CTA per SM):
     B tile of the tile's group. Registers dropped to 40 (setmaxnreg).
   * warp groups 1 and 2 -- consumers. Each owns 64 of the tile's 128 rows: bf16
     wgmma (64 x tile_n x 16) from shared memory into fp32 registers, one wgmma batch in
-    flight while the next stage is awaited, then the epilogue: convert to bf16 and store
-    from registers with a row predicate (``row < end of the tile's group``), so a tile
-    never writes rows of the next group. Tail tiles skip the mainloop and store zeros.
-    Registers raised to 232.
+    flight while the next stage is awaited. Registers raised to 232. Then the epilogue,
+    in 128 x 32 subtiles through ``epi_stages`` shared-memory buffers (stmatrix):
+      - full tiles (all 128 rows in the group, the common case): TMA store of each
+        subtile, so the store overlaps the next subtile and the next tile's mainloop;
+      - partial tiles (a group's last rows, or rows past the groups): 16-byte stores
+        from shared memory with a row predicate (``row < end of the tile's group``),
+        so a tile never writes rows of the next group.
+    Tail tiles (rows past ``sum(group_sizes)``) skip the mainloop and store zeros.
+    Storing bf16 straight from the wgmma registers (2-byte scattered stores) cost
+    15-25% of the run time on the H200; see docs/gemm.md.
 
 Pipeline: ``stages`` shared-memory slots of (A tile, B tile), ``PipelineTmaAsync``
 (full barrier with TMA transaction bytes, empty barrier arrived by each consumer warp).
@@ -56,6 +62,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
 _BIG = 1 << 30  # "infinitely many tiles": stops the cursor past the tail segment
+EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,7 @@ class GroupedGemmConfig:
     tile_k: K per pipeline stage (64 bf16 = one 128-byte swizzle atom).
     stages: shared-memory pipeline depth (0: as many as fit).
     panel_m: row tiles per rasterization panel (L2 locality).
+    epi_stages: shared-memory buffers of the TMA-store epilogue (128 x 32 bf16 each).
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -73,6 +81,7 @@ class GroupedGemmConfig:
     tile_k: int = 64
     stages: int = 0
     panel_m: int = 8
+    epi_stages: int = 2
 
     tile_m = 128
 
@@ -81,6 +90,8 @@ class GroupedGemmConfig:
             raise ValueError(f"tile_n must be a multiple of 64 in [64, 256], got {self.tile_n=}")
         if self.tile_k != 64:
             raise ValueError(f"tile_k must be 64, got {self.tile_k=}")
+        if self.epi_stages < 2:  # the partial-tile epilogue relies on double buffering
+            raise ValueError(f"epi_stages must be >= 2, got {self.epi_stages=}")
         if self.panel_m < 1:
             raise ValueError(f"panel_m must be >= 1, got {self.panel_m=}")
         if self.num_stages < 2:
@@ -91,14 +102,19 @@ class GroupedGemmConfig:
         return (self.tile_m + self.tile_n) * self.tile_k * 2
 
     @property
+    def epi_bytes(self) -> int:
+        return self.tile_m * EPI_N * 2 * self.epi_stages
+
+    @property
     def num_stages(self) -> int:
-        fit = (SMEM_CAPACITY - 1024) // self.stage_bytes
+        fit = (SMEM_CAPACITY - 1024 - self.epi_bytes) // self.stage_bytes
         return min(fit, self.stages) if self.stages else fit
 
     @property
     def name(self) -> str:
         s = f"grouped_gemm_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
-        return s + (f"_p{self.panel_m}" if self.panel_m != 8 else "")
+        s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
+        return s + (f"_e{self.epi_stages}" if self.epi_stages != 2 else "")
 
 
 def is_supported(config: GroupedGemmConfig, m: int, n: int, k: int, g: int) -> bool:
@@ -132,6 +148,10 @@ class GroupedGemmSm90:
         self.acc_dtype = Float32
         self.load_regs = 40
         self.mma_regs = 232
+        self.epi_tile = (self.tile_m, EPI_N)
+        self.epi_stages = config.epi_stages
+        self.epi_store_warp = 4  # first consumer warp issues the epilogue's TMA stores
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_mma_warp_groups)
 
     @cute.jit
     def __call__(
@@ -171,15 +191,26 @@ class GroupedGemmSm90:
             (self.tile_n, self.tile_k),
         )
 
+        self.out_layout = utils.LayoutEnum.from_tensor(out)
+        epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, self.out_layout, self.epi_tile, self.epi_stages)
+        tma_atom_out, tma_out = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            out,
+            cute.slice_(epi_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+
         @cute.struct
         class SharedStorage:
             barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, out, group_sizes, self.tiled_mma, a_smem, b_smem
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_out, tma_out, out, group_sizes,
+            self.tiled_mma, a_smem, b_smem, epi_smem,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
@@ -235,11 +266,14 @@ class GroupedGemmSm90:
         mA: cute.Tensor,  # TMA coordinate tensor (M, K)
         tma_atom_b: cute.CopyAtom,
         mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
+        tma_atom_out: cute.CopyAtom,
+        mOutTma: cute.Tensor,  # TMA coordinate tensor (M, N)
         mOut: cute.Tensor,  # (M, N)
         group_sizes: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -248,6 +282,7 @@ class GroupedGemmSm90:
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_out)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -267,6 +302,7 @@ class GroupedGemmSm90:
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
 
         m = mOut.shape[0]
         n = mOut.shape[1]
@@ -329,8 +365,37 @@ class GroupedGemmSm90:
             # Coordinates of each accumulator element inside the tile, for the row predicate.
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-            out_frag = cute.make_rmem_tensor(tCcC.shape, self.out_dtype)
             num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # Epilogue of full tiles: registers -> shared memory (stmatrix) in 128 x 32
+            # subtiles -> TMA store, double-buffered so the store of one subtile overlaps
+            # the conversion of the next. (A full tile's rows all belong to its group.)
+            copy_atom_r2s = sm90_utils.get_smem_store_op(self.out_layout, self.out_dtype, self.acc_dtype)
+            copy_atom_c = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.out_layout.is_m_major_c(), 4), self.out_dtype
+            )
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+            thr_copy_r2s = tiled_copy_r2s.get_slice(tidx - 128)
+            tRS_sD = thr_copy_r2s.partition_D(sC)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.out_dtype)
+            size_tRS_rD = cute.size(tRS_rD)
+            store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_warp_groups),
+            )
+            epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
+            # Partial tiles: shared memory -> global with 16-byte stores, a row predicate
+            # per vector (256 threads = 64 rows x 4 vectors of 8 columns per pass).
+            s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+            tiled_s2g = cute.make_tiled_copy_tv(
+                s2g_atom, cute.make_ordered_layout((64, EPI_N // 8), order=(1, 0)), cute.make_layout((1, 8))
+            )
+            thr_s2g = tiled_s2g.get_slice(tidx - 128)
+            tSG_sC = thr_s2g.partition_S(sC)
+            tSG_cC = thr_s2g.partition_D(cute.make_identity_tensor(self.epi_tile))
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -366,23 +431,66 @@ class GroupedGemmSm90:
                     mainloop.consumer_release(release)
                     release.advance()
 
-                # Epilogue: bf16, stored straight from registers; rows past the
-                # tile's group end (and columns past N) are masked.
-                out_frag.store(acc.load().to(self.out_dtype))
                 row0 = seg_row0 + row_off
                 col0 = n_tile * self.tile_n
-                gOut = cute.local_tile(
-                    cute.domain_offset((row0, col0), mOut), (self.tile_m, self.tile_n), (0, 0)
-                )
-                tCgC = thr_mma.partition_C(gOut)
-                cols_valid = n - col0
-                for i in cutlass.range_constexpr(cute.size(tCcC)):
-                    r, c = tCcC[i]
-                    if r < rows_valid:
-                        if c < cols_valid:
-                            tCgC[i] = out_frag[i]
+                if rows_valid == self.tile_m:
+                    gTile = cute.local_tile(
+                        cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile)
+                    )
+                    gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, 32), (1, tile_n / 32))
+                    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
+                    )
+                    epi_num = cute.size(gEpi, mode=[1])
+                    epi_shape = gEpi.shape[1]
+                    epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    for e in cutlass.range_constexpr(epi_num):
+                        for v in cutlass.range_constexpr(size_tRS_rD):
+                            tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+                        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                        buf = (epi_count + e) % self.epi_stages
+                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                        # stmatrix writes go through the generic proxy; TMA reads async.
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.epi_barrier.arrive_and_wait()
+                        if warp_idx == self.epi_store_warp:
+                            cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
+                            store_pipeline.producer_commit()
+                            store_pipeline.producer_acquire()  # the buffer written next is free again
+                        self.epi_barrier.arrive_and_wait()
+                    epi_count = epi_count + epi_num
+                else:
+                    # Partial tile (a group's last rows, or the rows past the groups): the
+                    # same shared-memory staging, then 16-byte stores of the valid rows only,
+                    # so the tile never writes the next group's rows. Columns past N are
+                    # whole vectors (N % 8 == 0) and are skipped too.
+                    if warp_idx == self.epi_store_warp:
+                        # Earlier TMA stores may still read the buffers we are about to
+                        # overwrite (the barrier of the first subtile publishes this wait).
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    for e in cutlass.range_constexpr(self.tile_n // EPI_N):
+                        for v in cutlass.range_constexpr(size_tRS_rD):
+                            tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+                        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                        buf = (epi_count + e) % self.epi_stages
+                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                        self.epi_barrier.arrive_and_wait()
+                        gSub = cute.local_tile(
+                            cute.domain_offset((row0, col0 + e * EPI_N), mOut), self.epi_tile, (0, 0)
+                        )
+                        tSG_g = thr_s2g.partition_D(gSub)
+                        tSG_s = tSG_sC[(None, None, None, buf)]
+                        cols_valid = n - (col0 + e * EPI_N)
+                        for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
+                            for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
+                                r, c = tSG_cC[(0, i, j)]
+                                if r < rows_valid:
+                                    if c < cols_valid:
+                                        cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+                    epi_count = epi_count + self.tile_n // EPI_N
 
                 t = t + gdim
                 seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
                     group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
                 )
+            store_pipeline.producer_tail()
