@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi, mxfp8, reference
+from jax_grouped_mlp._src import ffi, mxfp8
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
@@ -99,10 +99,12 @@ def _as_bf16(x) -> jax.Array:
 def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
     """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
 
-    Takes MXFP8 or bf16 operands; falls back to the reference (decided at trace time)
-    when the output is not bf16 or an operand is wider than bf16 (rounding it to bf16
-    would change the result) or the shape is outside :func:`grouped_gemm_supported`.
+    Takes MXFP8 or bf16 operands; falls back to the platform-independent reference
+    (``primitives``' own, decided at trace time) when the output is not bf16, an operand
+    is neither MXFP8 nor bf16, or the shape is outside :func:`grouped_gemm_supported`.
     """
+    from jax_grouped_mlp._src import primitives  # the reference, whatever its operand rules
+
     a, b = _as_bf16(lhs), _as_bf16(rhs)
     bf16 = jnp.dtype(jnp.bfloat16)
     m, k = a.shape
@@ -113,6 +115,5 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Arr
         or jnp.dtype(b.dtype) != bf16
         or not grouped_gemm_supported(m, n, k, g)
     ):
-        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-        return reference.ragged_matmul(f32(a), f32(b), group_sizes, out_dtype=out_dtype)
+        return primitives._REFERENCE["grouped_gemm"](lhs, rhs, group_sizes, out_dtype=out_dtype)
     return grouped_gemm_bf16_cuda(a, b, group_sizes)
