@@ -32,6 +32,9 @@ import numpy as np
 
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import time_call  # noqa: E402
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SHAPES = {  # name: (groups, rows per group, K, N)
     "moe8": (8, 8192, 4096, 4096),
@@ -42,21 +45,6 @@ SHAPES = {  # name: (groups, rows per group, K, N)
 }
 RAGGED = {"nano_fc1_ragged"}
 BARS = {"moe8": 600.0, "nano_fc1": 450.0}  # TFLOP/s the issue asks for
-
-
-def _time(fn, *args, iters: int, warmup: int = 2) -> float:
-    """Seconds per call: back-to-back async dispatches, one sync at the end (median of 5)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / iters)
-    return float(np.median(samples))
 
 
 def _entry(seconds: float, flops: float) -> dict:
@@ -85,11 +73,11 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
     want = None
     if not skip_ragged:
         want = ragged(a, b, gs)
-        res["ragged_dot_bf16"] = _entry(_time(ragged, a, b, gs, iters=ragged_iters, warmup=1), flops)
+        res["ragged_dot_bf16"] = _entry(time_call(ragged, a, b, gs, iters=ragged_iters, warmup=1), flops)
 
     for variant in gemm_ffi.grouped_gemm_variants():
         fn = jax.jit(lambda a, b, gs, v=variant: gemm_ffi.grouped_gemm_bf16_cuda(a, b, gs, variant=v))
-        e = _entry(_time(fn, a, b, gs, iters=iters), flops)
+        e = _entry(time_call(fn, a, b, gs, iters=iters), flops)
         if want is not None:
             got = fn(a, b, gs).astype(jnp.float32)
             e["rel_err_vs_ragged_dot"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -97,11 +85,11 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
 
     aq, bq = mxfp8.quantize_mxfp8(a, axis=1), mxfp8.quantize_mxfp8(b, axis=1)
     via = jax.jit(lambda aq, bq, gs: gemm_ffi.grouped_gemm_cuda(aq, bq, gs, out_dtype=jnp.bfloat16))
-    res["mxfp8_dequant_then_kernel"] = _entry(_time(via, aq, bq, gs, iters=iters), flops)
+    res["mxfp8_dequant_then_kernel"] = _entry(time_call(via, aq, bq, gs, iters=iters), flops)
     del aq, bq
 
     dense = jax.jit(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.bfloat16))
-    res["xla_dense_bf16_same_flops"] = _entry(_time(dense, a, b[0], iters=iters), flops)
+    res["xla_dense_bf16_same_flops"] = _entry(time_call(dense, a, b[0], iters=iters), flops)
 
     kernels = {kk: v for kk, v in res.items() if kk.startswith("kernel:")}
     best = max(kernels, key=lambda kk: kernels[kk]["tflops"])

@@ -61,8 +61,12 @@ def test_offload_policies_run_and_agree(gpu, rng):
     args = jax.device_put(make_inputs(rng, m=256, h=128, f=128, g=4, sizes=[100, 0, 56, 60]), gpu)
     base = _loss_and_grads(jax.checkpoint_policies.everything_saveable)(*args)
     for combo in [("offload",) * 3, ("recompute",) * 3, ("device", "offload", "recompute")]:
-        got = _loss_and_grads(jgm.offload_policy(*combo))(*args)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base)):
+        y, (dx, dw1, dw2, dp) = _loss_and_grads(jgm.offload_policy(*combo))(*args)
+        by, (bdx, bdw1, bdw2, bdp) = base
+        for a, b in ((y, by), (dx, bdx), (dw1, bdw1), (dw2, bdw2)):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        # dprobs is a row reduction that XLA fuses differently per program, so its
+        # summation order (not its value) can change until the dgrad kernel computes it.
+        np.testing.assert_allclose(np.asarray(dp), np.asarray(bdp), rtol=1e-5, atol=1e-6)
     hlo = _loss_and_grads(jgm.offload_policy()).lower(*args).compile().as_text()
     assert "S(5)" in hlo, "no pinned-host buffers in the compiled program"

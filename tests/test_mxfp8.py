@@ -185,3 +185,4 @@ def test_grouped_with_no_groups_and_no_rows(rng):
     assert np.all(_u8(q.data) == 0) and np.all(_u8(q.scale) == 0)
     q0 = jgm.quantize_mxfp8_grouped(x[:0], jnp.asarray([0, 0], jnp.int32))
     assert q0.data.shape == (0, 32) and q0.scale.shape == (2, 32)
+    assert np.all(_u8(q0.scale) == 0), "unused scale rows must be byte 0 (not E8M0 NaN)"

@@ -209,7 +209,8 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     if m == 0:
         return MXFP8Tensor(
             data=jnp.zeros((0, k), jnp.float8_e4m3fn),
-            scale=jnp.zeros((nblocks, k), jnp.float8_e8m0fnu),
+            # E8M0 has no zero: build byte 0 (2**-127) as uint8 and reinterpret.
+            scale=jax.lax.bitcast_convert_type(jnp.zeros((nblocks, k), jnp.uint8), jnp.float8_e8m0fnu),
             axis=0,
             group_sizes=group_sizes,
         )

@@ -8,7 +8,9 @@ computation is lowered for CUDA, the reference everywhere else. Both
 implementations take and return exactly the same pytrees.
 
 Operands of the GEMMs are either :class:`MXFP8Tensor` or plain float arrays (the
-``bf16`` recipe); the reference dequantizes MXFP8 operands exactly to float32.
+``bf16`` recipe); the reference dequantizes MXFP8 operands to bfloat16, which is
+exact (E4M3 times a power of two fits bf16), and multiplies in bf16 with float32
+accumulation: the same arithmetic a bf16-MMA kernel does.
 """
 
 from __future__ import annotations
@@ -50,19 +52,19 @@ def _dispatch(name: OpName, *args, **static):
     )
 
 
-def _as_f32(x: Operand) -> jax.Array:
+def _as_bf16(x: Operand) -> jax.Array:
     if isinstance(x, MXFP8Tensor):
-        return mxfp8.dequantize(x, jnp.float32)
-    return x.astype(jnp.float32)
+        return mxfp8.dequantize(x, jnp.bfloat16)
+    return x.astype(jnp.bfloat16)
 
 
 def _ref_grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
-    return reference.ragged_matmul(_as_f32(lhs), _as_f32(rhs), group_sizes, out_dtype=out_dtype)
+    return reference.ragged_matmul(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=out_dtype)
 
 
 def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
     return reference.ragged_transpose_matmul(
-        _as_f32(lhs), _as_f32(rhs), group_sizes, out_dtype=out_dtype
+        _as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=out_dtype
     )
 
 
@@ -114,13 +116,15 @@ def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype)
 
 def _register_available_kernels() -> None:
     """Plugs in whatever the CUDA extension provides (nothing when it is not built)."""
-    from jax_grouped_mlp._src import ffi
+    from jax_grouped_mlp._src import ffi, gemm_ffi
 
     if not ffi.available():
         return
     register_cuda_impl("quantize", ffi.quantize_cuda)
     register_cuda_impl("quantize_grouped", ffi.quantize_grouped_cuda)
     register_cuda_impl("quantize_both", ffi.quantize_both_cuda)
+    if gemm_ffi.grouped_gemm_variants():
+        register_cuda_impl("grouped_gemm", gemm_ffi.grouped_gemm_cuda)
 
 
 _register_available_kernels()

@@ -4,7 +4,8 @@ Both GEMMs work on group-aligned row tiles (see :mod:`groups`) and scan over the
 so the cost is ``O(M * K * N)`` plus ``G`` tiles of padding: no per-group Python
 loop and no dense ``G x M`` expansion (which is what ``jax.lax.ragged_dot`` does on
 CPU). Inputs are float arrays (MXFP8 operands are dequantized first, which is exact
-in float32); accumulation is float32 at HIGHEST precision.
+in bfloat16, which the GEMM primitives use); products are accumulated in float32
+(HIGHEST precision, so float32 inputs are not truncated either).
 """
 
 from __future__ import annotations
@@ -39,12 +40,11 @@ def ragged_matmul(
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     layout = groups.tile_layout(group_sizes, m, tile)
-    tiles, rows, valid = groups.gather_tiles(lhs.astype(jnp.float32), layout)
-    rhs32 = rhs.astype(jnp.float32)
+    tiles, rows, valid = groups.gather_tiles(lhs, layout)
 
     def one_tile(args):
         a, grp = args
-        b = rhs32[jnp.minimum(grp, g - 1)]
+        b = rhs[jnp.minimum(grp, g - 1)]
         return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
     products = jax.lax.map(one_tile, (tiles, layout.group))  # [T, tile, N]
@@ -79,8 +79,8 @@ def ragged_transpose_matmul(
     if m == 0:
         return acc[:g].astype(out_dtype)
     layout = groups.tile_layout(group_sizes, m, tile)
-    a_tiles, _, _ = groups.gather_tiles(lhs.astype(jnp.float32), layout)
-    b_tiles, _, _ = groups.gather_tiles(rhs.astype(jnp.float32), layout)
+    a_tiles, _, _ = groups.gather_tiles(lhs, layout)
+    b_tiles, _, _ = groups.gather_tiles(rhs, layout)
 
     def step(carry, args):
         a, b, grp = args

@@ -1,0 +1,143 @@
+"""Full expert-MLP training step (forward + backward): grouped_mlp against the ragged_dot MLP.
+
+    PYTHONPATH=. python3 benchmarks/bench_mlp.py [--shapes moe8,moe32,nano] [--out FILE] [--plot]
+
+Same process, same inputs. For each shape: ``grouped_mlp`` with recipe mxfp8 and
+bf16 (whatever kernels the extension provides on this device; the pure-JAX path
+elsewhere) and a bf16 MLP built from ``jax.lax.ragged_dot``; tokamax's ragged_dot
+too when it is importable. Reports ms per step, TFLOP/s (six GEMMs of 2·M·H·F per
+step: two forward, two dgrad, two wgrad), the compiled program's temp memory, and
+speedups against ragged_dot. Writes JSON (and a PNG with --plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_grouped_mlp as jgm
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import MLP_SHAPES, RESULTS, device_description, time_call, write_json  # noqa: E402
+
+
+def ragged_dot_mlp(x, w1, w2, gs, probs):
+    h = jax.lax.ragged_dot(x, w1, gs, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    r = jnp.maximum(h.astype(jnp.float32), 0)
+    a = (probs[:, None] * r * r).astype(jnp.bfloat16)
+    return jax.lax.ragged_dot(a, w2, gs, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _step(mlp):
+    def loss(x, w1, w2, gs, probs, dy):
+        return jnp.sum(mlp(x, w1, w2, gs, probs).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4)))
+
+
+def _candidates() -> dict:
+    c = {
+        "grouped_mlp_mxfp8": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
+        "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
+        "ragged_dot_bf16": ragged_dot_mlp,
+    }
+    try:  # optional peer
+        import tokamax
+
+        def tok(x, w1, w2, gs, probs):
+            h = tokamax.ragged_dot(x, w1, gs)
+            r = jnp.maximum(h.astype(jnp.float32), 0)
+            return tokamax.ragged_dot((probs[:, None] * r * r).astype(jnp.bfloat16), w2, gs)
+
+        c["tokamax_bf16"] = tok
+    except ImportError:
+        pass
+    return c
+
+
+def bench_shape(name: str, iters: int, seed: int) -> dict:
+    g, rows, h, f = MLP_SHAPES[name]
+    m = g * rows
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / np.sqrt(f), jnp.bfloat16)
+    probs = jnp.asarray(rng.uniform(0.1, 1, m), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    gs = jnp.full((g,), rows, jnp.int32)
+    args = (x, w1, w2, gs, probs, dy)
+    flops = 6 * 2 * m * h * f
+    res: dict = {"groups": g, "rows_per_group": rows, "hidden": h, "ffn": f, "flops_per_step": flops}
+    for cname, mlp in _candidates().items():
+        step = _step(mlp)
+        try:
+            compiled = step.lower(*args).compile()
+            mem = compiled.memory_analysis()
+            temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+            sec = time_call(compiled, *args, iters=iters, warmup=1, samples=3)
+            res[cname] = {"ms": sec * 1e3, "tflops": flops / sec / 1e12, "temp_bytes": temp}
+        except Exception as err:  # noqa: BLE001 - OOM and unsupported shapes are results too
+            res[cname] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+        print(name, cname, res[cname], flush=True)
+    base = res.get("ragged_dot_bf16", {}).get("ms")
+    for cname in _candidates():
+        if base and "ms" in res[cname]:
+            res[cname]["speedup_vs_ragged_dot"] = base / res[cname]["ms"]
+    return res
+
+
+def _plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["shapes"])
+    series = sorted({k for s in report["shapes"].values() for k, v in s.items() if isinstance(v, dict) and "ms" in v})
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / max(len(series), 1)
+    for i, sname in enumerate(series):
+        vals = [report["shapes"][n].get(sname, {}).get("ms", np.nan) for n in names]
+        ax.bar(np.arange(len(names)) + i * width, vals, width, label=sname)
+    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
+    ax.set_ylabel("ms per fwd+bwd step")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title(f"expert MLP step, {report['device']['device_kind']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(MLP_SHAPES))
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "mlp_step.json")
+    ap.add_argument("--plot", action="store_true")
+    ns = ap.parse_args(argv)
+    report = {"command": "python3 benchmarks/bench_mlp.py " + " ".join(argv or sys.argv[1:]),
+              "device": device_description(), "shapes": {}}
+    for name in ns.shapes.split(","):
+        report["shapes"][name] = bench_shape(name, ns.iters, ns.seed)
+    write_json(report, ns.out)
+    if ns.plot:
+        _plot(report, ns.out.with_suffix(".png"))
+    print(f"{'shape':8s} " + " ".join(f"{c:>22s}" for c in _candidates()))
+    for name, r in report["shapes"].items():
+        cells = []
+        for c in _candidates():
+            e = r.get(c, {})
+            cells.append(f"{e['ms']:9.2f} ms {e['tflops']:6.1f} TF" if "ms" in e else f"{'error':>22s}")
+        print(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Shapes and timing shared by the benchmarks (and by the GPU tests that want real shapes)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+# The expert-MLP shapes the issues ask about: name -> (groups, rows per group, H, F).
+MLP_SHAPES = {
+    "moe8": (8, 8192, 4096, 4096),
+    "moe32": (32, 1024, 4096, 1536),
+    "nano": (128, 384, 2688, 1856),  # Nemotron-3-Nano: 8192 tokens x top-6
+}
+
+
+def time_call(fn, *args, iters: int, warmup: int = 2, samples: int = 5) -> float:
+    """Seconds per call: back-to-back async dispatches, one sync at the end (median of ``samples``)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        res = None
+        for _ in range(iters):
+            res = fn(*args)
+        jax.block_until_ready(res)
+        out.append((time.perf_counter() - t0) / iters)
+    return float(np.median(out))
+
+
+def device_description() -> dict:
+    d = jax.devices()[0]
+    return {"platform": d.platform, "device_kind": d.device_kind, "jax": jax.__version__}
+
+
+def write_json(report: dict, path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
