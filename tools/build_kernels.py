@@ -52,6 +52,23 @@ def _missing() -> list[str]:
     return missing
 
 
+def _inputs() -> list[pathlib.Path]:
+    """Every file the extension is built from."""
+    files = [pathlib.Path(__file__)]
+    files += [p for p in CSRC.iterdir() if p.is_file()]
+    files += sorted((ROOT / "jax_grouped_mlp" / "kernels").glob("*.py"))
+    return files
+
+
+def _existing_extension() -> pathlib.Path | None:
+    out = ROOT / "jax_grouped_mlp" / f"_kernels{sysconfig.get_config_var('EXT_SUFFIX')}"
+    return out if out.exists() else None
+
+
+def _up_to_date(ext: pathlib.Path) -> bool:
+    return all(f.stat().st_mtime <= ext.stat().st_mtime for f in _inputs())
+
+
 def _run(cmd: list[str]) -> None:
     print("+", shlex.join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -61,7 +78,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strict", action="store_true", help="fail instead of skipping")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--force", action="store_true", help="rebuild even if the extension is up to date")
     ns = ap.parse_args(argv)
+
+    built = _existing_extension()
+    if built is not None and not ns.force and _up_to_date(built):
+        print(f"[build_kernels] {built.relative_to(ROOT)} is up to date", flush=True)
+        return 0
 
     missing = _missing()
     if missing:
