@@ -33,7 +33,7 @@ import numpy as np
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import time_call  # noqa: E402
+from common import bar_plot, time_call  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SHAPES = {  # name: (groups, rows per group, K, N)
@@ -106,24 +106,7 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(report["shapes"])
-    series = sorted({kk for s in report["shapes"].values() for kk, v in s.items() if isinstance(v, dict) and "tflops" in v})
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(series)
-    for i, sname in enumerate(series):
-        vals = [report["shapes"][nm].get(sname, {}).get("tflops", 0.0) for nm in names]
-        ax.bar(np.arange(len(names)) + i * width, vals, width, label=sname)
-    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"grouped GEMM, {report['gpu']}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_plot(report["shapes"], "tflops", "TFLOP/s", f"grouped GEMM, {report['gpu']}", path, figsize=(11, 4.5))
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import MLP_SHAPES, RESULTS, device_description, time_call, write_json  # noqa: E402
+from common import MLP_SHAPES, RESULTS, bar_plot, device_description, time_call, write_json  # noqa: E402
 
 
 def ragged_dot_mlp(x, w1, w2, gs, probs):
@@ -92,26 +92,8 @@ def bench_shape(name: str, iters: int, seed: int) -> dict:
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(report["shapes"])
-    series = sorted({k for s in report["shapes"].values() for k, v in s.items() if isinstance(v, dict) and "ms" in v})
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / max(len(series), 1)
-    for i, sname in enumerate(series):
-        vals = [report["shapes"][n].get(sname, {}).get("ms", np.nan) for n in names]
-        ax.bar(np.arange(len(names)) + i * width, vals, width, label=sname)
-    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
-    ax.set_ylabel("ms per fwd+bwd step")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    ax.set_title(f"expert MLP step, {report['device']['device_kind']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    title = f"expert MLP fwd+bwd step, {report['device']['device_kind']}"
+    bar_plot(report["shapes"], "ms", "ms per step (log)", title, path, log=True)
 
 
 def main(argv=None) -> int:

@@ -43,3 +43,29 @@ def write_json(report: dict, path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
+
+
+def bar_plot(shapes: dict, metric: str, ylabel: str, title: str, path: pathlib.Path, *,
+             log: bool = False, figsize=(9, 4)) -> None:
+    """Grouped bars: one group per shape, one bar per candidate that reported ``metric``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(shapes)
+    series = sorted({k for s in shapes.values() for k, v in s.items() if isinstance(v, dict) and metric in v})
+    fig, ax = plt.subplots(figsize=figsize)
+    width = 0.8 / max(len(series), 1)
+    for i, sname in enumerate(series):
+        vals = [shapes[n].get(sname, {}).get(metric, np.nan) for n in names]
+        ax.bar(np.arange(len(names)) + i * width, vals, width, label=sname)
+    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

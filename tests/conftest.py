@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import os
 
-import jax
 import numpy as np
 import pytest
 
-
-def _has_gpu() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
+from gpu_helpers import has_gpu
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
+    if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:

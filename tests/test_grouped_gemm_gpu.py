@@ -19,17 +19,11 @@ import numpy as np
 import pytest
 
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8, reference
-
-
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
+from gpu_helpers import has_gpu
 
 
 needs_kernels = pytest.mark.skipif(
-    not (_has_gpu() and ffi.available() and gemm_ffi.grouped_gemm_variants()),
+    not (has_gpu() and ffi.available() and gemm_ffi.grouped_gemm_variants()),
     reason="needs a GPU and the built extension",
 )
 

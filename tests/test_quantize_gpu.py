@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jax_grouped_mlp._src import ffi, mxfp8
+from gpu_helpers import has_gpu
 
 
 def test_reciprocal_multiply_matches_division_exhaustively():
@@ -26,15 +27,8 @@ def test_reciprocal_multiply_matches_division_exhaustively():
     np.testing.assert_array_equal(div, mul)
 
 
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
 needs_kernels = pytest.mark.skipif(
-    not (_has_gpu() and ffi.available()), reason="needs a GPU and the built extension"
+    not (has_gpu() and ffi.available()), reason="needs a GPU and the built extension"
 )
 
 
