@@ -101,7 +101,7 @@ def test_mxfp8_gemm_semantics_exact(rng):
     for g, s in enumerate(np.asarray(gs)):
         hh = np.asarray(jnp.asarray(xq[start:start + s] @ w1q[g], jnp.bfloat16), np.float64)
         a = np.asarray(probs, np.float64)[start:start + s, None] * np.maximum(hh, 0) ** 2
-        aq = dq(jnp.asarray(a, jnp.float32), 1)
+        aq = dq(jnp.asarray(a, jnp.bfloat16), 1)  # a is rounded to bf16, then quantized
         ref_y[start:start + s] = aq @ dq(w2, 1)[g]
         start += s
     assert rel_err(y, ref_y) < 5e-3

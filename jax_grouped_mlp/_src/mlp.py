@@ -3,7 +3,7 @@
 Forward (per recipe, see :mod:`recipes`)::
 
     h = FC1(row(x), w1)                 bf16, tagged "activation_input"
-    a = probs * relu(h)**2              float32, from the bf16 h
+    a = probs * relu(h)**2              float32 math from the bf16 h, rounded to bf16
     y = FC2(row(a), w2)                 x.dtype
 
 The forward rule additionally keeps ``col(x)`` tagged "fc1_input" and ``col(a)``
@@ -16,7 +16,7 @@ Backward::
 
     da  = dy @ w2^T                     (dy and w2 blocked along H)
     dprobs = sum_f da * relu(h)**2
-    dh  = da * probs * 2 * relu(h)
+    dh  = da * probs * 2 * relu(h)      float32 math, rounded to bf16
     dx  = dh @ w1^T                     (dh and w1 blocked along F)
     dw2 = col(a)^T @ col(dy)            per group
     dw1 = col(x)^T @ col(dh)            per group
@@ -51,12 +51,13 @@ def _tag(op: Operand, name: str) -> Operand:
 
 
 def _srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
+    """``probs * relu(h)**2`` in float32, rounded to bf16 (what a GEMM epilogue writes)."""
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return probs[:, None] * (r * r)
+    return (probs[:, None] * (r * r)).astype(jnp.bfloat16)
 
 
 def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe):
-    """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and float32 ``a``."""
+    """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
     h = primitives.grouped_gemm(x_row, recipe.weight(w1, 1), group_sizes, jnp.bfloat16)
     h = checkpoint_name(h, ACTIVATION_INPUT)
     a = _srelu_scaled(h, probs)
@@ -87,7 +88,7 @@ def _mlp_bwd(recipe: Recipe, res, dy):
     da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.float32)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     dprobs = jnp.sum(da * (r * r), axis=1)
-    dh = da * (2.0 * probs[:, None]) * r
+    dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
     dh_row, dh_col = recipe.row_and_col(dh, group_sizes)
     dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
