@@ -115,11 +115,15 @@ def quantize_mxfp8_both_cuda(
 
 
 def quantize_cuda(x: jax.Array, *, axis: int) -> MXFP8Tensor:
-    """``primitives`` "quantize" on CUDA: the kernel for bf16 [M, K] blocked along K."""
-    if not quantize_supported(x) or axis % x.ndim != x.ndim - 1:
+    """``primitives`` "quantize" on CUDA: the kernel for bf16 blocked along either of the
+    last two axes (activations ``[M, K]``, stacked weights ``[G, A, B]``), else the reference."""
+    if x.ndim < 2 or axis % x.ndim < x.ndim - 2:
         return mxfp8.quantize_mxfp8(x, axis=axis)
-    # G = 0: the columnwise half has nothing to do (all rows are past the groups).
-    return quantize_mxfp8_both_cuda(x, jnp.zeros((0,), jnp.int32))[0]
+    flat = x.reshape(-1, x.shape[-1])
+    lead = int(np.prod(x.shape[:-2], dtype=np.int64))
+    if not quantize_supported(flat, lead) or x.shape[-2] == 0:
+        return mxfp8.quantize_mxfp8(x, axis=axis)
+    return mxfp8.quantize_via_both(x, axis, quantize_mxfp8_both_cuda)
 
 
 def quantize_grouped_cuda(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
