@@ -23,7 +23,8 @@ import jax_grouped_mlp as jgm
 def skewed_sizes(rng: np.random.Generator, tokens: int, experts: int) -> np.ndarray:
     """Zipf-like routing: a few hot experts, some cold ones, one with no tokens; sums to ~95% of M."""
     weights = 1.0 / np.arange(1, experts + 1) ** 1.2
-    weights[experts // 2] = 0.0
+    if experts > 1:
+        weights[experts // 2] = 0.0
     sizes = np.floor(0.95 * tokens * weights / weights.sum()).astype(np.int32)
     return rng.permutation(sizes)
 

@@ -11,12 +11,15 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
   with :class:`RoutingConfig`, :class:`ScoreFunction`, and :class:`ExpertParallel` /
   :class:`Exchange` for experts sharded over a mesh axis (docs/moe.md);
 * :func:`plan_offload` - picks the policy from a cost model (docs/offload.md), with
-  :class:`OffloadPlan`, :class:`LayerTime`, :func:`measure_host_bandwidth` and
+  :class:`OffloadPlan`, :class:`LayerShape`, :class:`LayerTime`, :func:`measure_host_bandwidth` and
   :func:`measure_layer_time`;
+* :func:`export_disabled_checks` - pass to ``jax.export.export`` for programs that
+  hold our CUDA custom calls;
 * ``jax_grouped_mlp.flax`` - Flax NNX modules.
 """
 
 from jax_grouped_mlp._src.exchange import Exchange
+from jax_grouped_mlp._src.ffi import export_disabled_checks
 from jax_grouped_mlp._src.measure import measure_host_bandwidth, measure_layer_time
 from jax_grouped_mlp._src.mlp import grouped_mlp
 from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
@@ -28,13 +31,14 @@ from jax_grouped_mlp._src.mxfp8 import (
 )
 from jax_grouped_mlp._src.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.placement import residual_placements
-from jax_grouped_mlp._src.planner import LayerTime, OffloadPlan, plan_offload
+from jax_grouped_mlp._src.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
 from jax_grouped_mlp._src.policy import offload_policy
 from jax_grouped_mlp._src.routing import RoutingConfig, ScoreFunction
 
 __all__ = [
     "Exchange",
     "ExpertParallel",
+    "LayerShape",
     "LayerTime",
     "MXFP8Tensor",
     "OffloadPlan",
@@ -42,6 +46,7 @@ __all__ = [
     "RoutingConfig",
     "ScoreFunction",
     "dequantize",
+    "export_disabled_checks",
     "grouped_mlp",
     "measure_host_bandwidth",
     "measure_layer_time",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import ffi
+from jax_grouped_mlp._src import ffi, gemm_ffi
 from mlp_reference import mlp_f64, rel_err
 from test_mlp import BANDS, SIZES, make_inputs
 
@@ -55,6 +55,7 @@ def test_kernels_are_in_the_compiled_program(gpu, rng):
     args = jax.device_put(make_inputs(rng, m=256, h=128, f=128, g=4), gpu)
     hlo = _loss_and_grads(None).lower(*args).compile().as_text()
     assert ffi.QUANTIZE_TARGET in hlo
+    assert gemm_ffi.GROUPED_GEMM_TARGET in hlo
 
 
 def test_offload_policies_run_and_agree(gpu, rng):

@@ -297,3 +297,12 @@ def test_flax_moe_block_trains(rng):
 def test_flax_moe_block_bad_config():
     with pytest.raises(ValueError, match="top_k=9"):
         MoEBlock(8, 32, 64, routing=RoutingConfig(9), rngs=nnx.Rngs(0))
+
+
+def test_no_tokens(rng):
+    h, f, e = 32, 16, 4
+    router = jnp.asarray(rng.standard_normal((h, e)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((e, h, f)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((e, f, h)), jnp.bfloat16)
+    y = moe_block(jnp.zeros((0, h), jnp.bfloat16), router, w1, w2, routing=RoutingConfig(top_k=2))
+    assert y.shape == (0, h)

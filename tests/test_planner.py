@@ -223,7 +223,7 @@ def test_planned_policy_places_residuals_as_reported(budget_layers, host_bandwid
     loss = _stack_loss(plan.policy)
     grad = jax.grad(loss, argnums=(0, 1))
     placed = residual_placements(grad, w1, w2, x, sizes)
-    assert {n: placed.get(n, "recompute") for n in RESIDUAL_NAMES} == plan.placement
+    assert {n: placed[n] for n in RESIDUAL_NAMES} == plan.placement
 
     kept = residual_bytes_kept(loss, w1, w2, x, sizes, argnums=(0, 1))
     for name in RESIDUAL_NAMES:

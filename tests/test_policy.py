@@ -161,3 +161,8 @@ def test_placements_with_constant_inputs_and_shard_map(inputs):
     got = jgm.residual_placements(fn, x, w1, w2, probs)
     assert got == {"fc1_input": "device", "activation_input": "offload", "fc2_input": "offload"}
     jax.block_until_ready(jax.jit(fn)(x, w1, w2, probs))
+
+
+def test_extra_names_cannot_shadow_residual_names():
+    with pytest.raises(ValueError, match="for your own names"):
+        jgm.offload_policy(fc1_input="recompute", extra_saveable=["fc1_input"])

@@ -30,4 +30,31 @@ def test_cuda_impl_is_only_used_when_lowering_for_cuda(monkeypatch, rng):
 def test_every_called_target_is_registered():
     if not ffi.available():
         pytest.skip("the CUDA extension is not built")
-    assert ffi.QUANTIZE_TARGET in ffi.registered_targets()
+    from jax_grouped_mlp._src import gemm_ffi
+
+    for target in (ffi.QUANTIZE_TARGET, gemm_ffi.GROUPED_GEMM_TARGET):
+        assert target in ffi.registered_targets(), target
+
+
+def test_shape_polymorphic_export_for_cpu_and_cuda(rng):
+    """Symbolic token counts export (the CUDA branch falls back to the reference for them)."""
+    import jax_grouped_mlp as jgm
+
+    m = jax.export.symbolic_shape("m")[0]
+    args = (
+        jax.ShapeDtypeStruct((32 * m, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 64, 96), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 96, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    exp = jax.export.export(
+        jax.jit(lambda *a: jgm.grouped_mlp(*a)), platforms=("cpu", "cuda"),
+        disabled_checks=jgm.export_disabled_checks(),
+    )(*args)
+    x = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((4, 64, 96)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((4, 96, 64)) / 8, jnp.bfloat16)
+    gs = jnp.asarray([30, 0, 40, 10], jnp.int32)
+    got = exp.call(x, w1, w2, gs)
+    want = jgm.grouped_mlp(x, w1, w2, gs)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   $py -m venv "$VENV" >&2
 fi
 stamp="$VENV/.installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench,kernels]" >&2
   touch "$stamp"
 fi

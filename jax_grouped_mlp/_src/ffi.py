@@ -13,6 +13,7 @@ process, in the handlers' instantiate stage, so the execute stage is CUDA-graph 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,8 @@ def quantize_supported(x: jax.Array, num_groups: int = 0) -> bool:
     """
     if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
         return False
+    if not all(isinstance(d, int) for d in (*x.shape, num_groups)):
+        return False  # symbolic (shape-polymorphic export): the reference handles it
     m, k = x.shape
     return k % 8 == 0 and m * k < 2**31 and mxfp8.grouped_scale_rows(m, num_groups) * k < 2**31
 
@@ -110,27 +113,21 @@ def quantize_mxfp8_both_cuda(
     )
 
 
-# Adapters with the signatures of primitives' "quantize" / "quantize_grouped", falling
+# Adapters with the signatures of primitives' "quantize" / "quantize_both", falling
 # back to the reference for shapes the kernel does not take (decided at trace time).
 
 
 def quantize_cuda(x: jax.Array, *, axis: int) -> MXFP8Tensor:
     """``primitives`` "quantize" on CUDA: the kernel for bf16 blocked along either of the
     last two axes (activations ``[M, K]``, stacked weights ``[G, A, B]``), else the reference."""
-    if x.ndim < 2 or axis % x.ndim < x.ndim - 2:
+    static = all(isinstance(d, int) for d in x.shape)
+    if x.ndim < 2 or axis % x.ndim < x.ndim - 2 or not static:
         return mxfp8.quantize_mxfp8(x, axis=axis)
     flat = x.reshape(-1, x.shape[-1])
-    lead = int(np.prod(x.shape[:-2], dtype=np.int64))
+    lead = math.prod(x.shape[:-2])
     if not quantize_supported(flat, lead) or x.shape[-2] == 0:
         return mxfp8.quantize_mxfp8(x, axis=axis)
     return mxfp8.quantize_via_both(x, axis, quantize_mxfp8_both_cuda)
-
-
-def quantize_grouped_cuda(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
-    """``primitives`` "quantize_grouped" on CUDA (the rowwise half is a by-product)."""
-    if not quantize_supported(x, jnp.shape(group_sizes)[0]):
-        return mxfp8.quantize_mxfp8_grouped(x, group_sizes)
-    return quantize_mxfp8_both_cuda(x, group_sizes)[1]
 
 
 def quantize_both_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:

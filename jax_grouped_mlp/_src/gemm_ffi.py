@@ -32,6 +32,8 @@ def grouped_gemm_variants() -> tuple[str, ...]:
 
 def grouped_gemm_supported(m: int, n: int, k: int, g: int) -> bool:
     """Whether the kernel takes these dimensions (16-byte TMA strides, 32-bit offsets)."""
+    if not all(isinstance(d, int) for d in (m, n, k, g)):
+        return False  # symbolic (shape-polymorphic export): the reference handles it
     return n % 8 == 0 and k % 8 == 0 and m * k < _MAX and m * n < _MAX and g * k * n < _MAX
 
 

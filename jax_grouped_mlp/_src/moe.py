@@ -165,7 +165,7 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
 
 def _combine(y_sorted: jax.Array, inverse: jax.Array, num_tokens: int, top_k: int, dtype) -> jax.Array:
     """Sorted per-pair outputs (already weighted inside grouped_mlp) -> per-token sums."""
-    y = y_sorted[inverse].reshape(num_tokens, top_k, -1)
+    y = y_sorted[inverse].reshape(num_tokens, top_k, y_sorted.shape[-1])
     return jnp.sum(y.astype(jnp.float32), axis=1).astype(dtype)
 
 

@@ -62,8 +62,16 @@ def offload_policy(
     }
     save = [n for n, p in placements.items() if p == "device"]
     offload = [n for n, p in placements.items() if p == "offload"]
-    save += _check_names("extra_saveable", extra_saveable)
-    offload += _check_names("extra_offloadable", extra_offloadable)
+    extra_save = _check_names("extra_saveable", extra_saveable)
+    extra_offload = _check_names("extra_offloadable", extra_offloadable)
+    clash = sorted(set(extra_save + extra_offload) & set(placements))
+    if clash:
+        raise ValueError(
+            f"extra_saveable/extra_offloadable are for your own names; place {clash} with "
+            f"the fc1_input/activation_input/fc2_input arguments instead"
+        )
+    save += extra_save
+    offload += extra_offload
     both = set(save) & set(offload)
     if both:
         raise ValueError(f"names cannot be both saved on device and offloaded: {sorted(both)}")

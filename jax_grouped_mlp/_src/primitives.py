@@ -1,4 +1,4 @@
-"""The four operations the MLP is built from, each dispatched per platform.
+"""The operations the MLP is built from, each dispatched per platform.
 
 Every operation has a pure-JAX reference (used on every platform) and may have a
 CUDA implementation (an XLA FFI custom call around an AOT-compiled kernel). A CUDA
@@ -24,7 +24,7 @@ from jax_grouped_mlp._src import mxfp8, reference
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
-OpName = Literal["quantize", "quantize_grouped", "quantize_both", "grouped_gemm", "grouped_wgrad"]
+OpName = Literal["quantize", "quantize_both", "grouped_gemm", "grouped_wgrad"]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
 
@@ -72,17 +72,12 @@ def _ref_quantize(x: jax.Array, *, axis: int) -> MXFP8Tensor:
     return mxfp8.quantize_mxfp8(x, axis=axis)
 
 
-def _ref_quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
-    return mxfp8.quantize_mxfp8_grouped(x, group_sizes)
-
-
 def _ref_quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
     return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
 
 
 _REFERENCE: dict[str, Callable] = {
     "quantize": _ref_quantize,
-    "quantize_grouped": _ref_quantize_grouped,
     "quantize_both": _ref_quantize_both,
     "grouped_gemm": _ref_grouped_gemm,
     "grouped_wgrad": _ref_grouped_wgrad,
@@ -94,13 +89,8 @@ def quantize(x: jax.Array, axis: int) -> MXFP8Tensor:
     return _dispatch("quantize", x, axis=axis)
 
 
-def quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
-    """MXFP8 of ``[M, K]`` in group-aware 32-row blocks along M."""
-    return _dispatch("quantize_grouped", x, group_sizes)
-
-
 def quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
-    """``(quantize(x, 1), quantize_grouped(x, group_sizes))`` for ``[M, K]``: one pass on CUDA."""
+    """``(quantize_mxfp8(x, 1), quantize_mxfp8_grouped(x, group_sizes))`` for ``[M, K]``: one pass on CUDA."""
     return _dispatch("quantize_both", x, group_sizes)
 
 
@@ -121,7 +111,6 @@ def _register_available_kernels() -> None:
     if not ffi.available():
         return
     register_cuda_impl("quantize", ffi.quantize_cuda)
-    register_cuda_impl("quantize_grouped", ffi.quantize_grouped_cuda)
     register_cuda_impl("quantize_both", ffi.quantize_both_cuda)
     if gemm_ffi.grouped_gemm_variants():
         register_cuda_impl("grouped_gemm", gemm_ffi.grouped_gemm_cuda)

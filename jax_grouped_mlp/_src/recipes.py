@@ -2,9 +2,10 @@
 
 The MLP's forward and backward are written once against this interface; a recipe
 decides what an operand *is*. ``row`` prepares an operand blocked along a feature
-axis (the reduction axis of a fprop/dgrad GEMM); ``col`` prepares a token-major
-``[M, K]`` operand of a weight-gradient GEMM, blocked along the token axis in
-group-aware 32-row blocks.
+axis (the reduction axis of a fprop/dgrad GEMM); ``row_and_col`` also returns the
+"col" copy of a token-major ``[M, K]`` operand for a weight-gradient GEMM, blocked
+along the token axis in group-aware 32-row blocks; ``weight`` prepares stacked
+expert weights for either use.
 """
 
 from __future__ import annotations
@@ -49,13 +50,8 @@ class Recipe(str, enum.Enum):
         return w if reduce_axis == 1 else jnp.swapaxes(w, 1, 2)
 
     def row_and_col(self, x: jax.Array, group_sizes: jax.Array) -> tuple[Operand, Operand]:
-        """``(row(x, 1), col(x, group_sizes))`` for ``[M, K]``, in one pass where a kernel can."""
+        """``(row(x, 1), col)`` for ``[M, K]``, where col is blocked along tokens; one pass on CUDA."""
         if self is Recipe.MXFP8:
             return primitives.quantize_both(x, group_sizes)
         x = x.astype(jnp.bfloat16)
         return x, x
-
-    def col(self, x: jax.Array, group_sizes: jax.Array) -> Operand:
-        if self is Recipe.MXFP8:
-            return primitives.quantize_grouped(x, group_sizes)
-        return x.astype(jnp.bfloat16)

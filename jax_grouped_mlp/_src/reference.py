@@ -50,7 +50,7 @@ def ragged_matmul(
     products = jax.lax.map(one_tile, (tiles, layout.group))  # [T, tile, N]
     dest = jnp.where(valid, rows, m)  # invalid rows go to a dropped slot
     out = jnp.zeros((m, n), jnp.float32).at[dest.reshape(-1)].set(
-        products.reshape(-1, n), mode="drop", unique_indices=True
+        products.reshape(-1, n), mode="drop"
     )
     return out.astype(out_dtype)
 
