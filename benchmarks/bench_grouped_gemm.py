@@ -24,7 +24,6 @@ import json
 import pathlib
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp

@@ -16,10 +16,10 @@ import time
 from typing import Callable
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from jax_grouped_mlp._src import placement
 from jax_grouped_mlp._src.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.planner import LayerShape, LayerTime, _check_positive_int, _check_recipe
 
@@ -138,63 +138,19 @@ def measure_layer_time(
     return LayerTime(forward, backward, recompute)
 
 
-_PASS_THROUGH = ("device_put", "reduce_precision", "copy", "copy_p")
-
-
-def _memory_space(aval) -> str:
-    space = getattr(aval, "memory_space", None)
-    return "host" if space is not None and "host" in str(space).lower() else "device"
-
-
 def residual_bytes_kept(fun: Callable, *args, argnums=0) -> dict[str, dict[str, int]]:
     """Bytes of each named residual the gradient of ``fun`` keeps, read from its jaxpr.
 
     Traces ``jax.grad(fun, argnums)(*args)`` (``fun`` returns a scalar and wraps its
-    layers in ``jax.checkpoint``) and follows every value each checkpoint carries into
-    its backward pass back to a ``checkpoint_name`` tag. Returns, for each of
-    "fc1_input", "activation_input", "fc2_input", ``{"device_bytes": ...,
-    "host_bytes": ...}`` summed over all checkpoints (0 and 0 when recomputed; a
-    checkpoint inside a ``scan`` body counts once, not once per iteration). For
-    the placement alone, :func:`jax_grouped_mlp._src.placement.residual_placements`.
+    layers in ``jax.checkpoint``). Returns, for each of "fc1_input",
+    "activation_input", "fc2_input", ``{"device_bytes": ..., "host_bytes": ...}``
+    summed over all checkpoints (0 and 0 when recomputed; a checkpoint inside a
+    ``scan`` body counts once, not once per iteration). Built on
+    :func:`jax_grouped_mlp._src.placement.residual_report`.
     """
-    jaxpr = jax.make_jaxpr(jax.grad(fun, argnums=argnums))(*args).jaxpr
+    report = placement.residual_report(jax.grad(fun, argnums=argnums), *args)
     out = {n: {"device_bytes": 0, "host_bytes": 0} for n in RESIDUAL_NAMES}
-    for eqns in _eqn_lists(jaxpr):
-        producer = {v: e for e in eqns for v in e.outvars}
-        for e in eqns:
-            if e.primitive.name not in ("remat2", "checkpoint") or not e.params.get("differentiated"):
-                continue
-            for v in e.invars:
-                if not isinstance(v, jex.Var):
-                    continue
-                name, offloaded = _trace_name(v, producer)
-                if name not in out:
-                    continue
-                nbytes = int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
-                where = "host" if offloaded or _memory_space(v.aval) == "host" else "device"
-                out[name][f"{where}_bytes"] += nbytes
+    for name in RESIDUAL_NAMES:
+        if name in report:
+            out[name] = {"device_bytes": report[name].device_bytes, "host_bytes": report[name].host_bytes}
     return out
-
-
-def _eqn_lists(jaxpr):
-    """The eqn list of ``jaxpr`` and of every sub-jaxpr outside checkpoints (scan, jit...)."""
-    yield jaxpr.eqns
-    for e in jaxpr.eqns:
-        if e.primitive.name in ("remat2", "checkpoint"):
-            continue
-        for sub in jex.jaxprs_in_params(e.params):
-            yield from _eqn_lists(sub)
-
-
-def _trace_name(v, producer) -> tuple[str | None, bool]:
-    offloaded = False
-    while isinstance(v, jex.Var) and v in producer:
-        e = producer[v]
-        if e.primitive.name == "name":
-            return e.params["name"], offloaded
-        if e.primitive.name not in _PASS_THROUGH or len(e.invars) != 1:
-            return None, offloaded
-        if e.primitive.name == "device_put" and "host" in str(e.params.get("devices", "")).lower():
-            offloaded = True
-        v = e.invars[0]
-    return None, offloaded

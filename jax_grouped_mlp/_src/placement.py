@@ -16,6 +16,8 @@ A tagged value that the backward pass does not need at all is reported as
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -36,22 +38,72 @@ def _is_remat_body_owner(eqn) -> bool:
     return eqn.primitive.name in ("remat", "remat2", "checkpoint") and eqn.params.get("differentiated", False)
 
 
+def _nbytes(var) -> int:
+    aval = var.aval
+    return int(math.prod(aval.shape)) * aval.dtype.itemsize
+
+
 def _walk(jaxpr, counts: dict[str, collections.Counter], in_body: bool) -> None:
-    """Counts, per name, forward occurrences, host copies and recomputations."""
+    """Counts, per name, forward occurrences, host copies and recomputations (and their bytes)."""
     named: dict[Any, str] = {}
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         if prim == "name":
-            named[eqn.outvars[0]] = eqn.params["name"]
-            counts[eqn.params["name"]]["recompute" if in_body else "forward"] += 1
+            name = eqn.params["name"]
+            named[eqn.outvars[0]] = name
+            if in_body:
+                counts[name]["recompute"] += 1
+            else:
+                counts[name]["forward"] += 1
+                counts[name]["forward_bytes"] += _nbytes(eqn.outvars[0])
         elif prim in _ALIASES and isinstance(eqn.invars[0], jex_core.Var) and eqn.invars[0] in named:
             named[eqn.outvars[0]] = named[eqn.invars[0]]
         elif _is_to_host(eqn):
             for src in eqn.invars:
                 key = named.get(src, UNNAMED_OFFLOAD) if isinstance(src, jex_core.Var) else UNNAMED_OFFLOAD
                 counts[key]["offload"] += 1
+                if isinstance(src, jex_core.Var):
+                    counts[key]["host_bytes"] += _nbytes(src)
         for sub in jex_core.jaxprs_in_params(eqn.params):
             _walk(sub, counts, in_body or _is_remat_body_owner(eqn))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualReport:
+    """Where one named residual lives, and how many bytes each layer keeps where.
+
+    Bytes are summed over the traced program's ``name`` equations: a layer inside a
+    ``scan`` body counts once, not once per iteration.
+    """
+
+    placement: str  # "offload", "device", "recompute" or "mixed"
+    device_bytes: int
+    host_bytes: int
+
+
+def residual_report(fn: Callable, *args, **kwargs) -> dict[str, ResidualReport]:
+    """Like :func:`residual_placements`, with the bytes kept on device and on host."""
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    _walk(closed.jaxpr, counts, in_body=False)
+    result: dict[str, ResidualReport] = {}
+    for name, c in sorted(counts.items()):
+        if name == UNNAMED_OFFLOAD:
+            result[name] = ResidualReport("offload", 0, c["host_bytes"])
+            continue
+        # Every placement computes the value once in the forward pass.
+        device = max(c["forward"] - c["offload"] - c["recompute"], 0)
+        kinds = {"offload": c["offload"], "recompute": c["recompute"], "device": device}
+        present = [k for k, v in kinds.items() if v]
+        if not present:
+            continue
+        per_occurrence = c["forward_bytes"] // max(c["forward"], 1)
+        result[name] = ResidualReport(
+            present[0] if len(present) == 1 else "mixed",
+            device_bytes=per_occurrence * device,
+            host_bytes=c["host_bytes"],
+        )
+    return result
 
 
 def residual_placements(fn: Callable, *args, **kwargs) -> dict[str, str]:
@@ -60,7 +112,7 @@ def residual_placements(fn: Callable, *args, **kwargs) -> dict[str, str]:
     Returns a dict from each ``checkpoint_name`` found at a remat boundary to
     ``"offload"``, ``"device"`` or ``"recompute"`` (``"mixed"`` if different layers
     placed it differently). A host copy of anything unnamed (a weight, say) shows up
-    under the key ``"<unnamed>"``.
+    under the key ``"<unnamed>"``. :func:`residual_report` adds the bytes.
 
     Example::
 
@@ -68,21 +120,4 @@ def residual_placements(fn: Callable, *args, **kwargs) -> dict[str, str]:
         residual_placements(grad_fn, params, batch)
         # {'activation_input': 'offload', 'fc1_input': 'offload', 'fc2_input': 'offload'}
     """
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
-    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    _walk(closed.jaxpr, counts, in_body=False)
-    result: dict[str, str] = {}
-    for name, c in sorted(counts.items()):
-        if name == UNNAMED_OFFLOAD:
-            result[name] = "offload"
-            continue
-        kinds = {
-            "offload": c["offload"],
-            "recompute": c["recompute"],
-            # Every placement computes the value once in the forward pass.
-            "device": max(c["forward"] - c["offload"] - c["recompute"], 0),
-        }
-        present = [k for k, v in kinds.items() if v]
-        if present:
-            result[name] = present[0] if len(present) == 1 else "mixed"
-    return result
+    return {name: r.placement for name, r in residual_report(fn, *args, **kwargs).items()}

@@ -24,7 +24,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import time
 
 ARCH = "sm_90a"
