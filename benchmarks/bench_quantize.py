@@ -15,7 +15,6 @@ import json
 import pathlib
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,22 +22,8 @@ import numpy as np
 
 from jax_grouped_mlp._src import ffi, mxfp8
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
-def _time(fn, *args, iters: int, warmup: int = 3) -> float:
-    """Seconds per call: back-to-back async dispatches, one sync at the end (median of 5)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / iters)
-    return float(np.median(samples))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import RESULTS, time_call  # noqa: E402
 
 
 def _torch_copy_seconds(nbytes: int, iters: int) -> float | None:
@@ -90,16 +75,16 @@ def main(argv=None) -> int:
     results = {}
     for variant in ffi.quantize_variants():
         fn = jax.jit(lambda x, gs, v=variant: ffi.quantize_mxfp8_both_cuda(x, gs, variant=v))
-        t = _time(fn, x, gs, iters=ns.iters)
+        t = time_call(fn, x, gs, iters=ns.iters)
         results[f"kernel:{variant}"] = {"seconds": t, "GBps": nbytes / t / 1e9}
 
     ref = jax.jit(lambda x, gs: (mxfp8.quantize_mxfp8(x), mxfp8.quantize_mxfp8_grouped(x, gs)))
-    t = _time(ref, x, gs, iters=5, warmup=1)
+    t = time_call(ref, x, gs, iters=5, warmup=1)
     results["xla_reference"] = {"seconds": t, "GBps": nbytes / t / 1e9}
 
     half = jnp.zeros((nbytes // 2 // 4,), jnp.uint32)
     copy = jax.jit(lambda a: a ^ jnp.uint32(1))  # one read + one write per byte: a copy kernel
-    t = _time(copy, half, iters=ns.iters)
+    t = time_call(copy, half, iters=ns.iters)
     results["xla_copy"] = {"seconds": t, "GBps": nbytes / t / 1e9}
     del half
     t = _torch_copy_seconds(nbytes, ns.iters)
