@@ -55,3 +55,17 @@ def test_non_array_arguments():
 def test_valid_shapes_trace():
     out = jax.eval_shape(jgm.grouped_mlp, X, W1, W2, GS, P)
     assert out.shape == (M, H) and out.dtype == jnp.bfloat16
+
+
+def test_numpy_integers_are_accepted_and_bools_are_not():
+    import numpy as np
+    from flax import nnx
+
+    from jax_grouped_mlp.flax import GroupedMLP
+
+    assert jgm.RoutingConfig(top_k=np.int64(2)).top_k == 2
+    assert GroupedMLP(np.int32(2), 32, 32, rngs=nnx.Rngs(0)).num_experts == 2
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        GroupedMLP(True, 8, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="top_k must be a positive int"):
+        jgm.RoutingConfig(top_k=2.0)

@@ -17,6 +17,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from jax_grouped_mlp._src import checks
+
 
 class Exchange(str, enum.Enum):
     """Which collective carries the tokens; ``AUTO`` picks by the mesh's platform."""
@@ -27,10 +29,7 @@ class Exchange(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "str | Exchange") -> "Exchange":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"exchange must be one of {[e.value for e in cls]}, got exchange={value!r}") from None
+        return checks.parse_enum(cls, value, "exchange")
 
     def resolve(self, platform: str) -> "Exchange":
         if self is not Exchange.AUTO:

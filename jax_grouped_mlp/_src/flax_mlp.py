@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.mlp import grouped_mlp
 from jax_grouped_mlp._src.recipes import Recipe
 
@@ -42,9 +43,9 @@ class GroupedMLP(nnx.Module):
         kernel_init: nnx.Initializer = default_kernel_init,
         rngs: nnx.Rngs,
     ):
-        for name, value in (("num_experts", num_experts), ("hidden", hidden), ("ffn", ffn)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        num_experts = checks.positive_int("num_experts", num_experts)
+        hidden = checks.positive_int("hidden", hidden)
+        ffn = checks.positive_int("ffn", ffn)
         self.recipe = Recipe.parse(recipe).value
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
         self.dtype = jnp.dtype(dtype)

@@ -50,6 +50,7 @@ import itertools
 import math
 from typing import Mapping
 
+from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT, RESIDUAL_NAMES
 from jax_grouped_mlp._src.policy import PLACEMENTS, offload_policy
 
@@ -65,9 +66,7 @@ H200_HOST_BANDWIDTH = 53e9  # pinned host <-> device, each way, measured
 
 
 def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return value
+    return checks.positive_int(name, value)
 
 
 def _check_positive_float(

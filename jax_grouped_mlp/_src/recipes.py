@@ -15,7 +15,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src import primitives
+from jax_grouped_mlp._src import checks, primitives
 from jax_grouped_mlp._src.primitives import Operand
 
 
@@ -25,12 +25,7 @@ class Recipe(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "str | Recipe") -> "Recipe":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"recipe must be one of {[r.value for r in cls]}, got recipe={value!r}"
-            ) from None
+        return checks.parse_enum(cls, value, "recipe")
 
     def row(self, x: jax.Array, axis: int) -> Operand:
         if self is Recipe.MXFP8:

@@ -14,6 +14,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from jax_grouped_mlp._src import checks
+
 
 class ScoreFunction(str, enum.Enum):
     """How router logits become per-expert scores."""
@@ -23,12 +25,7 @@ class ScoreFunction(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "str | ScoreFunction") -> "ScoreFunction":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"score_function must be one of {[s.value for s in cls]}, got score_function={value!r}"
-            ) from None
+        return checks.parse_enum(cls, value, "score_function")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +47,7 @@ class RoutingConfig:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k must be a positive int, got top_k={self.top_k!r}")
+        object.__setattr__(self, "top_k", checks.positive_int("top_k", self.top_k))
         object.__setattr__(self, "score_function", ScoreFunction.parse(self.score_function))
         if not isinstance(self.normalize_weights, bool):
             raise TypeError(f"normalize_weights must be a bool, got normalize_weights={self.normalize_weights!r}")
