@@ -57,18 +57,6 @@ ffi::Error LoadModule(int32_t variant) {
                                      std::to_string(kNumGroupedGemmVariants) + ")");
 }
 
-// The persistent kernel launches one CTA per SM of the stream's device.
-ffi::Error NumSms(cudaStream_t stream, int32_t* num_sms) {
-  int device = 0;
-  cudaError_t err = cudaStreamGetDevice(stream, &device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string(kName) + ": reading the SM count failed: " +
-                                cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
 ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
                     const ffi::Result<ffi::AnyBuffer>& out, int64_t* m, int64_t* n,
                     int64_t* k, int64_t* g) {
@@ -123,7 +111,7 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer r
     return LaunchResult(kName, static_cast<int32_t>(err));
   }
   int32_t num_sms = 0;
-  if (auto e = NumSms(stream, &num_sms); e.failure()) return e;
+  if (auto e = NumSms(kName, stream, &num_sms); e.failure()) return e;
   const int32_t mi = static_cast<int32_t>(m), ni = static_cast<int32_t>(n),
                 ki = static_cast<int32_t>(k), gi = static_cast<int32_t>(g);
   int32_t ret = 0;

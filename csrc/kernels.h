@@ -96,6 +96,18 @@ class ModuleOnce {
   cudaError_t error_ = cudaSuccess;
 };
 
+// The persistent kernels launch one CTA per SM of the stream's device.
+inline ffi::Error NumSms(const char* name, cudaStream_t stream, int32_t* num_sms) {
+  int device = 0;
+  cudaError_t err = cudaStreamGetDevice(stream, &device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string(name) + ": reading the SM count failed: " +
+                                cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 inline ffi::Error LaunchResult(const char* name, int32_t ret) {
   if (ret != 0) {
     return ffi::Error::Internal(std::string(name) + ": kernel launch failed: " +
@@ -118,6 +130,9 @@ extern const int kNumQuantizeVariants;
 // Names of the compiled grouped GEMM variants, indexed by the `variant` attribute.
 extern const char* const kGroupedGemmVariants[];
 extern const int kNumGroupedGemmVariants;
+// Names of the compiled grouped weight-gradient variants, indexed by `variant`.
+extern const char* const kGroupedWgradVariants[];
+extern const int kNumGroupedWgradVariants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
@@ -125,3 +140,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemm);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgrad);

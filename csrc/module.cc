@@ -28,6 +28,10 @@ PYBIND11_MODULE(_kernels, m) {
     grouped_gemm["instantiate"] = Capsule(JgmGroupedGemmInstantiate);
     grouped_gemm["execute"] = Capsule(JgmGroupedGemm);
     d["jgm_grouped_gemm"] = grouped_gemm;
+    py::dict grouped_wgrad;
+    grouped_wgrad["instantiate"] = Capsule(JgmGroupedWgradInstantiate);
+    grouped_wgrad["execute"] = Capsule(JgmGroupedWgrad);
+    d["jgm_grouped_wgrad"] = grouped_wgrad;
     return d;
   });
   py::list variants;
@@ -37,5 +41,9 @@ PYBIND11_MODULE(_kernels, m) {
   for (int i = 0; i < jgm::kNumGroupedGemmVariants; ++i)
     gemm_variants.append(jgm::kGroupedGemmVariants[i]);
   m.attr("GROUPED_GEMM_VARIANTS") = py::tuple(gemm_variants);
+  py::list wgrad_variants;
+  for (int i = 0; i < jgm::kNumGroupedWgradVariants; ++i)
+    wgrad_variants.append(jgm::kGroupedWgradVariants[i]);
+  m.attr("GROUPED_WGRAD_VARIANTS") = py::tuple(wgrad_variants);
   m.attr("ARCH") = "sm_90a";
 }

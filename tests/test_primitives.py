@@ -32,8 +32,42 @@ def test_every_called_target_is_registered():
         pytest.skip("the CUDA extension is not built")
     from jax_grouped_mlp._src import gemm_ffi
 
-    for target in (ffi.QUANTIZE_TARGET, gemm_ffi.GROUPED_GEMM_TARGET):
+    for target in (ffi.QUANTIZE_TARGET, gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET):
         assert target in ffi.registered_targets(), target
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+def test_cuda_gradient_has_no_fallback_gemms(rng, recipe):
+    """Lowered for CUDA (no GPU needed), the MLP's forward + backward is our custom calls only.
+
+    No ``dot_general`` (an XLA GEMM, which is also what the reference's tile scan is
+    made of) may appear: every GEMM of the training step, fprop, dgrad and wgrad, is
+    a kernel. (``while`` loops remain: cumsums and searches over group sizes.)
+    """
+    if not ffi.available():
+        pytest.skip("the CUDA extension is not built")
+    import jax_grouped_mlp as jgm
+    from jax_grouped_mlp._src import gemm_ffi
+
+    m, h, f, g = 256, 128, 192, 4
+    args = (
+        jax.ShapeDtypeStruct((m, h), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, h, f), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, f, h), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+
+    def loss(x, w1, w2, gs, p):
+        return jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe).astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
+    text = jax.export.export(step, platforms=["cuda"], disabled_checks=jgm.export_disabled_checks())(
+        *args
+    ).mlir_module()
+    assert "stablehlo.dot_general" not in text
+    assert text.count(gemm_ffi.GROUPED_GEMM_TARGET) >= 3  # FC1, FC2, FC2 dgrad, FC1 dgrad
+    assert text.count(gemm_ffi.GROUPED_WGRAD_TARGET) >= 2  # dW1, dW2
 
 
 def test_shape_polymorphic_export_for_cpu_and_cuda(rng):

@@ -1,5 +1,6 @@
-"""XLA FFI binding of the Hopper grouped GEMM (``csrc/grouped_gemm.cc``, kernel
-``kernels/grouped_gemm_sm90.py``).
+"""XLA FFI bindings of the Hopper grouped GEMMs: the forward/dgrad GEMM
+(``csrc/grouped_gemm.cc``, kernel ``kernels/grouped_gemm_sm90.py``) and the weight
+gradient (``csrc/grouped_wgrad.cc``, kernel ``kernels/grouped_wgrad_sm90.py``).
 
 ``out[m] = lhs[m] @ rhs[group(m)]`` with ``lhs [M, K]`` and ``rhs [G, K, N]`` in bf16,
 fp32 accumulation, bf16 output, ``group_sizes [G]`` int32 read on the device (no host
@@ -21,13 +22,23 @@ from jax_grouped_mlp._src import ffi, mxfp8
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
+GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
 _MAX = 2**31
 
 
-def grouped_gemm_variants() -> tuple[str, ...]:
-    """Names of the compiled tile configurations (empty without the extension)."""
+def _variants(attr: str) -> tuple[str, ...]:
     ext = ffi._load()
-    return tuple(getattr(ext, "GROUPED_GEMM_VARIANTS", ())) if ext is not None else ()
+    return tuple(getattr(ext, attr, ())) if ext is not None else ()
+
+
+def grouped_gemm_variants() -> tuple[str, ...]:
+    """Names of the compiled forward/dgrad tile configurations (empty without the extension)."""
+    return _variants("GROUPED_GEMM_VARIANTS")
+
+
+def grouped_wgrad_variants() -> tuple[str, ...]:
+    """Names of the compiled weight-gradient tile configurations (empty without the extension)."""
+    return _variants("GROUPED_WGRAD_VARIANTS")
 
 
 def grouped_gemm_supported(m: int, n: int, k: int, g: int) -> bool:
@@ -45,13 +56,14 @@ def tile_n(variant: str) -> int:
     return int(found.group(1))
 
 
-def default_variant(n: int) -> str:
+def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
     """The tile width for ``N`` output columns: least column padding, then the widest tile.
 
-    On the H200 this picked the fastest measured variant (up to timing noise) at every
-    benchmark shape: n256 for N = 4096 and 1536, n192 for N = 1856 and 2688 (docs/gemm.md).
+    ``names`` defaults to the forward GEMM's variants. On the H200 this picked the
+    fastest measured variant (up to timing noise) at every benchmark shape: n256 for
+    N = 4096 and 1536, n192 for N = 1856 and 2688 (docs/gemm.md).
     """
-    names = grouped_gemm_variants()
+    names = grouped_gemm_variants() if names is None else names
     if not names:
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
 
@@ -119,3 +131,63 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Arr
     ):
         return primitives._REFERENCE["grouped_gemm"](lhs, rhs, group_sizes, out_dtype=out_dtype)
     return grouped_gemm_bf16_cuda(a, b, group_sizes)
+
+
+def grouped_wgrad_bf16_cuda(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, variant: str | None = None
+) -> jax.Array:
+    """The weight-gradient kernel: ``out[g] = lhs_g^T @ rhs_g`` -> bf16 ``[G, K, N]``.
+
+    ``lhs [M, K]`` and ``rhs [M, N]`` bf16, fp32 accumulation in a fixed order (bitwise
+    reproducible), empty groups give zeros, rows past ``sum(group_sizes)`` (clamped to
+    ``M``) do not contribute.
+    """
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    if lhs.ndim != 2 or rhs.ndim != 2:
+        raise ValueError(f"need lhs [M, K] and rhs [M, N], got {lhs.shape=} {rhs.shape=}")
+    m, k = lhs.shape
+    m2, n = rhs.shape
+    if m != m2:
+        raise ValueError(f"row mismatch: {lhs.shape=} vs {rhs.shape=}")
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(lhs.dtype) != bf16 or jnp.dtype(rhs.dtype) != bf16:
+        raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be an integer [G] array, got {group_sizes.shape=} {group_sizes.dtype=}")
+    g = group_sizes.shape[0]
+    if not grouped_gemm_supported(m, n, k, g):
+        raise ValueError(f"grouped wgrad kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
+    names = grouped_wgrad_variants()
+    variant = default_variant(n, names) if variant is None else variant
+    if variant not in names:
+        raise ValueError(f"{variant=} is not one of the compiled {names}")
+    out = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(
+        lhs, rhs, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
+    )
+
+
+def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    """``primitives`` "grouped_wgrad" on CUDA (same signature as the reference).
+
+    MXFP8 operands (group-aware blocks along M) are dequantized to bf16 first (exact).
+    The kernel rounds the fp32 sums to bf16 once; a float32 ``out_dtype`` (float32
+    master weights) gets those bf16 values widened, i.e. 8 mantissa bits, not 24.
+    Shapes outside :func:`grouped_gemm_supported` or non-bf16 operands fall back to
+    the reference.
+    """
+    from jax_grouped_mlp._src import primitives
+
+    a, b = _as_bf16(lhs), _as_bf16(rhs)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    m, k = a.shape
+    n = b.shape[1]
+    if (
+        jnp.dtype(a.dtype) != bf16
+        or jnp.dtype(b.dtype) != bf16
+        or not grouped_gemm_supported(m, n, k, group_sizes.shape[0])
+    ):
+        return primitives._REFERENCE["grouped_wgrad"](lhs, rhs, group_sizes, out_dtype=out_dtype)
+    return grouped_wgrad_bf16_cuda(a, b, group_sizes).astype(out_dtype)

@@ -14,8 +14,8 @@ Weights, ``probs`` and ``group_sizes`` are never tagged.
 
 Backward::
 
-    da  = dy @ w2^T                     (dy and w2 blocked along H)
-    dprobs = sum_f da * relu(h)**2
+    da  = dy @ w2^T                     (dy and w2 blocked along H), rounded to bf16
+    dprobs = sum_f da * relu(h)**2      float32
     dh  = da * probs * 2 * relu(h)      float32 math, rounded to bf16
     dx  = dh @ w1^T                     (dh and w1 blocked along F)
     dw2 = col(a)^T @ col(dy)            per group
@@ -85,7 +85,10 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe):
 def _mlp_bwd(recipe: Recipe, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes)
-    da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.float32)
+    # da in bf16: what the dgrad kernel writes (the bf16 rounding is far below the
+    # MXFP8 operands' own error; the same on every platform).
+    da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.bfloat16)
+    da = da.astype(jnp.float32)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     dprobs = jnp.sum(da * (r * r), axis=1)
     dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)

@@ -114,6 +114,8 @@ def _register_available_kernels() -> None:
     register_cuda_impl("quantize_both", ffi.quantize_both_cuda)
     if gemm_ffi.grouped_gemm_variants():
         register_cuda_impl("grouped_gemm", gemm_ffi.grouped_gemm_cuda)
+    if gemm_ffi.grouped_wgrad_variants():
+        register_cuda_impl("grouped_wgrad", gemm_ffi.grouped_wgrad_cuda)
 
 
 _register_available_kernels()

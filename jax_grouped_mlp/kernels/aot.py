@@ -105,6 +105,30 @@ def _grouped_gemm_args():
             cutlass.Int32(132), make_fake_stream())
 
 
+def _grouped_wgrad_variants():
+    from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig
+
+    # Keep in the order of JGM_GROUPED_WGRAD_VARIANTS in csrc/grouped_wgrad.cc.
+    return (GroupedWgradConfig(tile_n=256), GroupedWgradConfig(tile_n=192))
+
+
+def _grouped_wgrad_args():
+    """Fake (X seen as (K, M), dY seen as (N, M), out seen as (K, N, G), group_sizes, num_ctas, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def t(dtype, shape, order, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
+                                        use_32bit_stride=True)
+
+    m, g = cute.sym_int32(), cute.sym_int32()
+    n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
+    return (t(cutlass.BFloat16, (k, m), (0, 1)), t(cutlass.BFloat16, (n, m), (0, 1)),
+            t(cutlass.BFloat16, (k, n, g), (1, 0, 2)), t(cutlass.Int32, (g,), (0,), align=4),
+            cutlass.Int32(132), make_fake_stream())
+
+
 def variants():
     """(name, kernel object, fake arguments) for every variant we ship."""
     import cutlass
@@ -140,6 +164,11 @@ def variants():
 
     for cfg in _grouped_gemm_variants():
         yield cfg.name, GroupedGemmSm90(cfg), _grouped_gemm_args()
+
+    from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
+
+    for cfg in _grouped_wgrad_variants():
+        yield cfg.name, GroupedWgradSm90(cfg), _grouped_wgrad_args()
 
 
 def main(argv=None) -> int:

@@ -259,6 +259,65 @@ class GroupedGemmSm90:
         row_off = m_tile * self.tile_m
         return row_off, cutlass.min(seg_rows - row_off, Int32(self.tile_m)), n_tile
 
+    # ---- epilogue helpers (shared with the weight-gradient kernel) ----
+
+    def _epilogue_copies(self, tiled_mma: cute.TiledMma, sC: cute.Tensor, acc: cute.Tensor, ctid):
+        """Register -> shared-memory staging of the accumulator in 128 x 32 subtiles (stmatrix).
+
+        Returns ``(tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline)``
+        for consumer thread ``ctid`` (0..255); ``store_pipeline`` tracks the TMA stores.
+        """
+        copy_atom_r2s = sm90_utils.get_smem_store_op(self.out_layout, self.out_dtype, self.acc_dtype)
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.out_layout.is_m_major_c(), 4), self.out_dtype
+        )
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(ctid)
+        tRS_sD = thr_copy_r2s.partition_D(sC)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.out_dtype)
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_warp_groups),
+        )
+        return tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline
+
+    @cute.jit
+    def _store_tile_tma(self, epi, tma_atom_out, sC: cute.Tensor, gTile: cute.Tensor, epi_count: Int32, warp_idx):
+        """Stores the accumulator as the tile ``gTile`` (a TMA coordinate tile, tile_m x tile_n).
+
+        128 x 32 subtiles: registers -> shared memory (stmatrix) -> TMA store, with
+        ``epi_stages`` buffers so the store of one subtile overlaps the conversion of
+        the next. TMA clips whatever lies outside the output tensor. Returns the new
+        subtile count (it picks the buffer).
+        """
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
+        size_tRS_rD = cute.size(tRS_rD)
+        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, 32), (1, tile_n / 32))
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
+        )
+        epi_num = cute.size(gEpi, mode=[1])
+        epi_shape = gEpi.shape[1]
+        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        for e in cutlass.range_constexpr(epi_num):
+            for v in cutlass.range_constexpr(size_tRS_rD):
+                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+            buf = (epi_count + e) % self.epi_stages
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            # stmatrix writes go through the generic proxy; TMA reads async.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epi_barrier.arrive_and_wait()
+            if warp_idx == self.epi_store_warp:
+                cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
+                store_pipeline.producer_commit()
+                store_pipeline.producer_acquire()  # the buffer written next is free again
+            self.epi_barrier.arrive_and_wait()
+        return epi_count + epi_num
+
     @cute.kernel
     def kernel(
         self,
@@ -367,25 +426,9 @@ class GroupedGemmSm90:
             acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
             num_k_blocks = cute.size(tCrA, mode=[2])
 
-            # Epilogue of full tiles: registers -> shared memory (stmatrix) in 128 x 32
-            # subtiles -> TMA store, double-buffered so the store of one subtile overlaps
-            # the conversion of the next. (A full tile's rows all belong to its group.)
-            copy_atom_r2s = sm90_utils.get_smem_store_op(self.out_layout, self.out_dtype, self.acc_dtype)
-            copy_atom_c = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.out_layout.is_m_major_c(), 4), self.out_dtype
-            )
-            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
-            thr_copy_r2s = tiled_copy_r2s.get_slice(tidx - 128)
-            tRS_sD = thr_copy_r2s.partition_D(sC)
-            tRS_rAcc = tiled_copy_r2s.retile(acc)
-            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.out_dtype)
+            epi = self._epilogue_copies(tiled_mma, sC, acc, tidx - 128)
+            tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
             size_tRS_rD = cute.size(tRS_rD)
-            store_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_warp_groups),
-            )
             epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
             # Partial tiles: shared memory -> global with 16-byte stores, a row predicate
             # per vector (256 threads = 64 rows x 4 vectors of 8 columns per pass).
@@ -437,28 +480,7 @@ class GroupedGemmSm90:
                     gTile = cute.local_tile(
                         cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile)
                     )
-                    gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, 32), (1, tile_n / 32))
-                    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
-                    )
-                    epi_num = cute.size(gEpi, mode=[1])
-                    epi_shape = gEpi.shape[1]
-                    epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    for e in cutlass.range_constexpr(epi_num):
-                        for v in cutlass.range_constexpr(size_tRS_rD):
-                            tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-                        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                        buf = (epi_count + e) % self.epi_stages
-                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                        # stmatrix writes go through the generic proxy; TMA reads async.
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        self.epi_barrier.arrive_and_wait()
-                        if warp_idx == self.epi_store_warp:
-                            cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
-                            store_pipeline.producer_commit()
-                            store_pipeline.producer_acquire()  # the buffer written next is free again
-                        self.epi_barrier.arrive_and_wait()
-                    epi_count = epi_count + epi_num
+                    epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
                 else:
                     # Partial tile (a group's last rows, or the rows past the groups): the
                     # same shared-memory staging, then 16-byte stores of the valid rows only,

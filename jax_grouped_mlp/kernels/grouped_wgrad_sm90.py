@@ -1,0 +1,296 @@
+"""Hopper (sm_90a) grouped weight gradient over ragged M: ``out[g] = X_g^T @ dY_g``.
+
+Operands (row-major as JAX stores them; no transposes on the JAX side):
+  X            [M, K]      bf16, K contiguous  -> seen as (K, M): MN-major wgmma A
+  dY           [M, N]      bf16, N contiguous  -> seen as (N, M): MN-major wgmma B
+  group_sizes  [G]         int32, read on the device only
+  out          [G, K, N]   bf16, N contiguous  -> seen as (K, N, G)
+
+``X_g`` / ``dY_g`` are group ``g``'s rows ``[start_g, start_g + size_g)``, sizes clamped
+on the device exactly as in the forward kernel (negative -> 0, running sum cut at M),
+so no memory outside the operands is touched whatever ``group_sizes`` holds.
+
+Work decomposition: every group has the same ``cdiv(K, 128) * cdiv(N, tile_n)`` output
+tiles; tiles are numbered group by group, and the persistent CTAs take tiles
+``b, b + grid, ...``. Each tile reduces over its group's rows in ``tile_k`` = 64-row
+slices **in order**, in one CTA, in fp32 registers: no atomics, no split-K, so the
+result is bitwise reproducible. An empty group's tiles skip the mainloop and store
+zeros. The group cursor (start row of the tile's group) moves forward only: one
+``group_sizes`` load per group passed.
+
+Ragged edges: a slice is loaded by TMA from the group's current row whatever the
+group's end (rows past M are zero-filled by TMA). Rows of the last slice that belong
+to the next group are zeroed in shared memory by the consumers before their wgmma
+(both operands, so garbage such as Inf in a neighbour's rows cannot leak through
+``0 * Inf``). Output tiles at the K and N edges are clipped by the TMA store.
+
+Warp roles, pipeline and epilogue are those of :class:`GroupedGemmSm90` (producer warp,
+two consumer warp groups of 64 output rows each, TMA-store epilogue).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedWgradConfig(GroupedGemmConfig):
+    """The forward kernel's knobs; ``tile_k`` here counts token rows per stage."""
+
+    @property
+    def name(self) -> str:
+        s = f"grouped_wgrad_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
+        return s + (f"_e{self.epi_stages}" if self.epi_stages != 2 else "")
+
+
+def is_supported(m: int, n: int, k: int, g: int) -> bool:
+    """16-byte TMA strides (N, K multiples of 8) and 32-bit offsets."""
+    return n % 8 == 0 and k % 8 == 0 and m * k < 2**31 and m * n < 2**31 and g * k * n < 2**31
+
+
+class GroupedWgradSm90(GroupedGemmSm90):
+    """Persistent warp-specialized TMA + wgmma weight gradient; see the module docstring."""
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (K, M) bf16, K contiguous (JAX's X [M, K])
+        b: cute.Tensor,  # (N, M) bf16, N contiguous (JAX's dY [M, N])
+        out: cute.Tensor,  # (K, N, G) bf16, N contiguous (JAX's [G, K, N])
+        group_sizes: cute.Tensor,  # (G,) int32
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.ab_dtype = a.element_type
+        self.out_dtype = out.element_type
+        a_layout = utils.LayoutEnum.from_tensor(a)
+        b_layout = utils.LayoutEnum.from_tensor(b)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_n),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_smem, (None, None, 0)),
+            (self.tile_m, self.tile_k),
+        )
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)),
+            (self.tile_n, self.tile_k),
+        )
+        self.out_layout = utils.LayoutEnum.from_tensor(out)
+        epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, self.out_layout, self.epi_tile, self.epi_stages)
+        tma_atom_out, tma_out = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(epi_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.wgrad_kernel(
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_out, tma_out, group_sizes,
+            self.tiled_mma, a_smem, b_smem, epi_smem,
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    # ---- group cursor ----
+
+    @cute.jit
+    def _group_at(self, group_sizes: cute.Tensor, target: Int32, g: Int32, start: Int32, size: Int32, m: Int32):
+        """Moves the cursor ``(g, start, size)`` forward to group ``target`` (clamped sizes)."""
+        while g < target:
+            start = start + size
+            g = g + 1
+            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m - start)
+        return g, start, size
+
+    @cute.jit
+    def _zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
+        """Zeroes token rows ``valid..tile_k-1`` of both operands in ``stage`` (consumer threads).
+
+        Generic-proxy stores, then a proxy fence and a barrier of both consumer warp
+        groups, so the following wgmma (async proxy) sees the zeros.
+        """
+        per_row = self.tile_m + self.tile_n
+        total = (self.tile_k - valid) * per_row
+        zero = self.ab_dtype(0.0)
+        i = ctid
+        while i < total:
+            j = valid + i // per_row
+            r = i - (i // per_row) * per_row
+            if r < self.tile_m:
+                sA[(r, j, stage)] = zero
+            else:
+                sB[(r - self.tile_m, j, stage)] = zero
+            i = i + 128 * self.num_mma_warp_groups
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+
+    @cute.kernel
+    def wgrad_kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,  # TMA coordinate tensor (K, M)
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,  # TMA coordinate tensor (N, M)
+        tma_atom_out: cute.CopyAtom,
+        mOutTma: cute.Tensor,  # TMA coordinate tensor (K, N, G)
+        group_sizes: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_out)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+
+        k_dim = mA.shape[0]
+        m = mA.shape[1]
+        n_dim = mB.shape[0]
+        num_groups = group_sizes.shape[0]
+        m_tiles = (k_dim + (self.tile_m - 1)) // self.tile_m
+        n_tiles = (n_dim + (self.tile_n - 1)) // self.tile_n
+        group_tiles = m_tiles * n_tiles
+        total_tiles = group_tiles * num_groups
+
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        size0 = cutlass.min(cutlass.max(Int32(group_sizes[0]), Int32(0)), m)
+
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                g, start, size = Int32(0), Int32(0), size0
+                t = Int32(bidx)
+                while t < total_tiles:
+                    g, start, size = self._group_at(group_sizes, t // group_tiles, g, start, size, m)
+                    local = t - g * group_tiles
+                    n_tile = local // m_tiles
+                    m_tile = local - n_tile * m_tiles
+                    gA = cute.local_tile(cute.domain_offset((0, start), mA), (self.tile_m, self.tile_k), (m_tile, None))
+                    gB = cute.local_tile(cute.domain_offset((0, start), mB), (self.tile_n, self.tile_k), (n_tile, None))
+                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                    )
+                    tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                    )
+                    k_tiles = (size + (self.tile_k - 1)) // self.tile_k
+                    for k in range(k_tiles):
+                        mainloop.producer_acquire(state)
+                        bar = mainloop.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        mainloop.producer_commit(state)
+                        state.advance()
+                    t = t + gdim
+                mainloop.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            ctid = tidx - 128
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
+            store_pipeline = epi[5]
+            epi_count = Int32(0)
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            g, start, size = Int32(0), Int32(0), size0
+            t = Int32(bidx)
+            while t < total_tiles:
+                g, start, size = self._group_at(group_sizes, t // group_tiles, g, start, size, m)
+                local = t - g * group_tiles
+                n_tile = local // m_tiles
+                m_tile = local - n_tile * m_tiles
+                k_tiles = (size + (self.tile_k - 1)) // self.tile_k
+                last_valid = size - (k_tiles - 1) * self.tile_k  # rows of the group in the last slice
+                acc.fill(0.0)
+                if k_tiles > 0:
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    mainloop.consumer_wait(read)
+                    if k_tiles == 1:
+                        if last_valid < self.tile_k:
+                            self._zero_rows_past(sA, sB, read.index, last_valid, ctid)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        c = (None, None, kb, read.index)
+                        cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read.advance()
+                    for k in range(1, k_tiles):
+                        mainloop.consumer_wait(read)
+                        if k == k_tiles - 1:
+                            if last_valid < self.tile_k:
+                                self._zero_rows_past(sA, sB, read.index, last_valid, ctid)
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            c = (None, None, kb, read.index)
+                            cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        mainloop.consumer_release(release)
+                        release.advance()
+                        read.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    mainloop.consumer_release(release)
+                    release.advance()
+
+                gTile = cute.local_tile(mOutTma[(None, None, g)], (self.tile_m, self.tile_n), (m_tile, n_tile))
+                epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
+                t = t + gdim
+            store_pipeline.producer_tail()
