@@ -57,7 +57,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32
+from cutlass import Float32, Int32
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block

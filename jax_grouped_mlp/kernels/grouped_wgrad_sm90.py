@@ -54,11 +54,6 @@ class GroupedWgradConfig(GroupedGemmConfig):
         return s + (f"_e{self.epi_stages}" if self.epi_stages != 2 else "")
 
 
-def is_supported(m: int, n: int, k: int, g: int) -> bool:
-    """16-byte TMA strides (N, K multiples of 8) and 32-bit offsets."""
-    return n % 8 == 0 and k % 8 == 0 and m * k < 2**31 and m * n < 2**31 and g * k * n < 2**31
-
-
 class GroupedWgradSm90(GroupedGemmSm90):
     """Persistent warp-specialized TMA + wgmma weight gradient; see the module docstring."""
 

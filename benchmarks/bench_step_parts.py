@@ -1,0 +1,101 @@
+"""Where the time of one MLP training step goes: every part of it timed alone.
+
+    PYTHONPATH=. python3 benchmarks/bench_step_parts.py [--shape nano] [--out FILE]
+
+For one shape of ``common.MLP_SHAPES`` it times, each as its own jitted program on
+the same inputs: the six GEMMs of a step (FC1, FC2, the two dgrads with the weight
+transposed, the two wgrads) on bf16 operands, and the MXFP8 conversions the mxfp8
+recipe adds around them (quantizing activations and weights, and the dequantization
+to bf16 that the kernels currently need before they run). Each part is multiplied by
+how often one step runs it, so the table adds up to an estimate of the step, to set
+against ``bench_mlp.py``'s measured step time. Writes JSON
+(``results/step_parts_<platform>.json``).
+
+What it answers: how much of the mxfp8 recipe's extra time is dequantization that an
+in-kernel conversion would remove, and how much is quantization that stays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_grouped_mlp._src import mxfp8, primitives
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import MLP_SHAPES, RESULTS, device_description, time_call, write_json  # noqa: E402
+
+
+def _parts(m: int, h: int, f: int, g: int, seed: int):
+    """(name, per-step count, jitted fn, args) for every part of a step."""
+    rng = np.random.default_rng(seed)
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)  # noqa: E731
+    x, a, w1, w2 = bf(m, h), bf(m, f), bf(g, h, f) / 32, bf(g, f, h) / 32
+    gs = jnp.full((g,), m // g, jnp.int32)
+    gemm = jax.jit(lambda l, r, s: primitives.grouped_gemm(l, r, s, jnp.bfloat16))
+    dgrad = jax.jit(lambda l, r, s: primitives.grouped_gemm(l, jnp.swapaxes(r, 1, 2), s, jnp.bfloat16))
+    wgrad = jax.jit(lambda l, r, s: primitives.grouped_wgrad(l, r, s, jnp.bfloat16))
+    q_both = jax.jit(primitives.quantize_both)
+    q_w = {ax: jax.jit(lambda w, ax=ax: primitives.quantize(w, ax)) for ax in (1, 2)}
+    deq = jax.jit(lambda t: mxfp8.dequantize(t, jnp.bfloat16))
+    deq_t = jax.jit(lambda t: mxfp8.dequantize(t.swap_last_axes(), jnp.bfloat16))
+    x_row, x_col = q_both(x, gs)
+    a_row, a_col = q_both(a, gs)
+    w1_k = q_w[1](w1)
+    w1_t = q_w[2](w1)
+    return [
+        ("gemm fc1 [M,H]x[G,H,F]", 1, gemm, (x, w1, gs)),
+        ("gemm fc2 [M,F]x[G,F,H]", 1, gemm, (a, w2, gs)),
+        ("gemm dgrad fc2 (w2 transposed)", 1, dgrad, (x, w2, gs)),
+        ("gemm dgrad fc1 (w1 transposed)", 1, dgrad, (a, w1, gs)),
+        ("wgrad dw1 [M,H]^T[M,F]", 1, wgrad, (x, a, gs)),
+        ("wgrad dw2 [M,F]^T[M,H]", 1, wgrad, (a, x, gs)),
+        ("quantize_both [M,H] (x, dy)", 2, q_both, (x, gs)),
+        ("quantize_both [M,F] (a, dh)", 2, q_both, (a, gs)),
+        ("quantize weight along K (fprop)", 2, q_w[1], (w1,)),
+        ("quantize weight along N (dgrad)", 2, q_w[2], (w1,)),
+        ("dequantize rowwise [M,H] (x, dy)", 2, deq, (x_row,)),
+        ("dequantize grouped col [M,H] (x, dy)", 2, deq, (x_col,)),
+        ("dequantize rowwise [M,F] (a, dh)", 2, deq, (a_row,)),
+        ("dequantize grouped col [M,F] (a, dh)", 2, deq, (a_col,)),
+        ("dequantize weight (fprop)", 2, deq, (w1_k,)),
+        ("dequantize weight + transpose (dgrad)", 2, deq_t, (w1_t,)),
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="nano", choices=sorted(MLP_SHAPES))
+    ap.add_argument("--dims", default=None, help="groups,rows_per_group,hidden,ffn (overrides --shape)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    ns = ap.parse_args(argv)
+    dims = tuple(int(d) for d in ns.dims.split(",")) if ns.dims else MLP_SHAPES[ns.shape]
+    g, rows, h, f = dims
+    m = g * rows
+    shape = {"name": "custom" if ns.dims else ns.shape, "groups": g, "rows_per_group": rows, "hidden": h, "ffn": f}
+    report = {"command": "python3 " + " ".join(sys.argv), "device": device_description(),
+              "shape": shape, "parts": {}}
+    totals = {"gemm": 0.0, "quantize": 0.0, "dequantize": 0.0}
+    print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
+    for name, count, fn, args in _parts(m, h, f, g, ns.seed):
+        ms = 1e3 * time_call(fn, *args, iters=ns.iters)
+        kind = {"wgrad": "gemm", "quantize_both": "quantize"}.get(name.split()[0], name.split()[0])
+        totals[kind] += ms * count
+        report["parts"][name] = {"ms": ms, "per_step": count}
+        print(f"{name:42s} {ms:8.3f} {count:6d} {ms * count:8.3f}", flush=True)
+    report["ms_per_step"] = totals
+    print({k: round(v, 3) for k, v in totals.items()})
+    out = ns.out or RESULTS / f"step_parts_{jax.devices()[0].platform}.json"
+    write_json(report, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
