@@ -1,0 +1,1126 @@
+"""Residual offload, measured: device and host memory, step time and proof of placement per policy.
+
+A stack of ``--layers`` grouped-MLP layers, each under its own
+``jax.checkpoint(..., policy=offload_policy(...))``, full forward + backward
+(``jax.value_and_grad`` of a scalar loss over every layer's weights and x) under
+``jax.jit``, for these policies (fc1_input / activation_input / fc2_input):
+
+    all_device                 device / device / device
+    fc1_input_offload          offload / device / device
+    activation_input_offload   device / offload / device
+    fc2_input_offload          device / device / offload
+    all_offload                offload / offload / offload
+    default                    offload_policy() with no arguments
+    all_recompute              recompute / recompute / recompute   (reference)
+
+For each one it records
+
+* the compiled program's memory (``compiled.memory_analysis()``: temp, argument,
+  output and, where the backend reports them, the host-side sizes), and which
+  buffers are live where the temp allocation is fullest (XLA's buffer assignment
+  and schedule, read from the executable; liveness estimated here);
+* the device's ``peak_bytes_in_use`` after one step (each policy runs in a fresh
+  subprocess, since the peak cannot be reset; ``None`` on the CPU);
+* the residual bytes kept on device / in pinned host memory, read from the traced
+  gradient (``placement.residual_report``); with ``--runtime-check`` also the
+  bytes of the residual arrays a jitted forward returns, by memory kind;
+* the median step time (``benchmarks/common.py: time_call``);
+* proof of placement in the compiled program: the instructions whose shapes carry
+  host memory space ``S(5)``, the device->host / host->device copies among them and
+  their bytes, and any ``MoveToHost`` / ``MoveToDevice`` /
+  ``annotate_device_placement`` custom calls left.
+
+It then prints the table, the residual-device-memory bar (all three offloaded must
+keep >= 90 % less residual memory on the device than all three on the device,
+judged from the traced bytes and from compiled temp memory) and the link time the
+host bytes imply at ``--link-gbps`` (53 GB/s) next to the step-time cost of
+offloading. JSON goes to ``benchmarks/results/offload_<platform>.json``.
+
+    PYTHONPATH=. python benchmarks/bench_offload.py                                # small CPU shape
+    PYTHONPATH=. python3 benchmarks/bench_offload.py --nano --plot offload.png       # H200
+
+On the CPU, ``device_put`` to a memory kind inside ``jit`` lowers to nothing
+(jax/_src/dispatch.py registers the memory-kind annotation for 'gpu' and 'tpu'
+only), so the compiled CPU program has no host placement at all: the traced
+columns show what the policy asks for, the compiled columns show what XLA:CPU does
+(keep everything in ordinary memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import inspect
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from benchmarks.common import RESULTS, time_call, write_json
+
+PLACEMENT_NAMES = ("fc1_input", "activation_input", "fc2_input")
+POLICIES = {
+    "all_device": ("device", "device", "device"),
+    "fc1_input_offload": ("offload", "device", "device"),
+    "activation_input_offload": ("device", "offload", "device"),
+    "fc2_input_offload": ("device", "device", "offload"),
+    "all_offload": ("offload", "offload", "offload"),
+    "default": None,  # offload_policy() exactly as a user gets it
+    "all_recompute": ("recompute", "recompute", "recompute"),
+}
+# Run order: what the bar and the temp-memory question need first, in case a run is cut short.
+RUN_ORDER = ["all_device", "all_offload", "all_recompute", "fc1_input_offload", "activation_input_offload",
+             "fc2_input_offload", "default"]  # fmt: skip
+CPU_SHAPE = dict(tokens=2048, hidden=256, ffn=384, experts=8)
+NANO_SHAPE = dict(tokens=49152, hidden=2688, ffn=1856, experts=128)  # 8192 tokens x top-6
+BAR = 0.90  # all_offload keeps >= 90 % less residual memory on the device than all_device
+MB = 1e6
+
+
+def default_placement() -> tuple[str, ...]:
+    from jax_grouped_mlp._src.policy import offload_policy
+
+    sig = inspect.signature(offload_policy)
+    return tuple(sig.parameters[n].default for n in PLACEMENT_NAMES)
+
+
+def placement_of(label: str) -> tuple[str, ...]:
+    p = POLICIES[label]
+    return default_placement() if p is None else p
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+def group_sizes(tokens: int, experts: int, ragged: bool, seed: int = 0) -> np.ndarray:
+    if not ragged:
+        sizes = np.full(experts, tokens // experts, np.int32)
+        sizes[: tokens % experts] += 1
+        return sizes
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(tokens, rng.dirichlet(np.ones(experts))).astype(np.int32)
+
+
+def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 0):
+    """``loss_for(label)`` -> ``loss(params, x, sizes, probs)``, and the arguments.
+
+    ``params`` is a list of ``(w1, w2)`` per layer (separate arrays: no slicing of a
+    stacked weight inside the step); every layer is ``x + grouped_mlp(x, ...)``
+    under its own ``jax.checkpoint``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jax_grouped_mlp._src.mlp import grouped_mlp
+    from jax_grouped_mlp._src.policy import offload_policy
+
+    m, h, f, g = shape["tokens"], shape["hidden"], shape["ffn"], shape["experts"]
+    keys = jax.random.split(jax.random.key(seed), 2 * layers + 2)
+    x = jax.random.normal(keys[0], (m, h), jnp.bfloat16)
+    probs = jax.random.uniform(keys[1], (m,), jnp.float32)
+    params = [
+        (
+            (jax.random.normal(keys[2 + 2 * i], (g, h, f), jnp.bfloat16) * h**-0.5).astype(jnp.bfloat16),
+            (jax.random.normal(keys[3 + 2 * i], (g, f, h), jnp.bfloat16) * f**-0.5).astype(jnp.bfloat16),
+        )
+        for i in range(layers)
+    ]
+    sizes = jnp.asarray(group_sizes(m, g, ragged, seed))
+
+    def loss_for(label):
+        p = POLICIES[label]
+        policy = offload_policy() if p is None else offload_policy(*p)
+        layer = jax.checkpoint(functools.partial(grouped_mlp, recipe=recipe), policy=policy)
+
+        def loss(params, x, sizes, probs):
+            for w1, w2 in params:
+                x = x + layer(x, w1, w2, sizes, probs)
+            return jnp.mean(x.astype(jnp.float32) ** 2)
+
+        return loss
+
+    return loss_for, (params, x, sizes, probs)
+
+
+# --------------------------------------------------------------------------- compiled HLO
+
+_DTYPE_BYTES = {
+    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
+    "s32": 4, "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8,
+    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^{}]*\})?")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_COMP = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_HOST_CALLS = ("MoveToHost", "MoveToDevice", "annotate_device_placement")
+# Ops that only forward, wrap or pick a buffer: not a transfer of their own.
+_NOT_TRANSFERS = frozenset({
+    "copy-done", "get-tuple-element", "tuple", "bitcast", "parameter", "while", "conditional",
+    "call", "async-start", "async-update", "async-done", "opt-barrier", "optimization-barrier",
+    "constant", "send", "recv", "send-done", "recv-done",
+})  # fmt: skip
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """``"<shape> <opcode>(...)..."`` -> (shape, remainder); tuple shapes are parenthesised."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    shape, _, tail = rest.partition(" ")
+    return shape, tail
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    return int(math.ceil(n * _DTYPE_BYTES.get(dtype, 0)))
+
+
+def _host_bytes(shape: str) -> int:
+    return sum(_array_bytes(t, d) for t, d, lay in _ARRAY.findall(shape) if lay and "S(5)" in lay)
+
+
+def _arrays(shape: str) -> list[tuple[int, bool]]:
+    """(bytes, in host memory space) of each array in a (possibly tuple) shape."""
+    return [(_array_bytes(t, d), bool(lay) and "S(5)" in lay) for t, d, lay in _ARRAY.findall(shape)]
+
+
+def parse_hlo(text: str) -> dict:
+    """Instructions of an HLO module text: name -> dict(shape, opcode, operands, computation, ...)."""
+    instrs: dict[str, dict] = {}
+    fusion_called: set[str] = set()
+    entry = None
+    comp = None
+    frames = _stack_frames(text)
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            mc = _COMP.match(line)
+            if mc:
+                comp = mc.group(2)
+                if mc.group(1):
+                    entry = comp
+            continue
+        mi = _INSTR.match(line)
+        if not mi or comp is None:
+            continue
+        name, rest = mi.group(1), mi.group(2)
+        shape, tail = _split_shape(rest)
+        opcode, _, args = tail.partition("(")
+        opcode = opcode.strip()
+        operands = re.findall(r"%([^\s,()]+)", args.split("),", 1)[0]) if args else []
+        if opcode == "fusion":
+            fusion_called.update(re.findall(r"calls=%?([^\s,}]+)", line))
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        target = re.search(r'custom_call_target="([^"]*)"', line)
+        instrs[name] = {
+            "shape": shape,
+            "opcode": opcode,
+            "operands": operands,
+            "computation": comp,
+            "op_name": op_name.group(1) if op_name else "",
+            "source": frames.get(int(frame.group(1)), "") if frame else "",
+            "target": target.group(1) if target else "",
+        }
+    return {"instrs": instrs, "entry": entry, "fusion_computations": fusion_called}
+
+
+def _stack_frames(text: str) -> dict[int, str]:
+    """stack_frame_id -> "file:line" of its innermost frame, from the module's frame tables."""
+    files, locs, frames = {}, {}, {}
+    section = None
+    for line in text.splitlines():
+        s = line.strip()
+        if s in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = s
+            continue
+        m = re.match(r"^(\d+) (.*)$", s) if section else None
+        if not m:
+            section = None
+            continue
+        idx, val = int(m.group(1)), m.group(2)
+        if section == "FileNames":
+            files[idx] = val.strip('"')
+        elif section == "FileLocations":
+            fid = re.search(r"file_name_id=(\d+)", val)
+            ln = re.search(r"\bline=(\d+)", val)
+            if fid and ln:
+                locs[idx] = f"{files.get(int(fid.group(1)), '?')}:{ln.group(1)}"
+        elif section == "StackFrames":
+            fl = re.search(r"file_location_id=(\d+)", val)
+            if fl:
+                frames[idx] = locs.get(int(fl.group(1)), "")
+    return frames
+
+
+def host_placement_report(text: str) -> dict:
+    """Counts what in a compiled HLO module lives in, or moves to and from, host memory ``S(5)``.
+
+    Only instructions of non-fusion computations are counted (a fusion's body would
+    count its own output twice). A transfer is an instruction whose result and one of
+    its operands sit in different memory spaces (``copy-start``: its destination and
+    source, the first two tuple elements); its bytes are those of the host-side array.
+    """
+    mod = parse_hlo(text)
+    instrs, fused = mod["instrs"], mod["fusion_computations"]
+    s5_by_op: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    moves = {"to_host": collections.Counter(), "to_device": collections.Counter()}
+    nbytes = {"to_host": 0, "to_device": 0}
+    for ins in instrs.values():
+        if ins["computation"] in fused:
+            continue
+        if ins["target"] in _HOST_CALLS:
+            calls[ins["target"]] += 1
+        shape, op = ins["shape"], ins["opcode"]
+        if "S(5)" in shape:
+            s5_by_op[op] += 1
+        if op in _NOT_TRANSFERS:
+            continue
+        if op == "copy-start":
+            arr = _arrays(shape)
+            if len(arr) >= 2 and arr[0][1] != arr[1][1]:
+                kind = "to_host" if arr[0][1] else "to_device"
+                moves[kind][op] += 1
+                nbytes[kind] += arr[0][0] if arr[0][1] else arr[1][0]
+            continue
+        out_host = "S(5)" in shape
+        # Array operands (not scalars such as slice offsets), as (bytes, on host).
+        src = [a for o in ins["operands"] if o in instrs for a in _arrays(instrs[o]["shape"]) if a[0] > 8]
+        dev_in = sum(b for b, host in src if not host)
+        host_in = sum(b for b, host in src if host)
+        if out_host and dev_in:  # e.g. copy, or dynamic-update-slice of a device slice into host
+            moves["to_host"][op] += 1
+            nbytes["to_host"] += min(_host_bytes(shape), dev_in)
+        elif not out_host and host_in:  # e.g. copy, or dynamic-slice of a host buffer
+            moves["to_device"][op] += 1
+            nbytes["to_device"] += min(host_in, sum(b for b, _ in _arrays(shape)))
+    header = text.split("\n", 1)[0]
+    layout = re.search(r"entry_computation_layout=\{(.*)\}", header)
+    return {
+        "s5_instructions": sum(s5_by_op.values()),
+        "s5_instructions_by_opcode": dict(s5_by_op),
+        "s5_in_entry_layout": layout.group(1).count("S(5)") if layout else 0,
+        "to_host_ops": dict(moves["to_host"]),
+        "to_device_ops": dict(moves["to_device"]),
+        "to_host_bytes": nbytes["to_host"],
+        "to_device_bytes": nbytes["to_device"],
+        "host_placement_custom_calls": dict(calls),
+        "instructions": len(instrs),
+    }
+
+
+_MLIR_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "ui8": 1, "i16": 2, "ui16": 2,
+               "i32": 4, "ui32": 4, "i64": 8, "ui64": 8}  # f8* and f4*: below  # fmt: skip
+_ANNOTATION = re.compile(
+    r'@annotate_device_placement\(.*?_xla_buffer_placement = "(\w+)".*?:\s*\(tensor<([^>]*)>\)'
+)
+
+
+def lowered_placement_report(mlir_text: str) -> dict:
+    """What JAX asks XLA to move: the ``annotate_device_placement`` custom calls in the
+    lowered (StableHLO) program, by destination memory kind and element type, with bytes."""
+    out: dict = {}
+    for kind, tensor in _ANNOTATION.findall(mlir_text):
+        *dims, dtype = tensor.split("x")
+        size = _MLIR_BYTES.get(dtype, 1 if dtype.startswith("f8") else 0.5 if dtype.startswith("f4") else 0)
+        n = math.prod(int(d) for d in dims) if dims else 1
+        entry = out.setdefault(kind, {}).setdefault(dtype, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += int(n * size)
+    return out
+
+
+# ------------------------------------------------------------ buffer assignment (heap trace)
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, i
+        shift += 7
+
+
+def _fields(buf: bytes):
+    """(field number, value) of a protobuf message: ints for varints, bytes for the rest."""
+    i, n = 0, len(buf)
+    while i < n:
+        key, i = _varint(buf, i)
+        wire = key & 7
+        if wire == 0:
+            val, i = _varint(buf, i)
+        elif wire == 2:
+            size, i = _varint(buf, i)
+            val, i = buf[i : i + size], i + size
+        elif wire == 1:
+            val, i = buf[i : i + 8], i + 8
+        elif wire == 5:
+            val, i = buf[i : i + 4], i + 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        yield key >> 3, val
+
+
+def _ints(vals) -> list[int]:
+    """A repeated integer field, packed (bytes) or not (ints)."""
+    out = []
+    for v in vals:
+        if isinstance(v, int):
+            out.append(v)
+            continue
+        i = 0
+        while i < len(v):
+            x, i = _varint(v, i)
+            out.append(x)
+    return out
+
+
+def _multi(buf: bytes) -> dict[int, list]:
+    d: dict[int, list] = collections.defaultdict(list)
+    for fn, val in _fields(buf):
+        d[fn].append(val)
+    return d
+
+
+def decode_buffer_assignment(blob: bytes) -> dict:
+    """The parts of xla.BufferAssignmentProto (xla/service/hlo.proto) used here.
+
+    logical buffer id -> (size, defining instruction id, color); allocations with
+    their flags and assigned (logical buffer, offset, size) slices.
+    """
+    buffers, allocs = {}, []
+    names = {1: "index", 2: "size", 3: "thread_local", 5: "parameter", 7: "live_out", 8: "color",
+             11: "tuple", 12: "constant"}  # fmt: skip
+    for fn, val in _fields(blob):
+        if fn == 1:  # LogicalBufferProto {id=1, size=2, defined_at=3 {instruction_id=4}, color=4}
+            d = _multi(val)
+            loc = _multi(d[3][0]) if d.get(3) else {}
+            buffers[d.get(1, [0])[0]] = {
+                "size": d.get(2, [0])[0],
+                "instruction_id": loc.get(4, [None])[0],
+                "color": d.get(4, [0])[0],
+            }
+        elif fn == 3:  # BufferAllocationProto; Assigned {logical_buffer_id=1, offset=2, size=3}
+            a = dict.fromkeys(names.values(), 0)
+            a["assigned"] = []
+            for f2, v2 in _fields(val):
+                if f2 in names and isinstance(v2, int):
+                    a[names[f2]] = v2
+                elif f2 == 9:
+                    d = _multi(v2)
+                    a["assigned"].append((d.get(1, [0])[0], d.get(2, [0])[0], d.get(3, [0])[0]))
+            allocs.append(a)
+    return {"buffers": buffers, "allocations": allocs}
+
+
+def decode_module(blob: bytes) -> dict:
+    """Instructions (id -> name, opcode, operand ids, called computation ids, computation id)
+    and the schedule of an xla.HloModuleProto."""
+    instrs, comps = {}, {}
+    entry, schedule = None, {}
+    for fn, val in _fields(blob):
+        if fn == 3:  # HloComputationProto {name=1, instructions=2, id=5}
+            c = _multi(val)
+            cid = c.get(5, [0])[0]
+            ids = []
+            for raw in c.get(2, []):
+                d = _multi(raw)  # HloInstructionProto {name=1, opcode=2, id=35, operand_ids=36, called=38}
+                iid = d.get(35, [0])[0]
+                ids.append(iid)
+                instrs[iid] = {
+                    "name": bytes(d.get(1, [b""])[0]).decode(errors="replace"),
+                    "opcode": bytes(d.get(2, [b""])[0]).decode(errors="replace"),
+                    "operands": _ints(d.get(36, [])),
+                    "called": _ints(d.get(38, [])),
+                    "computation": cid,
+                }
+            comps[cid] = {"name": bytes(c.get(1, [b""])[0]).decode(errors="replace"), "instructions": ids}
+        elif fn == 6:
+            entry = val
+        elif fn == 7:  # HloScheduleProto {sequences=1: map<int64, InstructionSequence {instruction_ids=1}>}
+            for f2, ent in _fields(val):
+                if f2 == 1:
+                    e = _multi(ent)
+                    seq = _multi(e[2][0]).get(1, []) if e.get(2) else []
+                    schedule[e.get(1, [0])[0]] = _ints(seq)
+    return {"instructions": instrs, "computations": comps, "entry": entry, "schedule": schedule}
+
+
+# Ops whose result holds (part of) an operand's buffer: a reader of the result reads the
+# operand. copy-start and async-start keep their operands until the matching -done,
+# whose result is a new buffer (for a host copy, the other memory space).
+_FORWARDING = frozenset({
+    "bitcast", "get-tuple-element", "tuple", "while", "call", "opt-barrier", "optimization-barrier",
+    "async-start", "copy-start",
+})  # fmt: skip
+
+
+def _phase(op_name: str) -> str:
+    if "transpose(" in op_name:
+        return "backward"
+    if op_name:
+        return "forward"
+    return "?"
+
+
+def temp_peak_report(ba_blob: bytes, module_blob: bytes, text_instrs: dict, top: int = 16) -> dict:
+    """What is live in the device temp allocation at its busiest point of the entry schedule.
+
+    Buffer slices (offset, size) come from XLA's buffer assignment; liveness is
+    estimated here on the scheduled entry computation: a buffer defined by an entry
+    instruction lives from it to its last user (following bitcasts, tuples,
+    get-tuple-elements, loops, calls and async pairs), a buffer defined inside a
+    nested computation lives during the entry instruction that calls it. Slices
+    that coincide count once. An estimate: it cannot exceed the allocation, and the
+    buffers it lists at the peak are the ones to look at.
+    """
+    ba = decode_buffer_assignment(ba_blob)
+    mod = decode_module(module_blob)
+    instrs, entry = mod["instructions"], mod["entry"]
+    order = mod["schedule"].get(entry) or mod["computations"].get(entry, {}).get("instructions", [])
+    pos = {iid: k for k, iid in enumerate(order)}
+    temp = [
+        a for a in ba["allocations"]
+        if not (a["parameter"] or a["live_out"] or a["constant"] or a["thread_local"] or a["tuple"])
+        and a["color"] == 0
+    ]  # fmt: skip
+    out = {
+        "temp_allocations": len(temp),
+        "temp_allocation_bytes": sum(a["size"] for a in temp),
+        "entry_schedule_length": len(order),
+    }
+    if not order or not temp:
+        return out | {"estimated_peak_bytes": None}
+    # Entry instruction that (transitively) runs each computation.
+    caller: dict[int, int] = {}
+    for iid, ins in instrs.items():
+        for c in ins["called"]:
+            caller.setdefault(c, iid)
+
+    def entry_pos(iid):
+        seen = 0
+        while iid not in pos and seen < 64:
+            ins = instrs.get(iid)
+            if ins is None or ins["computation"] not in caller:
+                return None
+            iid = caller[ins["computation"]]
+            seen += 1
+        return pos.get(iid)
+
+    users: dict[int, list[int]] = collections.defaultdict(list)
+    for iid in order:
+        for o in instrs[iid]["operands"]:
+            users[o].append(iid)
+    last_use: dict[int, int] = {}
+
+    def last(iid):  # last entry position at which the buffer defined by entry instruction iid is read
+        if iid not in last_use:
+            end, seen, stack = pos[iid], {iid}, [iid]
+            while stack:
+                for u in users.get(stack.pop(), ()):
+                    end = max(end, pos[u])
+                    if instrs[u]["opcode"] in _FORWARDING and u not in seen:
+                        seen.add(u)
+                        stack.append(u)
+            last_use[iid] = end
+        return last_use[iid]
+
+    events: dict[int, list] = collections.defaultdict(list)  # position -> [(+1/-1, key)]
+    spans_of: dict[tuple, list] = collections.defaultdict(list)  # slice -> [(first, last, instruction)]
+    for a in temp:
+        for buf, offset, size in a["assigned"]:
+            lb = ba["buffers"].get(buf)
+            if lb is None or lb["instruction_id"] is None or size <= 0:
+                continue
+            iid = lb["instruction_id"]
+            if iid in pos:
+                lo, hi = pos[iid], last(iid)
+            else:
+                lo = entry_pos(iid)
+                if lo is None:
+                    continue
+                hi = lo
+            key = (a["index"], offset, size)
+            spans_of[key].append((lo, hi, iid))
+            events[lo].append((1, key))
+            events[hi + 1].append((-1, key))
+    count: collections.Counter = collections.Counter()
+    live = peak = 0
+    peak_pos = 0
+    for k in range(len(order) + 1):
+        for delta, key in sorted(events.get(k, ()), key=lambda e: e[0]):  # frees first
+            before = count[key]
+            count[key] += delta
+            if before == 0 and count[key] > 0:
+                live += key[2]
+            elif before > 0 and count[key] == 0:
+                live -= key[2]
+        if live > peak:
+            peak, peak_pos = live, k
+    # Live slices at the peak position.
+    count = collections.Counter()
+    for k in range(peak_pos + 1):
+        for delta, key in events.get(k, ()):
+            count[key] += delta
+    # Where the backward pass begins in the schedule: XLA hoists a few weight-only and
+    # constant backward ops to the top, so take the position by which a tenth of the
+    # backward's (transposed) instructions have run; and how far each pass is at the peak.
+    phase_pos = collections.defaultdict(list)
+    for k, iid in enumerate(order):
+        phase_pos[_phase(text_instrs.get(instrs[iid]["name"], {}).get("op_name", ""))].append(k)
+    bwd, fwd = phase_pos["backward"], phase_pos["forward"]
+    bwd_start = bwd[len(bwd) // 10] if bwd else None
+    done = {
+        "forward": sum(k <= peak_pos for k in fwd) / len(fwd) if fwd else None,
+        "backward": sum(k <= peak_pos for k in bwd) / len(bwd) if bwd else None,
+    }
+    rows = []
+    by_phase: collections.Counter = collections.Counter()
+    by_opcode: collections.Counter = collections.Counter()
+    by_shape: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # shape -> [bytes, count]
+    early = 0  # backward (or unlabelled) buffers made before the backward pass began
+    for key, c in count.items():
+        if c <= 0:
+            continue
+        here = [sp for sp in spans_of[key] if sp[0] <= peak_pos <= sp[1]] or spans_of[key][:1]
+        lo, hi, iid = here[0]
+        ins = instrs.get(iid, {})
+        t = text_instrs.get(ins.get("name", ""), {})
+        phase = _phase(t.get("op_name", ""))
+        by_phase[phase] += key[2]
+        by_opcode[ins.get("opcode", "?")] += key[2]
+        shape_key = re.sub(r"\{[^{}]*\}", "", t.get("shape", "?"))  # without the layout
+        by_shape[shape_key][0] += key[2]
+        by_shape[shape_key][1] += 1
+        if phase != "forward" and bwd_start is not None and lo < bwd_start:
+            early += key[2]
+        rows.append({
+            "bytes": int(key[2]),
+            "instruction": ins.get("name", ""),
+            "opcode": ins.get("opcode", ""),
+            "shape": t.get("shape", "")[:120],
+            "phase": phase,
+            "live_from": lo,
+            "live_to": hi,
+            "op_name": t.get("op_name", "")[-200:],
+        })  # fmt: skip
+    rows.sort(key=lambda r: -r["bytes"])
+    # Slices of different buffers that overlap in memory cannot both be live: where the
+    # estimate says they are, count their union (per allocation) instead of the sum.
+    union = 0
+    spans = sorted((k[0], k[1], k[1] + k[2]) for k, c in count.items() if c > 0)
+    cur = None
+    for alloc, lo, hi in spans:
+        if cur is None or alloc != cur[0] or lo > cur[2]:
+            union += 0 if cur is None else cur[2] - cur[1]
+            cur = [alloc, lo, hi]
+        else:
+            cur[2] = max(cur[2], hi)
+    union += 0 if cur is None else cur[2] - cur[1]
+    at = instrs.get(order[min(peak_pos, len(order) - 1)], {}).get("name", "")
+    return out | {
+        "estimated_peak_bytes": int(union),
+        "estimated_peak_sum_of_slices": int(peak),
+        "peak_position": peak_pos,
+        "peak_at_instruction": at,
+        "peak_at_op_name": text_instrs.get(at, {}).get("op_name", "")[-200:],
+        "live_at_peak_buffers": len(rows),
+        "backward_starts_at": bwd_start,
+        "fraction_of_pass_done_at_peak": done,
+        "live_at_peak_bytes_by_phase": dict(by_phase),
+        "live_at_peak_bytes_by_opcode": dict(by_opcode.most_common(8)),
+        "live_at_peak_made_before_backward_bytes": int(early),
+        "live_at_peak_top": rows[:top],
+        "live_at_peak_by_shape": dict(sorted(by_shape.items(), key=lambda kv: -kv[1][0])[: 3 * top]),
+    }
+
+
+# --------------------------------------------------------------------------- one policy
+
+
+def _memory_analysis(compiled) -> dict:
+    mem = compiled.memory_analysis()
+    fields = (
+        "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+        "generated_code_size_in_bytes", "host_temp_size_in_bytes", "host_argument_size_in_bytes",
+        "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_generated_code_size_in_bytes",
+        "peak_memory_in_bytes", "total_allocation_bytes", "indefinite_allocations",
+    )  # fmt: skip
+    out = {}
+    for f in fields:
+        v = getattr(mem, f, None) if mem is not None else None
+        out[f] = int(v) if isinstance(v, (int, np.integer)) else None
+    return out
+
+
+def _memory_stats(device) -> dict | None:
+    stats = device.memory_stats()
+    if not stats:
+        return None
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_alloc_size", "num_allocs")
+    return {k: int(stats[k]) for k in keys if k in stats}
+
+
+def measure_policy(label: str, stack, opts) -> dict:
+    """Everything measured for one policy (run it in a fresh process for a clean device peak)."""
+    import jax
+
+    from jax_grouped_mlp._src.names import RESIDUAL_NAMES
+    from jax_grouped_mlp._src.placement import residual_report
+
+    t_start = time.perf_counter()
+    loss_for, args = stack
+    loss = loss_for(label)
+    device = jax.devices()[0]
+    row: dict = {"label": label, "placement": dict(zip(PLACEMENT_NAMES, placement_of(label)))}
+
+    # 1. What the traced gradient keeps where (per residual name, summed over layers).
+    report = residual_report(jax.grad(loss, argnums=(0, 1)), *args)
+    row["traced"] = {
+        n: {"placement": r.placement, "device_bytes": r.device_bytes, "host_bytes": r.host_bytes}
+        for n, r in report.items()
+    }
+    row["device_residual_bytes"] = sum(report[n].device_bytes for n in RESIDUAL_NAMES if n in report)
+    row["host_residual_bytes"] = sum(report[n].host_bytes for n in RESIDUAL_NAMES if n in report)
+
+    # 2. The compiled step: memory analysis, host placement in the HLO, heap trace at the peak.
+    stats_before = _memory_stats(device)
+    t0 = time.perf_counter()
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    lowered = step.lower(*args)
+    # What JAX hands XLA to move to pinned host and back. XLA:CPU gets no annotations
+    # (device_put to a memory kind lowers to nothing there), so on other platforms the
+    # step is also lowered for CUDA, which needs no GPU.
+    try:
+        if device.platform == "gpu":
+            row["lowered_placement"] = lowered_placement_report(lowered.as_text())
+        else:
+            cuda = step.trace(*args).lower(lowering_platforms=("cuda",))
+            row["lowered_placement"] = {"lowered_for": "cuda"} | lowered_placement_report(cuda.as_text())
+    except Exception as e:
+        row["lowered_placement"] = {"error": f"{type(e).__name__}: {e}"}
+    compiled = lowered.compile()
+    row["compile_s"] = time.perf_counter() - t0
+    row["compiled"] = _memory_analysis(compiled)
+    text = compiled.as_text()
+    row["hlo"] = host_placement_report(text)
+    try:
+        blob = compiled.memory_analysis().serialized_buffer_assignment_proto
+        module = compiled.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()
+        row["temp_peak"] = temp_peak_report(blob, module, parse_hlo(text)["instrs"]) if blob else None
+    except Exception as e:  # diagnostics only: never lose the measurement over them
+        row["temp_peak"] = {"error": f"{type(e).__name__}: {e}"}
+    if opts.dump_hlo:
+        import gzip
+
+        d = pathlib.Path(opts.dump_hlo)
+        d.mkdir(parents=True, exist_ok=True)
+        with gzip.open(d / f"{label}.hlo.txt.gz", "wt") as fh:
+            fh.write(text)
+    stats_compiled = _memory_stats(device)
+
+    # 3. One step alone (device peak), then the timed steps.
+    run = functools.partial(compiled, *args)
+    jax.block_until_ready(run())
+    stats_step = _memory_stats(device)
+    row["step_time_s"] = time_call(run, iters=opts.iters, warmup=opts.warmup, samples=opts.samples)
+    stats_timed = _memory_stats(device)
+    row["memory_stats"] = {
+        "before_compile": stats_before,
+        "after_compile": stats_compiled,
+        "after_one_step": stats_step,
+        "after_timing": stats_timed,
+    }
+    if stats_step:
+        row["peak_bytes_in_use"] = stats_step.get("peak_bytes_in_use")
+        row["peak_minus_before"] = stats_step.get("peak_bytes_in_use", 0) - stats_before.get("bytes_in_use", 0)
+        row["peak_masked_by_compile"] = stats_step.get("peak_bytes_in_use") == stats_compiled.get(
+            "peak_bytes_in_use"
+        ) and stats_compiled.get("peak_bytes_in_use") != stats_before.get("peak_bytes_in_use")
+    else:
+        row["peak_bytes_in_use"] = row["peak_minus_before"] = row["peak_masked_by_compile"] = None
+    del run, compiled
+
+    # 4. The residual arrays a jitted forward really returns, by memory kind.
+    if opts.runtime_check:
+        vjp_fn = jax.jit(lambda *a: jax.vjp(loss, *a)[1])(*args)
+        kinds: collections.Counter = collections.Counter()
+        for a in jax.tree.leaves(vjp_fn):
+            if isinstance(a, jax.Array):
+                kinds[str(a.sharding.memory_kind)] += a.nbytes
+        row["runtime_residual_bytes_by_memory_kind"] = dict(kinds)
+        row["host_bytes_runtime"] = int(kinds.get("pinned_host", 0))
+        del vjp_fn
+    row["wall_s"] = time.perf_counter() - t_start
+    return row
+
+
+# --------------------------------------------------------------------------- the whole run
+
+
+def _shape(opts) -> dict:
+    shape = dict(NANO_SHAPE if opts.nano else CPU_SHAPE)
+    for k in shape:
+        if getattr(opts, k) is not None:
+            shape[k] = getattr(opts, k)
+    return shape
+
+
+def worker(opts, labels: list[str]) -> tuple[dict, list[dict]]:
+    """Measures ``labels`` in this process; returns (device description, rows)."""
+    import jax
+
+    shape = _shape(opts)
+    stack = make_stack(shape, opts.layers, opts.recipe, opts.ragged)
+    d = jax.devices()[0]
+    desc = {
+        "platform": d.platform,
+        "device_kind": d.device_kind,
+        "jax": jax.__version__,
+        "memory_kinds": sorted(m.kind for m in d.addressable_memories()),
+    }
+    rows = []
+    for label in labels:
+        print(f"[{label}] measuring...", file=sys.stderr, flush=True)
+        rows.append(measure_policy(label, stack, opts))
+        print(f"[{label}] done in {rows[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    return desc, rows
+
+
+def _child_argv(opts, label: str, out: str) -> list[str]:
+    argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", label, "--worker-out", out]
+    argv += ["--layers", str(opts.layers), "--recipe", opts.recipe, "--iters", str(opts.iters),
+             "--warmup", str(opts.warmup), "--samples", str(opts.samples)]  # fmt: skip
+    for k in ("tokens", "hidden", "ffn", "experts"):
+        if getattr(opts, k) is not None:
+            argv += [f"--{k}", str(getattr(opts, k))]
+    if opts.nano:
+        argv.append("--nano")
+    if opts.ragged:
+        argv.append("--ragged")
+    if opts.runtime_check:
+        argv.append("--runtime-check")
+    if opts.dump_hlo:
+        argv += ["--dump-hlo", str(opts.dump_hlo)]
+    return argv
+
+
+def run_subprocesses(opts, labels: list[str], done=None) -> tuple[dict, list[dict]]:
+    """One fresh process per policy: ``peak_bytes_in_use`` only grows within a process.
+
+    ``done(desc, rows)`` is called after each policy (the caller saves partial results)."""
+    desc, rows = {}, []
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        if opts.autotune_cache:
+            # JAX's persistent-cache settings turn on XLA:GPU's per-fusion autotuning cache
+            # (jax_persistent_cache_enable_xla_caches), so the policies after the first
+            # reuse its GEMM autotuning; no executable is stored (the minimum compile time
+            # is never reached), so every policy still compiles from scratch.
+            env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tmp, "jax_cache")
+            env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1e9"
+        for label in labels:
+            out = os.path.join(tmp, f"{label}.json")
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(_child_argv(opts, label, out), env=env, timeout=opts.child_timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            if rc == 0 and os.path.exists(out):
+                res = json.loads(pathlib.Path(out).read_text())
+                desc = desc or res["device"]
+                rows.extend(res["rows"])
+            else:
+                print(f"[{label}] FAILED (exit {rc})", file=sys.stderr, flush=True)
+                rows.append({"label": label, "placement": dict(zip(PLACEMENT_NAMES, placement_of(label))),
+                             "error": f"worker exit {rc}", "wall_s": time.perf_counter() - t0})  # fmt: skip
+            if done is not None:
+                done(desc, rows)
+    return desc, rows
+
+
+def _get(rows: dict, label: str, *path):
+    v = rows.get(label)
+    for p in path:
+        if not isinstance(v, dict):
+            return None
+        v = v.get(p)
+    return v
+
+
+def summarize(rows: list[dict], link_bw: float) -> dict:
+    """Differences against all_device / all_recompute, link time and the residual-memory bar."""
+    by = {r["label"]: r for r in rows if "error" not in r}
+    t_dev = _get(by, "all_device", "compiled", "temp_size_in_bytes")
+    t_rec = _get(by, "all_recompute", "compiled", "temp_size_in_bytes")
+    s_dev = _get(by, "all_device", "step_time_s")
+    p_dev = _get(by, "all_device", "peak_bytes_in_use")
+    p_rec = _get(by, "all_recompute", "peak_bytes_in_use")
+    for r in by.values():
+        temp = r["compiled"]["temp_size_in_bytes"]
+        r["temp_minus_all_device"] = temp - t_dev if None not in (temp, t_dev) else None
+        r["temp_minus_all_recompute"] = temp - t_rec if None not in (temp, t_rec) else None
+        r["step_minus_all_device_s"] = r["step_time_s"] - s_dev if s_dev is not None else None
+        p = r.get("peak_bytes_in_use")
+        r["peak_minus_all_device"] = p - p_dev if None not in (p, p_dev) else None
+        r["link_time_each_way_s"] = r["host_residual_bytes"] / link_bw
+
+    def drop(kept_off, kept_dev):
+        if kept_off is None or not kept_dev or kept_dev <= 0:
+            return None
+        return 1.0 - kept_off / kept_dev
+
+    bar = {"threshold": BAR}
+    traced = drop(_get(by, "all_offload", "device_residual_bytes"), _get(by, "all_device", "device_residual_bytes"))
+    bar["traced"] = {
+        "all_device_bytes": _get(by, "all_device", "device_residual_bytes"),
+        "all_offload_bytes": _get(by, "all_offload", "device_residual_bytes"),
+        "drop": traced,
+        "passes": None if traced is None else traced >= BAR,
+    }
+    dev_c, off_c = _get(by, "all_device", "temp_minus_all_recompute"), _get(by, "all_offload", "temp_minus_all_recompute")
+    compiled = drop(off_c, dev_c)
+    bar["compiled_temp"] = {
+        "definition": "temp(policy) - temp(all_recompute)",
+        "all_device_bytes": dev_c,
+        "all_offload_bytes": off_c,
+        "drop": compiled,
+        "passes": None if compiled is None else compiled >= BAR,
+        "note": None if dev_c is None or dev_c > 0
+        else "all_device does not need more temp than all_recompute: no baseline",
+    }
+    p_off = _get(by, "all_offload", "peak_bytes_in_use")
+    pk_dev = p_dev - p_rec if None not in (p_dev, p_rec) else None
+    pk_off = p_off - p_rec if None not in (p_off, p_rec) else None
+    peak = drop(pk_off, pk_dev)
+    bar["device_peak"] = {
+        "definition": "peak_bytes_in_use(policy) - peak_bytes_in_use(all_recompute)",
+        "all_device_bytes": pk_dev, "all_offload_bytes": pk_off, "drop": peak,
+        "passes": None if peak is None else peak >= BAR,
+    }  # fmt: skip
+    return bar
+
+
+def _fmt(v, scale=MB, spec=".1f", none="-"):
+    return none if v is None else format(v / scale, spec)
+
+
+def print_table(rows: list[dict], link_bw: float) -> None:
+    hdr = (
+        f"{'policy':<26}{'fc1/act/fc2':<14}{'res dev':>9}{'res host':>9}{'temp':>10}{'dtemp':>9}"
+        f"{'host tmp':>9}{'peak':>10}{'dpeak':>9}{'S5':>5}{'D2H':>5}{'H2D':>5}{'HLO->host':>10}"
+        f"{'step ms':>9}{'dstep':>8}{'link/way':>9}"
+    )
+    print("\nMB = 1e6 bytes; res dev / res host: residual bytes the traced gradient keeps on device / in")
+    print("pinned host (all layers); temp: compiled temp; dtemp, dpeak, dstep: minus all_device;")
+    print("peak: device peak_bytes_in_use after one step; S5: instructions with host-memory (S(5)) shapes;")
+    print(f"D2H/H2D: host transfers in the compiled HLO; link/way: res host / {link_bw / 1e9:.0f} GB/s, ms\n")
+    print(hdr)
+    for r in rows:
+        pl = "/".join(p[0].upper() for p in r["placement"].values())
+        if "error" in r:
+            print(f"{r['label']:<26}{pl:<14}ERROR: {r['error']}")
+            continue
+        h, c = r["hlo"], r["compiled"]
+        print(
+            f"{r['label']:<26}{pl:<14}{_fmt(r['device_residual_bytes']):>9}{_fmt(r['host_residual_bytes']):>9}"
+            f"{_fmt(c['temp_size_in_bytes']):>10}{_fmt(r['temp_minus_all_device'], spec='+.1f'):>9}"
+            f"{_fmt(c['host_temp_size_in_bytes']):>9}{_fmt(r['peak_bytes_in_use']):>10}"
+            f"{_fmt(r['peak_minus_all_device'], spec='+.1f'):>9}{h['s5_instructions']:>5}"
+            f"{sum(h['to_host_ops'].values()):>5}{sum(h['to_device_ops'].values()):>5}"
+            f"{_fmt(h['to_host_bytes']):>10}{r['step_time_s'] * 1e3:>9.2f}"
+            f"{_fmt(r['step_minus_all_device_s'], 1e-3, '+.2f'):>8}{r['link_time_each_way_s'] * 1e3:>9.2f}"
+        )
+
+
+def print_bar(bar: dict) -> None:
+    print(f"\nresidual device memory, all_offload vs all_device (bar: >= {bar['threshold']:.0%} less):")
+    for key, what in (("traced", "traced residual bytes"), ("compiled_temp", "compiled temp - all_recompute"),
+                      ("device_peak", "device peak - all_recompute")):  # fmt: skip
+        b = bar[key]
+        if b["drop"] is None:
+            print(f"  {what:<32} n/a ({b.get('note') or 'not available'}; "
+                  f"all_device {_fmt(b['all_device_bytes'])} MB, all_offload {_fmt(b['all_offload_bytes'])} MB)")
+            continue
+        print(f"  {what:<32} {_fmt(b['all_device_bytes']):>10} MB -> {_fmt(b['all_offload_bytes']):>10} MB"
+              f"   {b['drop']:.1%} less  {'PASS' if b['passes'] else 'FAIL'}")  # fmt: skip
+
+
+def print_temp_question(rows: list[dict]) -> None:
+    """Does offloading raise compiled temp memory (issue 5: +3.3 GB at Nano, 2 layers, on the H200)?"""
+    print("\ncompiled temp memory of each offloading policy against all_device (what offloading should save:")
+    print("the residual bytes it moves off the device):")
+    for r in rows:
+        if "error" in r or not r["host_residual_bytes"] or r.get("temp_minus_all_device") is None:
+            continue
+        d, moved = r["temp_minus_all_device"], r["host_residual_bytes"]
+        asked = (r.get("lowered_placement") or {}).get("pinned_host", {})
+        what = ", ".join(f"{t} {v['bytes'] / MB:.1f}" for t, v in asked.items()) or "-"
+        print(f"  {r['label']:<26} temp {d / MB:+10.1f} MB   moved to host {moved / MB:9.1f} MB "
+              f"(lowered: {what})   host temp {_fmt(r['compiled']['host_temp_size_in_bytes'])} MB   "
+              f"HLO transfers {sum(r['hlo']['to_host_ops'].values())} out / "
+              f"{sum(r['hlo']['to_device_ops'].values())} in")  # fmt: skip
+
+
+def print_peaks(rows: list[dict], labels=("all_device", "all_offload"), top: int = 10) -> None:
+    """What is live at the compiled temp peak, for the baseline and the all-offload program."""
+    for r in rows:
+        tp = r.get("temp_peak") or {}
+        if r["label"] not in labels or not tp.get("live_at_peak_top"):
+            continue
+        phases = ", ".join(f"{k} {v / MB:.1f}" for k, v in sorted(tp["live_at_peak_bytes_by_phase"].items()))
+        print(f"\n[{r['label']}] temp {tp['temp_allocation_bytes'] / MB:.1f} MB; estimated live peak "
+              f"{tp['estimated_peak_bytes'] / MB:.1f} MB at entry position {tp['peak_position']} of "
+              f"{tp['entry_schedule_length']} (backward from ~{tp['backward_starts_at']}; "
+              + ", ".join(f"{k} {v:.0%}" for k, v in tp["fraction_of_pass_done_at_peak"].items() if v is not None)
+              + " done), "
+              f"{tp['live_at_peak_buffers']} buffers live, MB by phase: {phases}; "
+              f"backward/unlabelled buffers made before the backward: "
+              f"{tp['live_at_peak_made_before_backward_bytes'] / MB:.1f} MB")  # fmt: skip
+        print(f"  {'MB':>9}  {'phase':<8} {'opcode':<12} {'live':>11}  {'shape':<34} op_name (tail)")
+        for b in tp["live_at_peak_top"][:top]:
+            print(f"  {b['bytes'] / MB:9.1f}  {b['phase']:<8} {b['opcode'][:12]:<12} "
+                  f"{b['live_from']:>5}-{b['live_to']:<5}  {b['shape'][:34]:<34} {b['op_name'][-50:]}")  # fmt: skip
+
+
+def print_peak_diff(rows: list[dict], base: str = "all_device", other: str = "all_offload", top: int = 8) -> None:
+    """Which buffer shapes are live at the temp peak of ``other`` beyond ``base``'s."""
+    by = {r["label"]: (r.get("temp_peak") or {}).get("live_at_peak_by_shape") for r in rows}
+    if not by.get(base) or not by.get(other):
+        return
+    diff = []
+    for shape in set(by[base]) | set(by[other]):
+        b, o = by[base].get(shape, [0, 0]), by[other].get(shape, [0, 0])
+        if o[0] != b[0]:
+            diff.append((o[0] - b[0], shape, b[1], o[1]))
+    diff.sort(key=lambda d: -abs(d[0]))
+    print(f"\nlive at the temp peak, {other} minus {base}, by shape (largest shapes only):")
+    for delta, shape, nb, no in diff[:top]:
+        print(f"  {delta / MB:+10.1f} MB  {shape[:60]:<60} buffers {nb} -> {no}")
+    if not diff:
+        print("  (the same)")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "bf16"])
+    p.add_argument("--nano", action="store_true", help="Nemotron-3-Nano expert shape: 49152 x 2688 x 1856, 128 experts")
+    p.add_argument("--ragged", action="store_true", help="random unequal group sizes (default: equal)")
+    p.add_argument("--tokens", type=int, default=None, help="override the shape's rows (tokens x top-k)")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--iters", type=int, default=1, help="steps per timed sample")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--samples", type=int, default=5, help="timed samples; the median is reported")
+    p.add_argument("--link-gbps", type=float, default=53.0, help="host link bandwidth each way, GB/s")
+    p.add_argument("--inprocess", action="store_true",
+                   help="all policies in this process (device peak is then cumulative)")
+    p.add_argument("--runtime-check", action="store_true",
+                   help="also compile and run the forward alone and sum the residual arrays it returns by memory kind")
+    p.add_argument("--child-timeout", type=float, default=1800, help="seconds per policy process")
+    p.add_argument("--no-autotune-cache", dest="autotune_cache", action="store_false",
+                   help="do not share XLA:GPU autotuning results between the policy processes")
+    p.add_argument("--dump-hlo", type=pathlib.Path, default=None, help="write <policy>.hlo.txt.gz here")
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--plot", type=pathlib.Path, default=None, help="PNG: step time and memory per policy")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+
+    if opts.worker:  # child: one policy, results to --worker-out
+        desc, rows = worker(opts, [opts.worker])
+        pathlib.Path(opts.worker_out).write_text(json.dumps({"device": desc, "rows": rows}))
+        return {}
+
+    labels = [s for s in opts.policies.split(",") if s]
+    unknown = sorted(set(labels) - set(POLICIES))
+    if unknown:
+        p.error(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    shape = _shape(opts)
+    link_bw = opts.link_gbps * 1e9
+    t0 = time.perf_counter()
+    print(f"grouped_mlp x {opts.layers} layers, M={shape['tokens']} H={shape['hidden']} F={shape['ffn']} "
+          f"G={shape['experts']} {opts.recipe}{' ragged' if opts.ragged else ''}; default offload_policy() = "
+          f"{'/'.join(default_placement())}; {'in-process' if opts.inprocess else 'one process per policy'}",
+          flush=True)  # fmt: skip
+    order = sorted(labels, key=RUN_ORDER.index)  # the rows the bar needs first
+
+    def result_for(desc, rows, complete):
+        rows = sorted(rows, key=lambda r: list(POLICIES).index(r["label"]))
+        return {
+            "command": shlex.join(["python"] + (sys.argv if argv is None else [__file__] + list(argv))),
+            "argv": list(sys.argv if argv is None else argv),
+            "complete": complete,
+            "device": desc.get("device_kind"),
+            "platform": desc.get("platform"),
+            "jax": desc.get("jax"),
+            "memory_kinds": desc.get("memory_kinds"),
+            "shape": shape | {"layers": opts.layers, "recipe": opts.recipe, "ragged": opts.ragged},
+            "default_offload_policy": dict(zip(PLACEMENT_NAMES, default_placement())),
+            "timing": {"iters": opts.iters, "warmup": opts.warmup, "samples": opts.samples, "statistic": "median"},
+            "link_bandwidth_each_way": link_bw,
+            "one_process_per_policy": not opts.inprocess,
+            "bar": summarize(rows, link_bw),
+            "rows": rows,
+            "wall_s": time.perf_counter() - t0,
+        }
+
+    def save_partial(desc, rows):  # a run cut short still leaves what it measured
+        out = opts.out or RESULTS / f"offload_{desc.get('platform', 'unknown')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result = result_for(desc, rows, False)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        if opts.plot and any("error" not in r for r in rows):
+            from benchmarks.plot_offload import plot
+
+            plot(result, opts.plot, verbose=False)
+
+    if opts.inprocess:
+        desc, rows = worker(opts, order)
+    else:
+        desc, rows = run_subprocesses(opts, order, save_partial)
+    result = result_for(desc, rows, True)
+    rows = result["rows"]
+    print(f"\ndevice: {desc.get('device_kind')} ({desc.get('platform')}), memory kinds {desc.get('memory_kinds')}")
+    print_table(rows, link_bw)
+    print_bar(result["bar"])
+    print_temp_question(rows)
+    print_peaks(rows)
+    print_peak_diff(rows)
+    write_json(result, opts.out or RESULTS / f"offload_{desc.get('platform', 'unknown')}.json")
+    if opts.plot:
+        from benchmarks.plot_offload import plot
+
+        plot(result, opts.plot)
+    print(f"total wall time {result['wall_s']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
