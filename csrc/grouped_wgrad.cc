@@ -7,21 +7,26 @@
 //   lhs          bf16 [M, K]       K % 8 == 0 (the kernel reads it as (K, M))
 //   rhs          bf16 [M, N]       N % 8 == 0 (the kernel reads it as (N, M))
 //   group_sizes  s32  [G]          read on the device only (clamped there)
-//   out          bf16 [G, K, N]
+//   out          bf16 or f32 [G, K, N]   (the variant's output type)
 // Attribute: variant (int32): index into JGM_GROUPED_WGRAD_VARIANTS (the same list
 // as jax_grouped_mlp/kernels/aot.py's _grouped_wgrad_variants).
 #include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
+#include "grouped_wgrad_sm90_bf16_m128n192k64_s4_f32.h"
 #include "grouped_wgrad_sm90_bf16_m128n192k64_s5.h"
 #include "grouped_wgrad_sm90_bf16_m128n256k64_s4.h"
+#include "grouped_wgrad_sm90_bf16_m128n256k64_s4_f32.h"
 
-#define JGM_GROUPED_WGRAD_VARIANTS(X)        \
-  X(grouped_wgrad_sm90_bf16_m128n256k64_s4) \
-  X(grouped_wgrad_sm90_bf16_m128n192k64_s5)
+// X(name, output element type): every exported variant, in the order of `variant`.
+#define JGM_GROUPED_WGRAD_VARIANTS(X)              \
+  X(grouped_wgrad_sm90_bf16_m128n256k64_s4, BF16)     \
+  X(grouped_wgrad_sm90_bf16_m128n192k64_s5, BF16)     \
+  X(grouped_wgrad_sm90_bf16_m128n256k64_s4_f32, F32) \
+  X(grouped_wgrad_sm90_bf16_m128n192k64_s4_f32, F32)
 
 namespace jgm {
 
 const char* const kGroupedWgradVariants[] = {
-#define JGM_NAME(name) #name,
+#define JGM_NAME(name, dtype) #name,
     JGM_GROUPED_WGRAD_VARIANTS(JGM_NAME)
 #undef JGM_NAME
 };
@@ -32,7 +37,7 @@ namespace {
 
 constexpr const char* kName = "grouped_wgrad";
 
-#define JGM_MODULE(name)           \
+#define JGM_MODULE(name, dtype)    \
   name##_Kernel_Module_t g_##name; \
   ModuleOnce g_once_##name;
 JGM_GROUPED_WGRAD_VARIANTS(JGM_MODULE)
@@ -40,7 +45,7 @@ JGM_GROUPED_WGRAD_VARIANTS(JGM_MODULE)
 
 ffi::Error LoadModule(int32_t variant) {
   int32_t i = 0;
-#define JGM_LOAD(name) \
+#define JGM_LOAD(name, dtype) \
   if (variant == i++)  \
     return g_once_##name.Ensure(kName, [] { name##_Kernel_Module_Load(&g_##name); });
   JGM_GROUPED_WGRAD_VARIANTS(JGM_LOAD)
@@ -50,9 +55,18 @@ ffi::Error LoadModule(int32_t variant) {
                                      std::to_string(kNumGroupedWgradVariants) + ")");
 }
 
+ffi::DataType OutType(int32_t variant) {
+  const ffi::DataType types[] = {
+#define JGM_TYPE(name, dtype) ffi::dtype,
+      JGM_GROUPED_WGRAD_VARIANTS(JGM_TYPE)
+#undef JGM_TYPE
+  };
+  return types[variant];  // variant checked by LoadModule first
+}
+
 ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                    const ffi::Result<ffi::AnyBuffer>& out, int64_t* m, int64_t* n,
-                    int64_t* k, int64_t* g) {
+                    const ffi::Result<ffi::AnyBuffer>& out, ffi::DataType out_type,
+                    int64_t* m, int64_t* n, int64_t* k, int64_t* g) {
   const std::string pre = std::string(kName) + ": ";
   if (lhs.element_type() != ffi::BF16 || lhs.dimensions().size() != 2)
     return ffi::Error::InvalidArgument(pre + "lhs must be a bf16 [M, K] array, got shape " +
@@ -81,7 +95,7 @@ ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group
                                        "offsets), got M=" + std::to_string(*m) + " N=" +
                                        std::to_string(*n) + " K=" + std::to_string(*k) +
                                        " G=" + std::to_string(*g));
-  return CheckBuffer("grouped_wgrad: out", *out, ffi::BF16, {*g, *k, *n});
+  return CheckBuffer("grouped_wgrad: out", *out, out_type, {*g, *k, *n});
 }
 
 ffi::Error GroupedWgradInstantiate(int32_t variant) { return LoadModule(variant); }
@@ -90,8 +104,10 @@ ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer 
                         ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out,
                         int32_t variant) {
   int64_t m = 0, n = 0, k = 0, g = 0;
-  if (auto e = Validate(lhs, rhs, group_sizes, out, &m, &n, &k, &g); e.failure()) return e;
   if (auto e = LoadModule(variant); e.failure()) return e;  // no-op after instantiate
+  if (auto e = Validate(lhs, rhs, group_sizes, out, OutType(variant), &m, &n, &k, &g);
+      e.failure())
+    return e;
   if (g == 0 || k == 0 || n == 0) return ffi::Error::Success();  // empty result
   if (m == 0) {
     // No rows: every gradient is zero. (A TMA descriptor cannot have an empty dimension.)
@@ -107,7 +123,7 @@ ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer 
   // Exported tensor structs: data pointer, dynamic shapes, dynamic strides.
   // lhs as (K, M) strides (1, K); rhs as (N, M) strides (1, N); out as (K, N, G)
   // strides (N, 1, K * N).
-#define JGM_LAUNCH(name)                                                            \
+#define JGM_LAUNCH(name, dtype)                                                     \
   if (variant == i++) {                                                             \
     name##_Tensor_a_t ta = {lhs.untyped_data(), {ki, mi}, {ki}};                    \
     name##_Tensor_b_t tb = {rhs.untyped_data(), {ni, mi}, {ni}};                    \
@@ -134,5 +150,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()  // lhs          bf16 [M, K]
         .Arg<xla::ffi::AnyBuffer>()  // rhs          bf16 [M, N]
         .Arg<xla::ffi::AnyBuffer>()  // group_sizes  s32 [G]
-        .Ret<xla::ffi::AnyBuffer>()  // out          bf16 [G, K, N]
+        .Ret<xla::ffi::AnyBuffer>()  // out          bf16 or f32 [G, K, N]
         .Attr<int32_t>("variant"));

@@ -24,7 +24,7 @@ needs_kernels = pytest.mark.skipif(
     reason="needs a GPU and the built extension",
 )
 
-_kernel = jax.jit(gemm_ffi.grouped_wgrad_bf16_cuda, static_argnames="variant")
+_kernel = jax.jit(gemm_ffi.grouped_wgrad_bf16_cuda, static_argnames=("variant", "out_dtype"))
 _reference = jax.jit(
     lambda a, b, gs: reference.ragged_transpose_matmul(a.astype(jnp.float32), b.astype(jnp.float32), gs)
 )
@@ -50,6 +50,8 @@ def _clamped(group_sizes, m):
 
 
 def _check(x, dy, group_sizes, variant=None) -> np.ndarray:
+    """Checks one run (output dtype: the variant's; bf16 when ``variant`` is None)."""
+    out_dtype = gemm_ffi._wgrad_out_dtype(variant) if variant else jnp.dtype(jnp.bfloat16)
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     (m, k), n, g = x.shape, dy.shape[1], len(group_sizes)
     clamped = _clamped(group_sizes, m)
@@ -60,8 +62,9 @@ def _check(x, dy, group_sizes, variant=None) -> np.ndarray:
     want = np.asarray(_reference(xs, dys, jnp.asarray(clamped)), np.float64)
     runs = []
     for value in (0xFF, 0x7F):
-        _poison(g * k * n * 2, value)
-        out = jax.block_until_ready(_kernel(x, dy, gs, variant=variant))
+        _poison(g * k * n * out_dtype.itemsize, value)
+        out = jax.block_until_ready(_kernel(x, dy, gs, variant=variant, out_dtype=out_dtype))
+        assert out.dtype == out_dtype
         runs.append(np.asarray(out.astype(jnp.float32), np.float64))
     np.testing.assert_array_equal(runs[0], runs[1], err_msg="differs between runs: unwritten elements, a race or nondeterminism")
     got = runs[0]
@@ -70,12 +73,14 @@ def _check(x, dy, group_sizes, variant=None) -> np.ndarray:
     for i in np.flatnonzero(clamped == 0):
         assert not got[i].any(), f"empty group {i} has a nonzero gradient"
     err = np.abs(got - want)
+    # float32 output: only the fp32 summation order differs from the oracle.
+    rel_tol, elem_tol = (5e-3, 2.0**-7) if out_dtype == jnp.bfloat16 else (1e-5, 1e-5)
     ref_norm = np.linalg.norm(want)
     if ref_norm:
         rel = np.linalg.norm(err) / ref_norm
-        assert rel <= 5e-3, f"relative error {rel:.2e} (variant {variant})"
+        assert rel <= rel_tol, f"relative error {rel:.2e} (variant {variant})"
     scale = np.abs(want).max(axis=(1, 2), keepdims=True) + 1e-30
-    bad = err > 2.0**-7 * np.abs(want) + 1e-3 * scale
+    bad = err > elem_tol * np.abs(want) + (1e-3 if out_dtype == jnp.bfloat16 else 1e-5) * scale
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
         raise AssertionError(f"{bad.sum()} elements off; first {i}: got {got[i]}, want {want[i]} (variant {variant})")
@@ -136,6 +141,14 @@ def test_no_rows_no_groups_and_bad_buffers(rng):
         jax.block_until_ready(jax.jit(lambda a, b, gs: call(a, b, gs, variant=np.int32(0)))(x, dy, jnp.asarray([32, 32])))
     with pytest.raises(ValueError, match="multiples of 8"):
         gemm_ffi.grouped_wgrad_bf16_cuda(jnp.zeros((4, 12), jnp.bfloat16), jnp.zeros((4, 8), jnp.bfloat16), jnp.asarray([4]))
+    with pytest.raises(TypeError, match="out_dtype"):
+        gemm_ffi.grouped_wgrad_bf16_cuda(x, dy, jnp.asarray([4]), out_dtype=jnp.float16)
+    bf16_out_for_f32_variant = jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16)
+    f32_variant = gemm_ffi.grouped_wgrad_variants().index(gemm_ffi.default_variant(64, tuple(
+        v for v in gemm_ffi.grouped_wgrad_variants() if v.endswith("_f32"))))
+    with pytest.raises(Exception, match="out"):
+        call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_TARGET, bf16_out_for_f32_variant)
+        jax.block_until_ready(jax.jit(lambda a, b, gs: call(a, b, gs, variant=np.int32(f32_variant)))(x, dy, jnp.asarray([32, 32])))
     with pytest.raises(ValueError, match="row mismatch"):
         gemm_ffi.grouped_wgrad_bf16_cuda(x, dy[:32], jnp.asarray([4]))
 
@@ -147,11 +160,12 @@ def test_mxfp8_grouped_operands_through_the_adapter(rng):
     x, dy = _operands(rng, m, k, n)
     gs = jnp.asarray(_sizes(rng, g, 450))
     xq, dyq = mxfp8.quantize_mxfp8_grouped(x, gs), mxfp8.quantize_mxfp8_grouped(dy, gs)
-    got = jax.jit(lambda a, b, s: gemm_ffi.grouped_wgrad_cuda(a, b, s, out_dtype=jnp.float32))(xq, dyq, gs)
-    assert got.dtype == jnp.float32
     want = _reference(mxfp8.dequantize(xq), mxfp8.dequantize(dyq), gs)
-    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-    assert rel <= 5e-3, rel
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 5e-3), (jnp.float16, 2e-3)):
+        got = jax.jit(lambda a, b, s: gemm_ffi.grouped_wgrad_cuda(a, b, s, out_dtype=dtype))(xq, dyq, gs)
+        assert got.dtype == dtype
+        rel = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+        assert rel <= tol, (dtype, rel)
 
 
 @pytest.mark.gpu

@@ -86,3 +86,20 @@ def test_offload_policies_run_and_agree(gpu, rng):
         np.testing.assert_allclose(np.asarray(dp), np.asarray(bdp), rtol=1e-5, atol=1e-6)
     hlo = _loss_and_grads(jgm.offload_policy()).lower(*args).compile().as_text()
     assert "S(5)" in hlo, "no pinned-host buffers in the compiled program"
+
+
+def test_float32_master_weights_get_float32_gradients(gpu, rng):
+    """float32 weights: the wgrad kernel writes float32 (not bf16 widened), matching the CPU path."""
+    x, w1, w2, gs, probs, dy = make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[200, 0, 57, 190])
+    w1, w2 = w1.astype(np.float32) * 1.001, w2.astype(np.float32) * 1.001  # not bf16-representable
+    args = (x, w1, w2, gs, probs, dy)
+    fn = _loss_and_grads(None)
+    hlo = fn.lower(*jax.device_put(args, gpu)).compile().as_text()
+    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}"') == 2
+    _, (_, dw1, dw2, _) = fn(*jax.device_put(args, gpu))
+    _, (_, cw1, cw2, _) = fn(*jax.device_put(args, jax.devices("cpu")[0]))
+    for got, want in ((dw1, cw1), (dw2, cw2)):
+        assert got.dtype == np.float32
+        assert rel_err(np.asarray(got), np.asarray(want)) < 5e-3
+        # float32 output: the gradients are not all bf16 values.
+        assert (np.asarray(got) != np.asarray(got.astype(jax.numpy.bfloat16), np.float32)).any()

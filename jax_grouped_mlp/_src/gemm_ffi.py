@@ -133,14 +133,24 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Arr
     return grouped_gemm_bf16_cuda(a, b, group_sizes)
 
 
-def grouped_wgrad_bf16_cuda(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, variant: str | None = None
-) -> jax.Array:
-    """The weight-gradient kernel: ``out[g] = lhs_g^T @ rhs_g`` -> bf16 ``[G, K, N]``.
+def _wgrad_out_dtype(variant: str) -> jnp.dtype:
+    return jnp.dtype(jnp.float32 if variant.endswith("_f32") else jnp.bfloat16)
 
-    ``lhs [M, K]`` and ``rhs [M, N]`` bf16, fp32 accumulation in a fixed order (bitwise
-    reproducible), empty groups give zeros, rows past ``sum(group_sizes)`` (clamped to
-    ``M``) do not contribute.
+
+def grouped_wgrad_bf16_cuda(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    variant: str | None = None,
+) -> jax.Array:
+    """The weight-gradient kernel: ``out[g] = lhs_g^T @ rhs_g`` -> ``[G, K, N]`` in ``out_dtype``.
+
+    ``lhs [M, K]`` and ``rhs [M, N]`` bf16; ``out_dtype`` bfloat16 or float32 (one
+    rounding of the fp32 sums either way). fp32 accumulation in a fixed order (bitwise
+    reproducible), empty groups give zeros, rows past ``sum(group_sizes)`` (clamped
+    to ``M``) do not contribute.
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
@@ -153,6 +163,9 @@ def grouped_wgrad_bf16_cuda(
     bf16 = jnp.dtype(jnp.bfloat16)
     if jnp.dtype(lhs.dtype) != bf16 or jnp.dtype(rhs.dtype) != bf16:
         raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (bf16, jnp.dtype(jnp.float32)):
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
     group_sizes = jnp.asarray(group_sizes)
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer [G] array, got {group_sizes.shape=} {group_sizes.dtype=}")
@@ -160,10 +173,11 @@ def grouped_wgrad_bf16_cuda(
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(f"grouped wgrad kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
     names = grouped_wgrad_variants()
-    variant = default_variant(n, names) if variant is None else variant
-    if variant not in names:
-        raise ValueError(f"{variant=} is not one of the compiled {names}")
-    out = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    if variant is None:
+        variant = default_variant(n, tuple(v for v in names if _wgrad_out_dtype(v) == out_dtype))
+    if variant not in names or _wgrad_out_dtype(variant) != out_dtype:
+        raise ValueError(f"{variant=} is not one of the compiled {out_dtype} variants of {names}")
+    out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
     return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(
         lhs, rhs, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
     )
@@ -173,10 +187,9 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
     """``primitives`` "grouped_wgrad" on CUDA (same signature as the reference).
 
     MXFP8 operands (group-aware blocks along M) are dequantized to bf16 first (exact).
-    The kernel rounds the fp32 sums to bf16 once; a float32 ``out_dtype`` (float32
-    master weights) gets those bf16 values widened, i.e. 8 mantissa bits, not 24.
-    Shapes outside :func:`grouped_gemm_supported` or non-bf16 operands fall back to
-    the reference.
+    The kernel writes bfloat16 or float32 (float32 master weights get full float32
+    sums); another ``out_dtype`` gets the float32 result cast. Shapes outside
+    :func:`grouped_gemm_supported` or non-bf16 operands fall back to the reference.
     """
     from jax_grouped_mlp._src import primitives
 
@@ -190,4 +203,5 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
         or not grouped_gemm_supported(m, n, k, group_sizes.shape[0])
     ):
         return primitives._REFERENCE["grouped_wgrad"](lhs, rhs, group_sizes, out_dtype=out_dtype)
-    return grouped_wgrad_bf16_cuda(a, b, group_sizes).astype(out_dtype)
+    kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
+    return grouped_wgrad_bf16_cuda(a, b, group_sizes, out_dtype=kernel_dtype).astype(out_dtype)

@@ -109,10 +109,10 @@ def _grouped_wgrad_variants():
     from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig
 
     # Keep in the order of JGM_GROUPED_WGRAD_VARIANTS in csrc/grouped_wgrad.cc.
-    return (GroupedWgradConfig(tile_n=256), GroupedWgradConfig(tile_n=192))
+    return tuple(GroupedWgradConfig(tile_n=n, out_f32=f32) for f32 in (False, True) for n in (256, 192))
 
 
-def _grouped_wgrad_args():
+def _grouped_wgrad_args(out_f32: bool):
     """Fake (X seen as (K, M), dY seen as (N, M), out seen as (K, N, G), group_sizes, num_ctas, stream)."""
     import cutlass
     import cutlass.cute as cute
@@ -125,7 +125,8 @@ def _grouped_wgrad_args():
     m, g = cute.sym_int32(), cute.sym_int32()
     n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
     return (t(cutlass.BFloat16, (k, m), (0, 1)), t(cutlass.BFloat16, (n, m), (0, 1)),
-            t(cutlass.BFloat16, (k, n, g), (1, 0, 2)), t(cutlass.Int32, (g,), (0,), align=4),
+            t(cutlass.Float32 if out_f32 else cutlass.BFloat16, (k, n, g), (1, 0, 2)),
+            t(cutlass.Int32, (g,), (0,), align=4),
             cutlass.Int32(132), make_fake_stream())
 
 
@@ -168,7 +169,7 @@ def variants():
     from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
 
     for cfg in _grouped_wgrad_variants():
-        yield cfg.name, GroupedWgradSm90(cfg), _grouped_wgrad_args()
+        yield cfg.name, GroupedWgradSm90(cfg), _grouped_wgrad_args(cfg.out_f32)
 
 
 def main(argv=None) -> int:

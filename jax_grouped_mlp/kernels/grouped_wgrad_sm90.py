@@ -4,7 +4,8 @@ Operands (row-major as JAX stores them; no transposes on the JAX side):
   X            [M, K]      bf16, K contiguous  -> seen as (K, M): MN-major wgmma A
   dY           [M, N]      bf16, N contiguous  -> seen as (N, M): MN-major wgmma B
   group_sizes  [G]         int32, read on the device only
-  out          [G, K, N]   bf16, N contiguous  -> seen as (K, N, G)
+  out          [G, K, N]   bf16 or float32 (a variant per dtype), N contiguous
+                                                -> seen as (K, N, G)
 
 ``X_g`` / ``dY_g`` are group ``g``'s rows ``[start_g, start_g + size_g)``, sizes clamped
 on the device exactly as in the forward kernel (negative -> 0, running sum cut at M),
@@ -41,17 +42,28 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedWgradConfig(GroupedGemmConfig):
-    """The forward kernel's knobs; ``tile_k`` here counts token rows per stage."""
+    """The forward kernel's knobs; ``tile_k`` here counts token rows per stage.
+
+    out_f32: write float32 gradients (for float32 master weights) instead of bf16;
+    the epilogue's staging buffers double.
+    """
+
+    out_f32: bool = False
+
+    @property
+    def epi_bytes(self) -> int:
+        return self.tile_m * EPI_N * (4 if self.out_f32 else 2) * self.epi_stages
 
     @property
     def name(self) -> str:
         s = f"grouped_wgrad_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
-        return s + (f"_e{self.epi_stages}" if self.epi_stages != 2 else "")
+        s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
+        return s + ("_f32" if self.out_f32 else "")
 
 
 class GroupedWgradSm90(GroupedGemmSm90):
