@@ -5,7 +5,8 @@
 //
 // Operands and result (row-major, XLA's default layout):
 //   lhs          bf16 [M, K]       K % 8 == 0
-//   rhs          bf16 [G, K, N]    N % 8 == 0 (the kernel reads it N-contiguous)
+//   rhs          bf16 [G, K, N]    N % 8 == 0 (the kernel reads it N-contiguous), or
+//                bf16 [G, N, K]    for the "_bk" variants (a transposed weight as stored)
 //   group_sizes  s32  [G]          read on the device only (clamped there)
 //   out          bf16 [M, N]
 // Attribute: variant (int32): index into JGM_GROUPED_GEMM_VARIANTS (the compiled
@@ -13,22 +14,26 @@
 #include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
 #include "grouped_gemm_sm90_bf16_m128n128k64_s6.h"
 #include "grouped_gemm_sm90_bf16_m128n192k64_s5.h"
+#include "grouped_gemm_sm90_bf16_m128n192k64_s5_bk.h"
 #include "grouped_gemm_sm90_bf16_m128n256k64_s4.h"
+#include "grouped_gemm_sm90_bf16_m128n256k64_s4_bk.h"
 #include "grouped_gemm_sm90_bf16_m128n256k64_s4_p16.h"
 #include "grouped_gemm_sm90_bf16_m128n256k64_s4_p4.h"
 
-// X(name): every exported variant, in the order of the `variant` attribute.
-#define JGM_GROUPED_GEMM_VARIANTS(X)        \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4) \
-  X(grouped_gemm_sm90_bf16_m128n192k64_s5) \
-  X(grouped_gemm_sm90_bf16_m128n128k64_s6) \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p4) \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p16)
+// X(name, b_k_major): every exported variant, in the order of the `variant` attribute.
+#define JGM_GROUPED_GEMM_VARIANTS(X)                  \
+  X(grouped_gemm_sm90_bf16_m128n256k64_s4, false)     \
+  X(grouped_gemm_sm90_bf16_m128n192k64_s5, false)     \
+  X(grouped_gemm_sm90_bf16_m128n128k64_s6, false)     \
+  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p4, false)  \
+  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p16, false) \
+  X(grouped_gemm_sm90_bf16_m128n256k64_s4_bk, true)   \
+  X(grouped_gemm_sm90_bf16_m128n192k64_s5_bk, true)
 
 namespace jgm {
 
 const char* const kGroupedGemmVariants[] = {
-#define JGM_NAME(name) #name,
+#define JGM_NAME(name, bk) #name,
     JGM_GROUPED_GEMM_VARIANTS(JGM_NAME)
 #undef JGM_NAME
 };
@@ -39,7 +44,7 @@ namespace {
 
 constexpr const char* kName = "grouped_gemm";
 
-#define JGM_MODULE(name)           \
+#define JGM_MODULE(name, bk)       \
   name##_Kernel_Module_t g_##name; \
   ModuleOnce g_once_##name;
 JGM_GROUPED_GEMM_VARIANTS(JGM_MODULE)
@@ -47,7 +52,7 @@ JGM_GROUPED_GEMM_VARIANTS(JGM_MODULE)
 
 ffi::Error LoadModule(int32_t variant) {
   int32_t i = 0;
-#define JGM_LOAD(name) \
+#define JGM_LOAD(name, bk) \
   if (variant == i++)  \
     return g_once_##name.Ensure(kName, [] { name##_Kernel_Module_Load(&g_##name); });
   JGM_GROUPED_GEMM_VARIANTS(JGM_LOAD)
@@ -57,24 +62,35 @@ ffi::Error LoadModule(int32_t variant) {
                                      std::to_string(kNumGroupedGemmVariants) + ")");
 }
 
+// Whether variant `variant` (already range-checked) reads rhs as [G, N, K].
+bool RhsKMajor(int32_t variant) {
+  const bool k_major[] = {
+#define JGM_BK(name, bk) bk,
+      JGM_GROUPED_GEMM_VARIANTS(JGM_BK)
+#undef JGM_BK
+  };
+  return k_major[variant];
+}
+
 ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                    const ffi::Result<ffi::AnyBuffer>& out, int64_t* m, int64_t* n,
-                    int64_t* k, int64_t* g) {
+                    const ffi::Result<ffi::AnyBuffer>& out, bool rhs_k_major, int64_t* m,
+                    int64_t* n, int64_t* k, int64_t* g) {
   const std::string pre = std::string(kName) + ": ";
   if (lhs.element_type() != ffi::BF16 || lhs.dimensions().size() != 2)
     return ffi::Error::InvalidArgument(pre + "lhs must be a bf16 [M, K] array, got shape " +
                                        DimsToString(lhs.dimensions()));
   if (rhs.element_type() != ffi::BF16 || rhs.dimensions().size() != 3)
-    return ffi::Error::InvalidArgument(pre + "rhs must be a bf16 [G, K, N] array, got shape " +
-                                       DimsToString(rhs.dimensions()));
+    return ffi::Error::InvalidArgument(pre + "rhs must be a bf16 " +
+                                       (rhs_k_major ? "[G, N, K]" : "[G, K, N]") +
+                                       " array, got shape " + DimsToString(rhs.dimensions()));
   if (group_sizes.element_type() != ffi::S32 || group_sizes.dimensions().size() != 1)
     return ffi::Error::InvalidArgument(pre + "group_sizes must be an int32 [G] array, got shape " +
                                        DimsToString(group_sizes.dimensions()));
   *m = lhs.dimensions()[0];
   *k = lhs.dimensions()[1];
   *g = rhs.dimensions()[0];
-  *n = rhs.dimensions()[2];
-  if (rhs.dimensions()[1] != *k)
+  *n = rhs.dimensions()[rhs_k_major ? 1 : 2];
+  if (rhs.dimensions()[rhs_k_major ? 2 : 1] != *k)
     return ffi::Error::InvalidArgument(pre + "rhs " + DimsToString(rhs.dimensions()) +
                                        " does not match lhs " + DimsToString(lhs.dimensions()) +
                                        " in K");
@@ -101,8 +117,10 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer r
                        ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out,
                        int32_t variant) {
   int64_t m = 0, n = 0, k = 0, g = 0;
-  if (auto e = Validate(lhs, rhs, group_sizes, out, &m, &n, &k, &g); e.failure()) return e;
   if (auto e = LoadModule(variant); e.failure()) return e;  // no-op after instantiate
+  const bool k_major = RhsKMajor(variant);
+  if (auto e = Validate(lhs, rhs, group_sizes, out, k_major, &m, &n, &k, &g); e.failure())
+    return e;
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (g == 0 || k == 0) {
     // Every row is past the groups (G = 0) or every product is empty (K = 0).
@@ -116,12 +134,14 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer r
                 ki = static_cast<int32_t>(k), gi = static_cast<int32_t>(g);
   int32_t ret = 0;
   int32_t i = 0;
-  // Exported tensor structs: data pointer, dynamic shapes, dynamic strides. rhs is
-  // seen as (N, K, G) with strides (1, N, K * N).
-#define JGM_LAUNCH(name)                                                            \
+  // Exported tensor structs: data pointer, dynamic shapes, dynamic strides (the
+  // static unit stride left out). rhs is seen as (N, K, G) with strides (1, N, K * N),
+  // or (K, 1, N * K) for the K-major variants.
+  const int32_t rhs_dyn_stride = k_major ? ki : ni;  // N's stride (K-major) or K's
+#define JGM_LAUNCH(name, bk)                                                        \
   if (variant == i++) {                                                             \
     name##_Tensor_a_t ta = {lhs.untyped_data(), {mi, ki}, {ki}};                    \
-    name##_Tensor_b_t tb = {rhs.untyped_data(), {ni, ki, gi}, {ni, ki * ni}};       \
+    name##_Tensor_b_t tb = {rhs.untyped_data(), {ni, ki, gi}, {rhs_dyn_stride, ki * ni}}; \
     name##_Tensor_out_t to = {out->untyped_data(), {mi, ni}, {ni}};                 \
     name##_Tensor_group_sizes_t tg = {group_sizes.untyped_data(), {gi}};            \
     ret = cute_dsl_##name##_wrapper(&g_##name, &ta, &tb, &to, &tg, num_sms, stream); \

@@ -27,7 +27,7 @@ needs_kernels = pytest.mark.skipif(
     reason="needs a GPU and the built extension",
 )
 
-_kernel = jax.jit(gemm_ffi.grouped_gemm_bf16_cuda, static_argnames="variant")
+_kernel = jax.jit(gemm_ffi.grouped_gemm_bf16_cuda, static_argnames=("variant", "transpose_rhs"))
 _reference = jax.jit(
     lambda a, b, gs: reference.ragged_matmul(a.astype(jnp.float32), b.astype(jnp.float32), gs)
 )
@@ -56,6 +56,9 @@ def _sizes(rng, g, total):
 
 
 def _check(a, b, group_sizes, variant=None) -> None:
+    """``b`` is ``[G, K, N]``; a K-major ("_bk") variant gets it transposed, as stored ``[G, N, K]``."""
+    k_major = bool(variant) and variant.endswith("_bk")
+    b_in = jnp.swapaxes(b, 1, 2) if k_major else b
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     m, n = a.shape[0], b.shape[2]
     # The kernel clamps on the device; the oracle gets the clamped sizes (its int32
@@ -67,7 +70,8 @@ def _check(a, b, group_sizes, variant=None) -> None:
     runs = []
     for value in (0xFF, 0x7F):  # NaN, then a huge finite value
         _poison(m, n, value)
-        runs.append(np.asarray(jax.block_until_ready(_kernel(a, b, gs, variant=variant)).astype(jnp.float32), np.float64))
+        out = _kernel(a, b_in, gs, variant=variant, transpose_rhs=k_major)
+        runs.append(np.asarray(jax.block_until_ready(out).astype(jnp.float32), np.float64))
     np.testing.assert_array_equal(runs[0], runs[1], err_msg="output differs between poisons: unwritten elements or a race")
     got = runs[0]
     assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs (unwritten elements?)"
@@ -196,3 +200,20 @@ def test_default_variant_prefers_least_padding():
         pytest.skip("needs the built extension")
     assert gemm_ffi.tile_n(gemm_ffi.default_variant(4096)) == 256
     assert gemm_ffi.tile_n(gemm_ffi.default_variant(1856)) == 192  # 1920 columns, not 2048
+
+
+def test_transposed_rhs_lowers_to_a_k_major_variant():
+    """No GPU needed: ``transpose_rhs`` picks a "_bk" variant and no transpose is lowered."""
+    if not gemm_ffi.grouped_gemm_variants():
+        pytest.skip("needs the built extension")
+    a = jnp.zeros((64, 128), jnp.bfloat16)
+    w = jnp.zeros((2, 96, 128), jnp.bfloat16)  # [G, N, K]
+    gs = jnp.asarray([32, 32], jnp.int32)
+    fn = jax.jit(lambda a, w, gs: gemm_ffi.grouped_gemm_bf16_cuda(a, w, gs, transpose_rhs=True))
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=ffi.export_disabled_checks())(a, w, gs).mlir_module()
+    assert "stablehlo.transpose" not in text
+    names = gemm_ffi.grouped_gemm_variants()
+    bk = [i for i, v in enumerate(names) if v.endswith("_bk")]
+    assert any(f"variant = {i} : i32" in text for i in bk), text[-2000:]
+    with pytest.raises(ValueError, match="contraction mismatch"):
+        gemm_ffi.grouped_gemm_bf16_cuda(a, jnp.swapaxes(w, 1, 2), gs, transpose_rhs=True)

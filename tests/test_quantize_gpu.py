@@ -203,7 +203,7 @@ def test_adapters_and_platform_dependent(rng):
     def f(x, gs):
         return jax.lax.platform_dependent(
             x, gs,
-            cuda=lambda x, gs: (ffi.quantize_cuda(x, axis=-1), ffi.quantize_grouped_cuda(x, gs)),
+            cuda=lambda x, gs: (ffi.quantize_cuda(x, axis=-1), ffi.quantize_both_cuda(x, gs)[1]),
             default=_reference,
         )
 

@@ -75,17 +75,27 @@ def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
 
 
 def grouped_gemm_bf16_cuda(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, variant: str | None = None
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    variant: str | None = None,
+    transpose_rhs: bool = False,
 ) -> jax.Array:
-    """The kernel on bf16 operands: ``lhs [M, K]``, ``rhs [G, K, N]`` -> bf16 ``[M, N]``."""
+    """The kernel on bf16 operands: ``lhs [M, K]``, ``rhs [G, K, N]`` -> bf16 ``[M, N]``.
+
+    ``transpose_rhs``: ``rhs`` is ``[G, N, K]`` and ``out[m] = lhs[m] @ rhs[g]^T`` (a
+    "_bk" variant reads it K-major as stored: no transpose pass).
+    """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     if lhs.ndim != 2 or rhs.ndim != 3:
-        raise ValueError(f"need lhs [M, K] and rhs [G, K, N], got {lhs.shape=} {rhs.shape=}")
+        want = "[G, N, K]" if transpose_rhs else "[G, K, N]"
+        raise ValueError(f"need lhs [M, K] and rhs {want}, got {lhs.shape=} {rhs.shape=}")
     m, k = lhs.shape
-    g, k2, n = rhs.shape
+    g, k2, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape
     if k != k2:
-        raise ValueError(f"contraction mismatch: {lhs.shape=} vs {rhs.shape=}")
+        raise ValueError(f"contraction mismatch: {lhs.shape=} vs {rhs.shape=} ({transpose_rhs=})")
     bf16 = jnp.dtype(jnp.bfloat16)
     if jnp.dtype(lhs.dtype) != bf16 or jnp.dtype(rhs.dtype) != bf16:
         raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
@@ -95,9 +105,10 @@ def grouped_gemm_bf16_cuda(
     if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integer [{g}], got {group_sizes.shape=} {group_sizes.dtype=}")
     names = grouped_gemm_variants()
-    variant = default_variant(n) if variant is None else variant
-    if variant not in names:
-        raise ValueError(f"{variant=} is not one of the compiled {names}")
+    if variant is None:
+        variant = default_variant(n, tuple(v for v in names if v.endswith("_bk") == transpose_rhs))
+    if variant not in names or variant.endswith("_bk") != transpose_rhs:
+        raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(
         lhs, rhs, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
@@ -110,7 +121,7 @@ def _as_bf16(x) -> jax.Array:
     return x
 
 
-def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False) -> jax.Array:
     """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
 
     Takes MXFP8 or bf16 operands; falls back to the platform-independent reference
@@ -122,15 +133,17 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Arr
     a, b = _as_bf16(lhs), _as_bf16(rhs)
     bf16 = jnp.dtype(jnp.bfloat16)
     m, k = a.shape
-    g, _, n = b.shape
+    g, n = b.shape[0], b.shape[1 if transpose_rhs else 2]
     if (
         jnp.dtype(out_dtype) != bf16
         or jnp.dtype(a.dtype) != bf16
         or jnp.dtype(b.dtype) != bf16
         or not grouped_gemm_supported(m, n, k, g)
     ):
-        return primitives._REFERENCE["grouped_gemm"](lhs, rhs, group_sizes, out_dtype=out_dtype)
-    return grouped_gemm_bf16_cuda(a, b, group_sizes)
+        return primitives._REFERENCE["grouped_gemm"](
+            lhs, rhs, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs
+        )
+    return grouped_gemm_bf16_cuda(a, b, group_sizes, transpose_rhs=transpose_rhs)
 
 
 def _wgrad_out_dtype(variant: str) -> jnp.dtype:

@@ -87,13 +87,13 @@ def _mlp_bwd(recipe: Recipe, res, dy):
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes)
     # da in bf16: what the dgrad kernel writes (the bf16 rounding is far below the
     # MXFP8 operands' own error; the same on every platform).
-    da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.bfloat16)
+    da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.bfloat16, transpose_rhs=True)
     da = da.astype(jnp.float32)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     dprobs = jnp.sum(da * (r * r), axis=1)
     dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
     dh_row, dh_col = recipe.row_and_col(dh, group_sizes)
-    dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype)
+    dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
     return dx, dw1, dw2, None, dprobs.astype(probs.dtype)

@@ -58,8 +58,13 @@ def _as_bf16(x: Operand) -> jax.Array:
     return x.astype(jnp.bfloat16)
 
 
-def _ref_grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
-    return reference.ragged_matmul(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=out_dtype)
+def _ref_grouped_gemm(
+    lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False
+) -> jax.Array:
+    b = _as_bf16(rhs)
+    if transpose_rhs:
+        b = jnp.swapaxes(b, 1, 2)
+    return reference.ragged_matmul(_as_bf16(lhs), b, group_sizes, out_dtype=out_dtype)
 
 
 def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
@@ -94,9 +99,17 @@ def quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MX
     return _dispatch("quantize_both", x, group_sizes)
 
 
-def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:
-    """``out[m] = lhs[m] @ rhs[group(m)]``: ``lhs [M, K]`` (blocks along K), ``rhs [G, K, N]`` (blocks along K)."""
-    return _dispatch("grouped_gemm", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))
+def grouped_gemm(
+    lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype, *, transpose_rhs: bool = False
+) -> jax.Array:
+    """``out[m] = lhs[m] @ rhs[group(m)]``: ``lhs [M, K]`` (blocks along K), ``rhs [G, K, N]`` (blocks along K).
+
+    ``transpose_rhs``: ``rhs`` is ``[G, N, K]`` (still blocked along K) and is used
+    transposed: the dgrad GEMM with a weight as stored, without a transpose pass.
+    """
+    return _dispatch(
+        "grouped_gemm", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype), transpose_rhs=transpose_rhs
+    )
 
 
 def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:

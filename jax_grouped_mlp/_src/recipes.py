@@ -33,16 +33,15 @@ class Recipe(str, enum.Enum):
         return x.astype(jnp.bfloat16)
 
     def weight(self, w: jax.Array, reduce_axis: int) -> Operand:
-        """A ``[G, A, B]`` weight as the ``[G, K, N]`` rhs of a grouped GEMM reducing over ``reduce_axis``.
+        """A ``[G, A, B]`` weight prepared as a grouped GEMM's rhs reducing over ``reduce_axis``.
 
         ``reduce_axis=1`` is the fprop use (K = A); ``reduce_axis=2`` the dgrad use
-        (the weight is transposed, K = B).
+        (K = B): the result stays ``[G, A, B]`` as stored, for
+        ``grouped_gemm(..., transpose_rhs=True)``.
         """
         if self is Recipe.MXFP8:
-            q = primitives.quantize(w, reduce_axis)
-            return q if reduce_axis == 1 else q.swap_last_axes()
-        w = w.astype(jnp.bfloat16)
-        return w if reduce_axis == 1 else jnp.swapaxes(w, 1, 2)
+            return primitives.quantize(w, reduce_axis)
+        return w.astype(jnp.bfloat16)
 
     def row_and_col(self, x: jax.Array, group_sizes: jax.Array) -> tuple[Operand, Operand]:
         """``(row(x, 1), col)`` for ``[M, K]``, where col is blocked along tokens; one pass on CUDA."""

@@ -85,11 +85,15 @@ def _grouped_gemm_variants():
 
     # Keep in the order of JGM_GROUPED_GEMM_VARIANTS in csrc/grouped_gemm.cc.
     return (GroupedGemmConfig(tile_n=256), GroupedGemmConfig(tile_n=192), GroupedGemmConfig(tile_n=128),
-            GroupedGemmConfig(tile_n=256, panel_m=4), GroupedGemmConfig(tile_n=256, panel_m=16))
+            GroupedGemmConfig(tile_n=256, panel_m=4), GroupedGemmConfig(tile_n=256, panel_m=16),
+            GroupedGemmConfig(tile_n=256, b_k_major=True), GroupedGemmConfig(tile_n=192, b_k_major=True))
 
 
-def _grouped_gemm_args():
-    """Fake (lhs [M, K], rhs seen as (N, K, G) N-contiguous, out [M, N], group_sizes, num_ctas, stream)."""
+def _grouped_gemm_args(b_k_major: bool = False):
+    """Fake (lhs [M, K], rhs seen as (N, K, G), out [M, N], group_sizes, num_ctas, stream).
+
+    rhs is N-contiguous (JAX's [G, K, N]), or K-contiguous (JAX's [G, N, K]) for ``b_k_major``.
+    """
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -100,7 +104,8 @@ def _grouped_gemm_args():
 
     m, g = cute.sym_int32(), cute.sym_int32()
     n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
-    return (t(cutlass.BFloat16, (m, k), (1, 0)), t(cutlass.BFloat16, (n, k, g), (0, 1, 2)),
+    return (t(cutlass.BFloat16, (m, k), (1, 0)),
+            t(cutlass.BFloat16, (n, k, g), (1, 0, 2) if b_k_major else (0, 1, 2)),
             t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
             cutlass.Int32(132), make_fake_stream())
 
@@ -164,7 +169,7 @@ def variants():
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmSm90
 
     for cfg in _grouped_gemm_variants():
-        yield cfg.name, GroupedGemmSm90(cfg), _grouped_gemm_args()
+        yield cfg.name, GroupedGemmSm90(cfg), _grouped_gemm_args(cfg.b_k_major)
 
     from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
 

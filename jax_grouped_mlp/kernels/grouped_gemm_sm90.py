@@ -4,6 +4,8 @@ Operands (row-major as JAX stores them; no transposes on the JAX side):
   A            [M, K]      bf16, K contiguous      (TMA, K-major wgmma operand)
   B            [G, K, N]   bf16, N contiguous      (TMA, MN-major wgmma operand;
                                                      seen by the kernel as (N, K, G))
+               or [G, N, K], K contiguous (``b_k_major`` variants: a transposed weight
+                                           as stored, K-major operand, same (N, K, G) view)
   group_sizes  [G]         int32, read on the device only
   out          [M, N]      bf16
 
@@ -74,6 +76,8 @@ class GroupedGemmConfig:
     stages: shared-memory pipeline depth (0: as many as fit).
     panel_m: row tiles per rasterization panel (L2 locality).
     epi_stages: shared-memory buffers of the TMA-store epilogue (128 x 32 bf16 each).
+    b_k_major: B arrives as ``[G, N, K]`` (K contiguous: a transposed weight, the
+      dgrad use) instead of ``[G, K, N]``; only the TMA/shared-memory layout differs.
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -82,6 +86,7 @@ class GroupedGemmConfig:
     stages: int = 0
     panel_m: int = 8
     epi_stages: int = 2
+    b_k_major: bool = False
 
     tile_m = 128
 
@@ -114,7 +119,8 @@ class GroupedGemmConfig:
     def name(self) -> str:
         s = f"grouped_gemm_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
-        return s + (f"_e{self.epi_stages}" if self.epi_stages != 2 else "")
+        s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
+        return s + ("_bk" if self.b_k_major else "")
 
 
 def is_supported(config: GroupedGemmConfig, m: int, n: int, k: int, g: int) -> bool:
@@ -157,7 +163,7 @@ class GroupedGemmSm90:
     def __call__(
         self,
         a: cute.Tensor,  # (M, K) bf16, K contiguous
-        b: cute.Tensor,  # (N, K, G) bf16, N contiguous (JAX's [G, K, N])
+        b: cute.Tensor,  # (N, K, G) bf16: N contiguous (JAX's [G, K, N]) or K contiguous ([G, N, K])
         out: cute.Tensor,  # (M, N) bf16, N contiguous
         group_sizes: cute.Tensor,  # (G,) int32
         num_ctas: Int32,
