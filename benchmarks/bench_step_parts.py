@@ -4,9 +4,11 @@
 
 For one shape of ``common.MLP_SHAPES`` it times, each as its own jitted program on
 the same inputs: the six GEMMs of a step (FC1, FC2, the two dgrads with the weight
-transposed, the two wgrads) on bf16 operands, and the MXFP8 conversions the mxfp8
-recipe adds around them (quantizing activations and weights, and the dequantization
-to bf16 that the kernels currently need before they run). Each part is multiplied by
+as stored, the two wgrads) on bf16 operands, and the MXFP8 conversions the mxfp8
+recipe adds around them (quantizing activations, the dequantization to bf16 that the
+kernels currently need before they run, and the weights' one-pass fake quantization
+that replaced quantize + dequantize for them; the weight quantize/dequantize rows
+stay for comparison and are not part of the step any more). Each part is multiplied by
 how often one step runs it, so the table adds up to an estimate of the step, to set
 against ``bench_mlp.py``'s measured step time. Writes JSON
 (``results/step_parts_<platform>.json``).
@@ -42,6 +44,7 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
     wgrad = jax.jit(lambda l, r, s: primitives.grouped_wgrad(l, r, s, jnp.bfloat16))
     q_both = jax.jit(primitives.quantize_both)
     q_w = {ax: jax.jit(lambda w, ax=ax: primitives.quantize(w, ax)) for ax in (1, 2)}
+    fq_w = {ax: jax.jit(lambda w, ax=ax: primitives.fake_quantize(w, ax)) for ax in (1, 2)}
     deq = jax.jit(lambda t: mxfp8.dequantize(t, jnp.bfloat16))
     x_row, x_col = q_both(x, gs)
     a_row, a_col = q_both(a, gs)
@@ -58,6 +61,8 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
         ("quantize_both [M,F] (a, dh)", 2, q_both, (a, gs)),
         ("quantize weight along K (fprop)", 2, q_w[1], (w1,)),
         ("quantize weight along N (dgrad)", 2, q_w[2], (w1,)),
+        ("fake_quantize weight along K (fprop)", 2, fq_w[1], (w1,)),
+        ("fake_quantize weight along N (dgrad)", 2, fq_w[2], (w1,)),
         ("dequantize rowwise [M,H] (x, dy)", 2, deq, (x_row,)),
         ("dequantize grouped col [M,H] (x, dy)", 2, deq, (x_col,)),
         ("dequantize rowwise [M,F] (a, dh)", 2, deq, (a_row,)),
@@ -81,7 +86,7 @@ def main(argv=None) -> int:
     shape = {"name": "custom" if ns.dims else ns.shape, "groups": g, "rows_per_group": rows, "hidden": h, "ffn": f}
     report = {"command": "python3 " + " ".join(sys.argv), "device": device_description(),
               "shape": shape, "parts": {}}
-    totals = {"gemm": 0.0, "quantize": 0.0, "dequantize": 0.0}
+    totals = {"gemm": 0.0, "quantize": 0.0, "dequantize": 0.0, "fake_quantize": 0.0}
     print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
     for name, count, fn, args in _parts(m, h, f, g, ns.seed):
         ms = 1e3 * time_call(fn, *args, iters=ns.iters)

@@ -130,6 +130,9 @@ extern const int kNumQuantizeVariants;
 // Names of the compiled grouped GEMM variants, indexed by the `variant` attribute.
 extern const char* const kGroupedGemmVariants[];
 extern const int kNumGroupedGemmVariants;
+// Names of the compiled fake-quantize variants, indexed by `variant`.
+extern const char* const kFakeQuantizeVariants[];
+extern const int kNumFakeQuantizeVariants;
 // Names of the compiled grouped weight-gradient variants, indexed by `variant`.
 extern const char* const kGroupedWgradVariants[];
 extern const int kNumGroupedWgradVariants;
@@ -140,5 +143,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemm);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizeInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgrad);

@@ -24,6 +24,10 @@ PYBIND11_MODULE(_kernels, m) {
     quantize["instantiate"] = Capsule(JgmQuantizeMxfp8Instantiate);
     quantize["execute"] = Capsule(JgmQuantizeMxfp8);
     d["jgm_quantize_mxfp8"] = quantize;
+    py::dict fake_quantize;
+    fake_quantize["instantiate"] = Capsule(JgmFakeQuantizeInstantiate);
+    fake_quantize["execute"] = Capsule(JgmFakeQuantize);
+    d["jgm_fake_quantize_mxfp8"] = fake_quantize;
     py::dict grouped_gemm;
     grouped_gemm["instantiate"] = Capsule(JgmGroupedGemmInstantiate);
     grouped_gemm["execute"] = Capsule(JgmGroupedGemm);
@@ -37,6 +41,10 @@ PYBIND11_MODULE(_kernels, m) {
   py::list variants;
   for (int i = 0; i < jgm::kNumQuantizeVariants; ++i) variants.append(jgm::kQuantizeVariants[i]);
   m.attr("QUANTIZE_VARIANTS") = py::tuple(variants);
+  py::list fake_variants;
+  for (int i = 0; i < jgm::kNumFakeQuantizeVariants; ++i)
+    fake_variants.append(jgm::kFakeQuantizeVariants[i]);
+  m.attr("FAKE_QUANTIZE_VARIANTS") = py::tuple(fake_variants);
   py::list gemm_variants;
   for (int i = 0; i < jgm::kNumGroupedGemmVariants; ++i)
     gemm_variants.append(jgm::kGroupedGemmVariants[i]);

@@ -24,6 +24,7 @@ from jax_grouped_mlp._src.groups import cdiv
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 QUANTIZE_TARGET = "jgm_quantize_mxfp8"
+FAKE_QUANTIZE_TARGET = "jgm_fake_quantize_mxfp8"
 # The compiled quantize configuration used by default (names: quantize_variants());
 # chosen by benchmarks/bench_quantize.py on the H200 (results/quantize_mxfp8_h200.json).
 QUANTIZE_VARIANT = "quantize_mxfp8_v8_t128"
@@ -135,6 +136,61 @@ def quantize_both_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tenso
     if not quantize_supported(x, jnp.shape(group_sizes)[0]):
         return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
     return quantize_mxfp8_both_cuda(x, group_sizes)
+
+
+def fake_quantize_variants() -> tuple[str, ...]:
+    """Names of the compiled fake-quantize configurations (empty without the extension)."""
+    ext = _load()
+    return tuple(getattr(ext, "FAKE_QUANTIZE_VARIANTS", ())) if ext is not None else ()
+
+
+def fake_quantize_mxfp8_cuda(x: jax.Array, group_sizes: jax.Array, *, mode: str) -> jax.Array:
+    """One kernel: the MXFP8 values of bf16 ``x [M, K]`` as bf16, without the FP8 copy.
+
+    ``mode="row"``: ``dequantize(quantize_mxfp8(x, axis=1))``; ``mode="col"``:
+    ``dequantize(quantize_mxfp8_grouped(x, group_sizes))`` (rows past the groups
+    zero). Bit-identical to those. Lowers only for CUDA and needs :func:`available`.
+    """
+    if not available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    if mode not in ("row", "col"):
+        raise ValueError(f"mode must be 'row' or 'col', got {mode!r}")
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
+    if not quantize_supported(x, g):
+        raise ValueError(
+            f"fake_quantize_mxfp8_cuda needs bf16 [M, K] with K % 8 == 0 and 32-bit offsets, got {x.shape=} {x.dtype=}"
+        )
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be a 1-D integer array, got {group_sizes.shape=} {group_sizes.dtype=}")
+    names = fake_quantize_variants()
+    variant = next(v for v in names if v.startswith(f"fake_quantize_mxfp8_{mode}_"))
+    return jax.ffi.ffi_call(FAKE_QUANTIZE_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.bfloat16))(
+        x, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
+    )
+
+
+def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:
+    """``primitives`` "fake_quantize" on CUDA for either of the last two axes, else the reference.
+
+    ``x [*lead, A, B]`` is viewed as ``[prod(lead) * A, B]``: blocks along B are its
+    rows' blocks, blocks along A its group-aware columns with one group of A rows per
+    leading index (as in :func:`mxfp8.quantize_via_both`).
+    """
+    static = all(isinstance(d, int) for d in x.shape)
+    nd = x.ndim
+    if nd < 2 or axis % nd < nd - 2 or not static or not fake_quantize_variants():
+        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+    a, b = x.shape[-2:]
+    flat = x.reshape(-1, b)
+    n = flat.shape[0] // a if a else 0
+    if not quantize_supported(flat, n) or a == 0:
+        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+    if axis % nd == nd - 1:
+        out = fake_quantize_mxfp8_cuda(flat, jnp.zeros((0,), jnp.int32), mode="row")
+    else:
+        out = fake_quantize_mxfp8_cuda(flat, jnp.full((n,), a, jnp.int32), mode="col")
+    return out.reshape(x.shape)
 
 
 def export_disabled_checks() -> list:

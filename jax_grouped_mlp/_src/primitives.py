@@ -24,7 +24,7 @@ from jax_grouped_mlp._src import mxfp8, reference
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
-OpName = Literal["quantize", "quantize_both", "grouped_gemm", "grouped_wgrad"]
+OpName = Literal["quantize", "fake_quantize", "quantize_both", "grouped_gemm", "grouped_wgrad"]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
 
@@ -77,12 +77,17 @@ def _ref_quantize(x: jax.Array, *, axis: int) -> MXFP8Tensor:
     return mxfp8.quantize_mxfp8(x, axis=axis)
 
 
+def _ref_fake_quantize(x: jax.Array, *, axis: int) -> jax.Array:
+    return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+
+
 def _ref_quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
     return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
 
 
 _REFERENCE: dict[str, Callable] = {
     "quantize": _ref_quantize,
+    "fake_quantize": _ref_fake_quantize,
     "quantize_both": _ref_quantize_both,
     "grouped_gemm": _ref_grouped_gemm,
     "grouped_wgrad": _ref_grouped_wgrad,
@@ -92,6 +97,12 @@ _REFERENCE: dict[str, Callable] = {
 def quantize(x: jax.Array, axis: int) -> MXFP8Tensor:
     """MXFP8 with 32-blocks along ``axis``."""
     return _dispatch("quantize", x, axis=axis)
+
+
+def fake_quantize(x: jax.Array, axis: int) -> jax.Array:
+    """``dequantize(quantize_mxfp8(x, axis))`` in bf16: the MXFP8 values, for a bf16 GEMM
+    operand that need not be kept as FP8 (one pass on CUDA, no FP8 copy)."""
+    return _dispatch("fake_quantize", x, axis=axis)
 
 
 def quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
@@ -125,6 +136,8 @@ def _register_available_kernels() -> None:
         return
     register_cuda_impl("quantize", ffi.quantize_cuda)
     register_cuda_impl("quantize_both", ffi.quantize_both_cuda)
+    if ffi.fake_quantize_variants():
+        register_cuda_impl("fake_quantize", ffi.fake_quantize_cuda)
     if gemm_ffi.grouped_gemm_variants():
         register_cuda_impl("grouped_gemm", gemm_ffi.grouped_gemm_cuda)
     if gemm_ffi.grouped_wgrad_variants():

@@ -38,9 +38,13 @@ class Recipe(str, enum.Enum):
         ``reduce_axis=1`` is the fprop use (K = A); ``reduce_axis=2`` the dgrad use
         (K = B): the result stays ``[G, A, B]`` as stored, for
         ``grouped_gemm(..., transpose_rhs=True)``.
+
+        MXFP8 weights are never kept (they are not residuals), and the GEMM kernels
+        multiply bf16, so they come as their MXFP8 values in bf16 (``fake_quantize``:
+        one pass, no FP8 copy and no separate dequantization; same numbers).
         """
         if self is Recipe.MXFP8:
-            return primitives.quantize(w, reduce_axis)
+            return primitives.fake_quantize(w, reduce_axis)
         return w.astype(jnp.bfloat16)
 
     def row_and_col(self, x: jax.Array, group_sizes: jax.Array) -> tuple[Operand, Operand]:

@@ -110,6 +110,13 @@ def _grouped_gemm_args(b_k_major: bool = False):
             cutlass.Int32(132), make_fake_stream())
 
 
+def _fake_quantize_variants():
+    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeConfig
+
+    # Keep in the order of JGM_FAKE_QUANTIZE_VARIANTS in csrc/fake_quantize_mxfp8.cc.
+    return (FakeQuantizeConfig(vec=8, threads=128, mode="row"), FakeQuantizeConfig(vec=8, threads=128, mode="col"))
+
+
 def _grouped_wgrad_variants():
     from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig
 
@@ -165,6 +172,15 @@ def variants():
             make_fake_stream(),
         )
         yield cfg.name, QuantizeMxfp8(cfg), args
+
+    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeMxfp8
+
+    for cfg in _fake_quantize_variants():
+        m, g = cute.sym_int32(), cute.sym_int32()
+        k = cute.sym_int32(divisibility=8)
+        args = (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
+                make_fake_stream())
+        yield cfg.name, FakeQuantizeMxfp8(cfg), args
 
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmSm90
 

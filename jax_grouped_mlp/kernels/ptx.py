@@ -163,3 +163,89 @@ def encode_both_e4m3x4(
         Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
         Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
     )
+
+
+@dsl_user_op
+def e8m0_value(e: Uint32, *, loc=None, ip=None) -> Float32:
+    """2**(e - 127) as float32 (``e == 0``: the subnormal 2**-127); NaN for 0xFF.
+
+    The dequantization scale, as ``mxfp8._scale_value`` computes it.
+    """
+    return Float32(
+        _asm(
+            T.f32(),
+            [Uint32(e).ir_value(loc=loc, ip=ip)],
+            "{\n"
+            ".reg .b32 b;\n"
+            ".reg .pred z, nan;\n"
+            "max.u32 b, $1, 1;\n"
+            "shl.b32 b, b, 23;\n"
+            "setp.eq.u32 z, $1, 0;\n"
+            "@z mov.b32 b, 0x00400000;\n"
+            "setp.eq.u32 nan, $1, 0xFF;\n"
+            "@nan mov.b32 b, 0x7FFFFFFF;\n"
+            "mov.b32 $0, b;\n"
+            "}",
+            "=f,r",
+        )
+    )
+
+
+@dsl_user_op
+def fake_quant_bf16x4(
+    w0: Uint32, w1: Uint32,
+    r0: Float32, r1: Float32, r2: Float32, r3: Float32,
+    v0: Float32, v1: Float32, v2: Float32, v3: Float32,
+    *, loc=None, ip=None,
+) -> tuple[Uint32, Uint32]:
+    """Four bf16 -> their MXFP8 values as bf16: ``bf16(e4m3(x * r) * v)`` per element.
+
+    ``r`` is the reciprocal scale (:func:`e8m0_reciprocal`), ``v`` the scale
+    (:func:`e8m0_value`). The E4M3 rounding is the hardware conversion the quantize
+    kernel uses; decoding goes through f16 (exact for E4M3), the product is exact in
+    float32 (no flush to zero), so the result equals ``dequantize(quantize(x))``.
+    """
+    ops = [Uint32(w0).ir_value(loc=loc, ip=ip), Uint32(w1).ir_value(loc=loc, ip=ip)]
+    ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (r0, r1, r2, r3, v0, v1, v2, v3)]
+    res = _asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]),
+        ops,
+        "{\n"
+        ".reg .b32 x0, x1, x2, x3, d01, d23;\n"
+        ".reg .f32 f0, f1, f2, f3;\n"
+        ".reg .b16 lo, hi, h0, h1, h2, h3;\n"
+        "shl.b32 x0, $2, 16;\n"
+        "and.b32 x1, $2, 0xFFFF0000;\n"
+        "shl.b32 x2, $3, 16;\n"
+        "and.b32 x3, $3, 0xFFFF0000;\n"
+        "mov.b32 f0, x0;\n"
+        "mov.b32 f1, x1;\n"
+        "mov.b32 f2, x2;\n"
+        "mov.b32 f3, x3;\n"
+        "mul.rn.f32 f0, f0, $4;\n"
+        "mul.rn.f32 f1, f1, $5;\n"
+        "mul.rn.f32 f2, f2, $6;\n"
+        "mul.rn.f32 f3, f3, $7;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
+        "cvt.rn.f16x2.e4m3x2 d01, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 d23, hi;\n"
+        "mov.b32 {h0, h1}, d01;\n"
+        "mov.b32 {h2, h3}, d23;\n"
+        "cvt.f32.f16 f0, h0;\n"
+        "cvt.f32.f16 f1, h1;\n"
+        "cvt.f32.f16 f2, h2;\n"
+        "cvt.f32.f16 f3, h3;\n"
+        "mul.rn.f32 f0, f0, $8;\n"
+        "mul.rn.f32 f1, f1, $9;\n"
+        "mul.rn.f32 f2, f2, $10;\n"
+        "mul.rn.f32 f3, f3, $11;\n"
+        "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
+        "cvt.rn.bf16x2.f32 $1, f3, f2;\n"
+        "}",
+        "=r,=r,r,r,f,f,f,f,f,f,f,f",
+    )
+    return (
+        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+        Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
+    )

@@ -106,23 +106,13 @@ class QuantizeMxfp8:
             preferred_smem_carveout=0,  # no shared memory; also spares a device query
         )
 
-    @cute.kernel
-    def kernel(
-        self,
-        gx: cute.Tensor,  # ((1, vec), (M, K / vec))
-        group_sizes: cute.Tensor,
-        g_row_data: cute.Tensor,
-        row_scale: cute.Tensor,
-        g_col_data: cute.Tensor,
-        g_col_scale: cute.Tensor,  # ((1, vec), (NB, K / vec))
-        m: Int32,
-    ):
-        vec = self.vec
-        words = vec // 2  # bf16x2 words per row per thread
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, _ = cute.arch.block_idx()
-        b = Int32(bidx)
+    @cute.jit
+    def _locate_block(self, group_sizes: cute.Tensor, b: Int32, m: Int32):
+        """``(row0, nrows, in_group)`` of columnwise block ``b`` of the group layout.
 
+        Blocks past the last used one cover the rows after ``sum(group_sizes)``
+        (``in_group == 0``: rowwise only).
+        """
         # ---- which rows does block b own? Each warp walks the clamped group sizes
         # itself, lane l taking groups [l * per, (l + 1) * per): three short passes
         # joined by warp scans, instead of G dependent steps per CTA. ----
@@ -192,6 +182,25 @@ class QuantizeMxfp8:
             # Rows past sum(group_sizes): rowwise only.
             row0 = total_rows + (b - total_blocks) * BLOCK
             nrows = cutlass.max(cutlass.min(m - row0, Int32(BLOCK)), Int32(0))
+        return row0, nrows, in_group
+
+    @cute.kernel
+    def kernel(
+        self,
+        gx: cute.Tensor,  # ((1, vec), (M, K / vec))
+        group_sizes: cute.Tensor,
+        g_row_data: cute.Tensor,
+        row_scale: cute.Tensor,
+        g_col_data: cute.Tensor,
+        g_col_scale: cute.Tensor,  # ((1, vec), (NB, K / vec))
+        m: Int32,
+    ):
+        vec = self.vec
+        words = vec // 2  # bf16x2 words per row per thread
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        b = Int32(bidx)
+        row0, nrows, in_group = self._locate_block(group_sizes, b, m)
         # All ones when the rows are in a group, else zero: masks columnwise output.
         col_mask = Uint32(0) - Uint32(in_group)
 

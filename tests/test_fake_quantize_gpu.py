@@ -1,0 +1,100 @@
+"""The CUDA MXFP8 fake-quantize kernel: bf16 MXFP8 values, bit for bit the reference's.
+
+``fake_quantize_mxfp8_cuda(x, gs, mode)`` must equal ``dequantize(quantize_mxfp8(x, 1))``
+(mode "row") or ``dequantize(quantize_mxfp8_grouped(x, gs))`` (mode "col"), compared
+as bf16 bit patterns (any NaN matches any NaN). The reference runs on the CPU, whose
+XLA flushes subnormal float32 results to zero; the kernel keeps them (no .ftz). So
+where both sides are below bf16's normal range (zero or subnormal: tiny blocks, scale
+2**-127) they may differ; everywhere else the bits must agree. Outputs are poisoned
+with two patterns first: an unwritten element shows up as a difference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_grouped_mlp._src import ffi, mxfp8, primitives
+from gpu_helpers import has_gpu
+from test_quantize_gpu import _poison, _random, _sizes
+
+needs_kernels = pytest.mark.skipif(
+    not (has_gpu() and ffi.available() and ffi.fake_quantize_variants()),
+    reason="needs a GPU and the built extension",
+)
+_fake = jax.jit(ffi.fake_quantize_mxfp8_cuda, static_argnames="mode")
+
+
+def _cpu(fn, *args):
+    cpu = jax.devices("cpu")[0]
+    return jax.jit(fn)(*jax.device_put(args, cpu))
+
+
+def _reference(x, gs, mode):
+    if mode == "row":
+        return _cpu(lambda x: mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=1)), x)
+    return _cpu(lambda x, gs: mxfp8.dequantize(mxfp8.quantize_mxfp8_grouped(x, gs)), x, gs)
+
+
+def _assert_same_bits(got, want, what: str) -> None:
+    g = np.asarray(got).view(np.uint16)
+    w = np.asarray(want).view(np.uint16)
+    nan = lambda b: (b & 0x7FFF) > 0x7F80  # noqa: E731
+    below_normal = lambda b: (b & 0x7F80) == 0  # noqa: E731  (zero or subnormal)
+    same = (g == w) | (nan(g) & nan(w)) | (below_normal(g) & below_normal(w))
+    if not same.all():
+        i = tuple(np.argwhere(~same)[0])
+        raise AssertionError(f"{what}: {(~same).sum()} of {g.size} differ; first {i}: got {g[i]:#06x}, want {w[i]:#06x}")
+
+
+def _check(x, group_sizes, mode: str) -> None:
+    x = jnp.asarray(x, jnp.bfloat16)
+    gs = jnp.asarray(np.asarray(group_sizes, np.int32))
+    want = _reference(x, gs, mode)
+    for value in (0x5A, 0xFF):
+        _poison([(x.size * 2,)], value)
+        _assert_same_bits(jax.block_until_ready(_fake(x, gs, mode=mode)), want, f"{mode} (poison {value:#x})")
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("mode", ["row", "col"])
+@pytest.mark.parametrize(
+    "m,k,g,total",
+    [(256, 256, 4, 256), (1000, 520, 7, 900), (77, 2056, 3, 77), (300, 40, 5, 400), (33, 8, 1, 33)],
+)
+def test_random(rng, mode, m, k, g, total):
+    _check(_random(rng, m, k), _sizes(rng, m, g, total), mode)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("mode", ["row", "col"])
+def test_group_sizes_and_special_values(rng, mode):
+    x = _random(rng, 128, 128).astype(ml_dtypes.bfloat16)
+    big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    tiny = float(ml_dtypes.finfo(ml_dtypes.bfloat16).smallest_subnormal)
+    x[0:32, 0:32] = 0
+    x[40, 64:96] = big
+    x[41, 64:96] = -big
+    x[64:96, 32:64] = tiny * rng.integers(-3, 4, size=(32, 32))
+    x[100, 5] = np.nan
+    x[101, 40] = np.inf
+    for sizes in ([50, 0, 60, 18], [128], [0, 5, 0, 33], [-5, 70, 0, 300], [0, 0]):
+        _check(x, sizes, mode)
+    _check(np.zeros((0, 64), np.float32), [0, 0], mode)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("axis", [1, 2])
+def test_stacked_weights_both_axes(rng, axis):
+    """The primitive on [G, A, B] weights (A = 84 blocks of 32 + a ragged case)."""
+    for shape in ((4, 2688 // 8, 1856 // 8), (3, 100, 72)):
+        w = jnp.asarray(_random(rng, shape[0] * shape[1], shape[2]).reshape(shape) / 64, jnp.bfloat16)
+        got = jax.jit(lambda w: ffi.fake_quantize_cuda(w, axis=axis))(w)
+        want = _cpu(lambda w: primitives._REFERENCE["fake_quantize"](w, axis=axis), w)
+        _assert_same_bits(got, want, f"weights {shape} axis {axis}")

@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Runs every grouped GEMM and wgrad variant once on a small ragged case, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
+
+No pytest (the sanitizer crashed inside pytest's process on the H200). Exits 1 if an
+output is not finite; the sanitizer reports memory errors itself.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, ".")
+from jax_grouped_mlp._src import gemm_ffi  # noqa: E402
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    m, k, n = 300, 200, 136
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, k, n)) / 16, jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    gs = jnp.asarray([100, 0, 150, 200], jnp.int32)  # the last group overshoots M
+    bad = 0
+    for v in gemm_ffi.grouped_gemm_variants():
+        bk = v.endswith("_bk")
+        rhs = jnp.swapaxes(w, 1, 2) if bk else w
+        out = gemm_ffi.grouped_gemm_bf16_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
+        bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    for v in gemm_ffi.grouped_wgrad_variants():
+        out = gemm_ffi.grouped_wgrad_bf16_cuda(a, dy, gs, variant=v, out_dtype=gemm_ffi._wgrad_out_dtype(v))
+        bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    jax.block_until_ready(out)
+    print(f"ran {len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_wgrad_variants())} variants, {bad} with non-finite output")
+    return int(bad > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
