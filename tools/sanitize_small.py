@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs every grouped GEMM and wgrad variant once on a small ragged case, for compute-sanitizer.
+"""Runs every grouped GEMM, wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
-from jax_grouped_mlp._src import gemm_ffi  # noqa: E402
+from jax_grouped_mlp._src import ffi, gemm_ffi  # noqa: E402
 
 
 def main() -> int:
@@ -35,8 +35,12 @@ def main() -> int:
     for v in gemm_ffi.grouped_wgrad_variants():
         out = gemm_ffi.grouped_wgrad_bf16_cuda(a, dy, gs, variant=v, out_dtype=gemm_ffi._wgrad_out_dtype(v))
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    for mode in ("row", "col"):
+        out = ffi.fake_quantize_mxfp8_cuda(a, gs, mode=mode)
+        bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
     jax.block_until_ready(out)
-    print(f"ran {len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_wgrad_variants())} variants, {bad} with non-finite output")
+    n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_wgrad_variants()) + 2
+    print(f"ran {n} variants, {bad} with non-finite output")
     return int(bad > 0)
 
 
