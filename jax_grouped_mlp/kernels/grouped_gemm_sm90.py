@@ -169,6 +169,23 @@ class GroupedGemmSm90:
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
+        tma, smem_layouts = self._prepare(a, b, out)
+        self.kernel(*tma, out, group_sizes, self.tiled_mma, *smem_layouts).launch(
+            grid=(num_ctas, 1, 1),
+            block=(self.threads, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---- pieces shared with the weight-gradient kernel ----
+
+    @cute.jit
+    def _prepare(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor):
+        """Trace-time setup for operands ``a`` (rows x K), ``b`` (N x K) and ``out``.
+
+        Sets the MMA, the output layout and the shared-storage struct; returns the six
+        TMA atoms/coordinate tensors (a, b, out) and the three shared-memory layouts.
+        """
         self.ab_dtype = a.element_type
         self.out_dtype = out.element_type
         a_layout = utils.LayoutEnum.from_tensor(a)
@@ -214,15 +231,48 @@ class GroupedGemmSm90:
             sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_out, tma_out, out, group_sizes,
-            self.tiled_mma, a_smem, b_smem, epi_smem,
-        ).launch(
-            grid=(num_ctas, 1, 1),
-            block=(self.threads, 1, 1),
-            min_blocks_per_mp=1,
-            stream=stream,
+        return (tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_out, tma_out), (a_smem, b_smem, epi_smem)
+
+    def _shared_and_pipeline(self, a_smem, b_smem, epi_smem):
+        """Allocates shared memory and creates the TMA -> wgmma pipeline (inside the kernel).
+
+        Returns ``(mainloop, sA, sB, sC)``.
+        """
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        return mainloop, sA, sB, sC
+
+    def _mma_fragments(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, ctid):
+        """Consumer thread ``ctid``'s wgmma operand fragments and fp32 accumulator."""
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        return tCrA, tCrB, cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+
+    @cute.jit
+    def _mma_stage(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, stage) -> None:
+        """Issues the wgmmas of one pipeline stage (tile_k) into ``acc`` and commits them."""
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            c = (None, None, kb, stage)
+            cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+        cute.nvgpu.warpgroup.commit_group()
 
     # ---- tile scheduler: a forward-only cursor over segments (see module doc) ----
 
@@ -349,25 +399,7 @@ class GroupedGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_out)
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
-        )
-        mainloop = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
 
         m = mOut.shape[0]
         n = mOut.shape[1]
@@ -422,15 +454,7 @@ class GroupedGemmSm90:
                 mainloop.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            thr_mma = tiled_mma.get_slice(tidx - 128)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
-            # Coordinates of each accumulator element inside the tile, for the row predicate.
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-            num_k_blocks = cute.size(tCrA, mode=[2])
+            tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, tidx - 128)
 
             epi = self._epilogue_copies(tiled_mma, sC, acc, tidx - 128)
             tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
@@ -460,17 +484,11 @@ class GroupedGemmSm90:
                     cute.nvgpu.warpgroup.fence()
                     # First stage: issue and keep in flight.
                     mainloop.consumer_wait(read)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        c = (None, None, kb, read.index)
-                        cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
-                    cute.nvgpu.warpgroup.commit_group()
+                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                     read.advance()
                     for k in range(1, k_tiles):
                         mainloop.consumer_wait(read)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            c = (None, None, kb, read.index)
-                            cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
-                        cute.nvgpu.warpgroup.commit_group()
+                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                         # The previous stage's wgmmas are done: hand its slot back.
                         cute.nvgpu.warpgroup.wait_group(1)
                         mainloop.consumer_release(release)

@@ -37,10 +37,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.pipeline import pipeline_init_wait
 
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
 
@@ -79,48 +77,10 @@ class GroupedWgradSm90(GroupedGemmSm90):
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        self.ab_dtype = a.element_type
-        self.out_dtype = out.element_type
-        a_layout = utils.LayoutEnum.from_tensor(a)
-        b_layout = utils.LayoutEnum.from_tensor(b)
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            a_layout.sm90_mma_major_mode(),
-            b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_n),
+        tma, smem_layouts = self._prepare(a, b, out)
+        self.wgrad_kernel(*tma, group_sizes, self.tiled_mma, *smem_layouts).launch(
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream
         )
-        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.stages)
-        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.stages)
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_smem, (None, None, 0)),
-            (self.tile_m, self.tile_k),
-        )
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)),
-            (self.tile_n, self.tile_k),
-        )
-        self.out_layout = utils.LayoutEnum.from_tensor(out)
-        epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, self.out_layout, self.epi_tile, self.epi_stages)
-        tma_atom_out, tma_out = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(epi_smem, (None, None, 0)),
-            self.epi_tile,
-        )
-
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
-
-        self.shared_storage = SharedStorage
-        self.wgrad_kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_out, tma_out, group_sizes,
-            self.tiled_mma, a_smem, b_smem, epi_smem,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     # ---- group cursor ----
 
@@ -179,25 +139,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_out)
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
-        )
-        mainloop = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
 
         k_dim = mA.shape[0]
         m = mA.shape[1]
@@ -244,14 +186,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             ctid = tidx - 128
-            thr_mma = tiled_mma.get_slice(ctid)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-            num_k_blocks = cute.size(tCrA, mode=[2])
+            tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
             epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
             store_pipeline = epi[5]
             epi_count = Int32(0)
@@ -275,20 +210,14 @@ class GroupedWgradSm90(GroupedGemmSm90):
                     if k_tiles == 1:
                         if last_valid < self.tile_k:
                             self._zero_rows_past(sA, sB, read.index, last_valid, ctid)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        c = (None, None, kb, read.index)
-                        cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
-                    cute.nvgpu.warpgroup.commit_group()
+                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                     read.advance()
                     for k in range(1, k_tiles):
                         mainloop.consumer_wait(read)
                         if k == k_tiles - 1:
                             if last_valid < self.tile_k:
                                 self._zero_rows_past(sA, sB, read.index, last_valid, ctid)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            c = (None, None, kb, read.index)
-                            cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
-                        cute.nvgpu.warpgroup.commit_group()
+                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                         cute.nvgpu.warpgroup.wait_group(1)
                         mainloop.consumer_release(release)
                         release.advance()
