@@ -20,11 +20,7 @@
 
 namespace jgm {
 
-const char* const kFakeQuantizeVariants[] = {
-#define JGM_NAME(name) #name,
-    JGM_FAKE_QUANTIZE_VARIANTS(JGM_NAME)
-#undef JGM_NAME
-};
+const char* const kFakeQuantizeVariants[] = {JGM_FAKE_QUANTIZE_VARIANTS(JGM_VARIANT_NAME)};
 const int kNumFakeQuantizeVariants =
     sizeof(kFakeQuantizeVariants) / sizeof(kFakeQuantizeVariants[0]);
 
@@ -32,22 +28,12 @@ namespace {
 
 constexpr const char* kName = "fake_quantize_mxfp8";
 
-#define JGM_MODULE(name)           \
-  name##_Kernel_Module_t g_##name; \
-  ModuleOnce g_once_##name;
-JGM_FAKE_QUANTIZE_VARIANTS(JGM_MODULE)
-#undef JGM_MODULE
+JGM_FAKE_QUANTIZE_VARIANTS(JGM_VARIANT_MODULE)
 
 ffi::Error LoadModule(int32_t variant) {
   int32_t i = 0;
-#define JGM_LOAD(name) \
-  if (variant == i++)  \
-    return g_once_##name.Ensure(kName, [] { name##_Kernel_Module_Load(&g_##name); });
-  JGM_FAKE_QUANTIZE_VARIANTS(JGM_LOAD)
-#undef JGM_LOAD
-  return ffi::Error::InvalidArgument(std::string(kName) + ": attribute variant=" +
-                                     std::to_string(variant) + " out of range [0, " +
-                                     std::to_string(kNumFakeQuantizeVariants) + ")");
+  JGM_FAKE_QUANTIZE_VARIANTS(JGM_VARIANT_LOAD)
+  return VariantOutOfRange(kName, variant, kNumFakeQuantizeVariants);
 }
 
 ffi::Error Validate(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,

@@ -32,11 +32,7 @@
 
 namespace jgm {
 
-const char* const kGroupedGemmVariants[] = {
-#define JGM_NAME(name, bk) #name,
-    JGM_GROUPED_GEMM_VARIANTS(JGM_NAME)
-#undef JGM_NAME
-};
+const char* const kGroupedGemmVariants[] = {JGM_GROUPED_GEMM_VARIANTS(JGM_VARIANT_NAME)};
 const int kNumGroupedGemmVariants =
     sizeof(kGroupedGemmVariants) / sizeof(kGroupedGemmVariants[0]);
 
@@ -44,22 +40,12 @@ namespace {
 
 constexpr const char* kName = "grouped_gemm";
 
-#define JGM_MODULE(name, bk)       \
-  name##_Kernel_Module_t g_##name; \
-  ModuleOnce g_once_##name;
-JGM_GROUPED_GEMM_VARIANTS(JGM_MODULE)
-#undef JGM_MODULE
+JGM_GROUPED_GEMM_VARIANTS(JGM_VARIANT_MODULE)
 
 ffi::Error LoadModule(int32_t variant) {
   int32_t i = 0;
-#define JGM_LOAD(name, bk) \
-  if (variant == i++)  \
-    return g_once_##name.Ensure(kName, [] { name##_Kernel_Module_Load(&g_##name); });
-  JGM_GROUPED_GEMM_VARIANTS(JGM_LOAD)
-#undef JGM_LOAD
-  return ffi::Error::InvalidArgument(std::string(kName) + ": attribute variant=" +
-                                     std::to_string(variant) + " out of range [0, " +
-                                     std::to_string(kNumGroupedGemmVariants) + ")");
+  JGM_GROUPED_GEMM_VARIANTS(JGM_VARIANT_LOAD)
+  return VariantOutOfRange(kName, variant, kNumGroupedGemmVariants);
 }
 
 // Whether variant `variant` (already range-checked) reads rhs as [G, N, K].

@@ -25,11 +25,7 @@
 
 namespace jgm {
 
-const char* const kGroupedWgradVariants[] = {
-#define JGM_NAME(name, dtype) #name,
-    JGM_GROUPED_WGRAD_VARIANTS(JGM_NAME)
-#undef JGM_NAME
-};
+const char* const kGroupedWgradVariants[] = {JGM_GROUPED_WGRAD_VARIANTS(JGM_VARIANT_NAME)};
 const int kNumGroupedWgradVariants =
     sizeof(kGroupedWgradVariants) / sizeof(kGroupedWgradVariants[0]);
 
@@ -37,22 +33,12 @@ namespace {
 
 constexpr const char* kName = "grouped_wgrad";
 
-#define JGM_MODULE(name, dtype)    \
-  name##_Kernel_Module_t g_##name; \
-  ModuleOnce g_once_##name;
-JGM_GROUPED_WGRAD_VARIANTS(JGM_MODULE)
-#undef JGM_MODULE
+JGM_GROUPED_WGRAD_VARIANTS(JGM_VARIANT_MODULE)
 
 ffi::Error LoadModule(int32_t variant) {
   int32_t i = 0;
-#define JGM_LOAD(name, dtype) \
-  if (variant == i++)  \
-    return g_once_##name.Ensure(kName, [] { name##_Kernel_Module_Load(&g_##name); });
-  JGM_GROUPED_WGRAD_VARIANTS(JGM_LOAD)
-#undef JGM_LOAD
-  return ffi::Error::InvalidArgument(std::string(kName) + ": attribute variant=" +
-                                     std::to_string(variant) + " out of range [0, " +
-                                     std::to_string(kNumGroupedWgradVariants) + ")");
+  JGM_GROUPED_WGRAD_VARIANTS(JGM_VARIANT_LOAD)
+  return VariantOutOfRange(kName, variant, kNumGroupedWgradVariants);
 }
 
 ffi::DataType OutType(int32_t variant) {

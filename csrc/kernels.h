@@ -108,6 +108,27 @@ inline ffi::Error NumSms(const char* name, cudaStream_t stream, int32_t* num_sms
   return ffi::Error::Success();
 }
 
+// Each handler family lists its exported variants as an X-macro, LIST(X) expanding
+// X(name, ...) per variant in the order of the `variant` attribute (extra arguments
+// are per-variant facts the family's handler reads). With these, a family writes
+//   const char* const kNames[] = {LIST(JGM_VARIANT_NAME)};
+//   LIST(JGM_VARIANT_MODULE)                      // at namespace scope
+//   int32_t i = 0; LIST(JGM_VARIANT_LOAD) ...     // in LoadModule(variant), with kName
+#define JGM_VARIANT_NAME(name, ...) #name,
+#define JGM_VARIANT_MODULE(name, ...) \
+  name##_Kernel_Module_t g_##name;    \
+  ModuleOnce g_once_##name;
+#define JGM_VARIANT_LOAD(name, ...) \
+  if (variant == i++)               \
+    return g_once_##name.Ensure(kName, [] { name##_Kernel_Module_Load(&g_##name); });
+
+// The error for a `variant` attribute past the compiled list.
+inline ffi::Error VariantOutOfRange(const char* name, int32_t variant, int count) {
+  return ffi::Error::InvalidArgument(std::string(name) + ": attribute variant=" +
+                                     std::to_string(variant) + " out of range [0, " +
+                                     std::to_string(count) + ")");
+}
+
 inline ffi::Error LaunchResult(const char* name, int32_t ret) {
   if (ret != 0) {
     return ffi::Error::Internal(std::string(name) + ": kernel launch failed: " +

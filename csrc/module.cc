@@ -20,38 +20,28 @@ PYBIND11_MODULE(_kernels, m) {
   m.doc() = "AOT-compiled CuTe DSL kernels for jax_grouped_mlp, as XLA FFI handlers.";
   m.def("registrations", [] {
     py::dict d;
-    py::dict quantize;
-    quantize["instantiate"] = Capsule(JgmQuantizeMxfp8Instantiate);
-    quantize["execute"] = Capsule(JgmQuantizeMxfp8);
-    d["jgm_quantize_mxfp8"] = quantize;
-    py::dict fake_quantize;
-    fake_quantize["instantiate"] = Capsule(JgmFakeQuantizeInstantiate);
-    fake_quantize["execute"] = Capsule(JgmFakeQuantize);
-    d["jgm_fake_quantize_mxfp8"] = fake_quantize;
-    py::dict grouped_gemm;
-    grouped_gemm["instantiate"] = Capsule(JgmGroupedGemmInstantiate);
-    grouped_gemm["execute"] = Capsule(JgmGroupedGemm);
-    d["jgm_grouped_gemm"] = grouped_gemm;
-    py::dict grouped_wgrad;
-    grouped_wgrad["instantiate"] = Capsule(JgmGroupedWgradInstantiate);
-    grouped_wgrad["execute"] = Capsule(JgmGroupedWgrad);
-    d["jgm_grouped_wgrad"] = grouped_wgrad;
+    auto add = [&d](const char* target, auto* instantiate, auto* execute) {
+      py::dict handlers;
+      handlers["instantiate"] = Capsule(instantiate);
+      handlers["execute"] = Capsule(execute);
+      d[target] = handlers;
+    };
+    add("jgm_quantize_mxfp8", JgmQuantizeMxfp8Instantiate, JgmQuantizeMxfp8);
+    add("jgm_fake_quantize_mxfp8", JgmFakeQuantizeInstantiate, JgmFakeQuantize);
+    add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
+    add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
     return d;
   });
-  py::list variants;
-  for (int i = 0; i < jgm::kNumQuantizeVariants; ++i) variants.append(jgm::kQuantizeVariants[i]);
-  m.attr("QUANTIZE_VARIANTS") = py::tuple(variants);
-  py::list fake_variants;
-  for (int i = 0; i < jgm::kNumFakeQuantizeVariants; ++i)
-    fake_variants.append(jgm::kFakeQuantizeVariants[i]);
-  m.attr("FAKE_QUANTIZE_VARIANTS") = py::tuple(fake_variants);
-  py::list gemm_variants;
-  for (int i = 0; i < jgm::kNumGroupedGemmVariants; ++i)
-    gemm_variants.append(jgm::kGroupedGemmVariants[i]);
-  m.attr("GROUPED_GEMM_VARIANTS") = py::tuple(gemm_variants);
-  py::list wgrad_variants;
-  for (int i = 0; i < jgm::kNumGroupedWgradVariants; ++i)
-    wgrad_variants.append(jgm::kGroupedWgradVariants[i]);
-  m.attr("GROUPED_WGRAD_VARIANTS") = py::tuple(wgrad_variants);
+  auto names = [](const char* const* list, int count) {
+    py::list out;
+    for (int i = 0; i < count; ++i) out.append(list[i]);
+    return py::tuple(out);
+  };
+  m.attr("QUANTIZE_VARIANTS") = names(jgm::kQuantizeVariants, jgm::kNumQuantizeVariants);
+  m.attr("FAKE_QUANTIZE_VARIANTS") =
+      names(jgm::kFakeQuantizeVariants, jgm::kNumFakeQuantizeVariants);
+  m.attr("GROUPED_GEMM_VARIANTS") = names(jgm::kGroupedGemmVariants, jgm::kNumGroupedGemmVariants);
+  m.attr("GROUPED_WGRAD_VARIANTS") =
+      names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);
   m.attr("ARCH") = "sm_90a";
 }

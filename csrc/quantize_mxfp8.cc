@@ -25,32 +25,19 @@
 
 namespace jgm {
 
-const char* const kQuantizeVariants[] = {
-#define JGM_NAME(name) #name,
-    JGM_QUANTIZE_VARIANTS(JGM_NAME)
-#undef JGM_NAME
-};
+const char* const kQuantizeVariants[] = {JGM_QUANTIZE_VARIANTS(JGM_VARIANT_NAME)};
 const int kNumQuantizeVariants = sizeof(kQuantizeVariants) / sizeof(kQuantizeVariants[0]);
 
 namespace {
 
-#define JGM_MODULE(name)           \
-  name##_Kernel_Module_t g_##name; \
-  ModuleOnce g_once_##name;
-JGM_QUANTIZE_VARIANTS(JGM_MODULE)
-#undef JGM_MODULE
+constexpr const char* kName = "quantize_mxfp8";
+
+JGM_QUANTIZE_VARIANTS(JGM_VARIANT_MODULE)
 
 ffi::Error LoadModule(int32_t variant) {
   int32_t i = 0;
-#define JGM_LOAD(name)                                                   \
-  if (variant == i++)                                                    \
-    return g_once_##name.Ensure("quantize_mxfp8",                        \
-                                [] { name##_Kernel_Module_Load(&g_##name); });
-  JGM_QUANTIZE_VARIANTS(JGM_LOAD)
-#undef JGM_LOAD
-  return ffi::Error::InvalidArgument("quantize_mxfp8: attribute variant=" +
-                                     std::to_string(variant) + " out of range [0, " +
-                                     std::to_string(kNumQuantizeVariants) + ")");
+  JGM_QUANTIZE_VARIANTS(JGM_VARIANT_LOAD)
+  return VariantOutOfRange(kName, variant, kNumQuantizeVariants);
 }
 
 ffi::Error Validate(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
