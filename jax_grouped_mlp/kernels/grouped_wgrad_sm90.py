@@ -94,6 +94,14 @@ class GroupedWgradSm90(GroupedGemmSm90):
         return g, start, size
 
     @cute.jit
+    def _tile_at(self, group_sizes, t: Int32, group_tiles: Int32, m_tiles: Int32, g, start, size, m: Int32):
+        """Tile ``t``: the cursor moved to its group, then its (row tile, column tile) in the group."""
+        g, start, size = self._group_at(group_sizes, t // group_tiles, g, start, size, m)
+        local = t - g * group_tiles
+        n_tile = local // m_tiles
+        return g, start, size, local - n_tile * m_tiles, n_tile
+
+    @cute.jit
     def _zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
         """Zeroes token rows ``valid..tile_k-1`` of both operands in ``stage`` (consumer threads).
 
@@ -161,10 +169,9 @@ class GroupedWgradSm90(GroupedGemmSm90):
                 g, start, size = Int32(0), Int32(0), size0
                 t = Int32(bidx)
                 while t < total_tiles:
-                    g, start, size = self._group_at(group_sizes, t // group_tiles, g, start, size, m)
-                    local = t - g * group_tiles
-                    n_tile = local // m_tiles
-                    m_tile = local - n_tile * m_tiles
+                    g, start, size, m_tile, n_tile = self._tile_at(
+                        group_sizes, t, group_tiles, m_tiles, g, start, size, m
+                    )
                     gA = cute.local_tile(cute.domain_offset((0, start), mA), (self.tile_m, self.tile_k), (m_tile, None))
                     gB = cute.local_tile(cute.domain_offset((0, start), mB), (self.tile_n, self.tile_k), (n_tile, None))
                     tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -196,10 +203,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
             g, start, size = Int32(0), Int32(0), size0
             t = Int32(bidx)
             while t < total_tiles:
-                g, start, size = self._group_at(group_sizes, t // group_tiles, g, start, size, m)
-                local = t - g * group_tiles
-                n_tile = local // m_tiles
-                m_tile = local - n_tile * m_tiles
+                g, start, size, m_tile, n_tile = self._tile_at(group_sizes, t, group_tiles, m_tiles, g, start, size, m)
                 k_tiles = (size + (self.tile_k - 1)) // self.tile_k
                 last_valid = size - (k_tiles - 1) * self.tile_k  # rows of the group in the last slice
                 acc.fill(0.0)
