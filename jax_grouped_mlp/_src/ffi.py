@@ -52,10 +52,15 @@ def registered_targets() -> tuple[str, ...]:
     return tuple(ext.registrations()) if ext is not None else ()
 
 
+def variants(attr: str) -> tuple[str, ...]:
+    """The extension's tuple ``attr`` of compiled variant names (empty without the extension)."""
+    ext = _load()
+    return tuple(getattr(ext, attr, ())) if ext is not None else ()
+
+
 def quantize_variants() -> tuple[str, ...]:
     """Names of the compiled quantize kernel configurations (empty without the extension)."""
-    ext = _load()
-    return tuple(ext.QUANTIZE_VARIANTS) if ext is not None else ()
+    return variants("QUANTIZE_VARIANTS")
 
 
 def quantize_supported(x: jax.Array, num_groups: int = 0) -> bool:
@@ -140,8 +145,7 @@ def quantize_both_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tenso
 
 def fake_quantize_variants() -> tuple[str, ...]:
     """Names of the compiled fake-quantize configurations (empty without the extension)."""
-    ext = _load()
-    return tuple(getattr(ext, "FAKE_QUANTIZE_VARIANTS", ())) if ext is not None else ()
+    return variants("FAKE_QUANTIZE_VARIANTS")
 
 
 def fake_quantize_mxfp8_cuda(x: jax.Array, group_sizes: jax.Array, *, mode: str) -> jax.Array:
@@ -177,15 +181,18 @@ def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:
     rows' blocks, blocks along A its group-aware columns with one group of A rows per
     leading index (as in :func:`mxfp8.quantize_via_both`).
     """
+    def reference() -> jax.Array:
+        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+
     static = all(isinstance(d, int) for d in x.shape)
     nd = x.ndim
     if nd < 2 or axis % nd < nd - 2 or not static or not fake_quantize_variants():
-        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+        return reference()
     a, b = x.shape[-2:]
     flat = x.reshape(-1, b)
     n = flat.shape[0] // a if a else 0
     if not quantize_supported(flat, n) or a == 0:
-        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+        return reference()
     if axis % nd == nd - 1:
         out = fake_quantize_mxfp8_cuda(flat, jnp.zeros((0,), jnp.int32), mode="row")
     else:

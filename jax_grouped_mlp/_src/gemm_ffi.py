@@ -26,19 +26,14 @@ GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
 _MAX = 2**31
 
 
-def _variants(attr: str) -> tuple[str, ...]:
-    ext = ffi._load()
-    return tuple(getattr(ext, attr, ())) if ext is not None else ()
-
-
 def grouped_gemm_variants() -> tuple[str, ...]:
     """Names of the compiled forward/dgrad tile configurations (empty without the extension)."""
-    return _variants("GROUPED_GEMM_VARIANTS")
+    return ffi.variants("GROUPED_GEMM_VARIANTS")
 
 
 def grouped_wgrad_variants() -> tuple[str, ...]:
     """Names of the compiled weight-gradient tile configurations (empty without the extension)."""
-    return _variants("GROUPED_WGRAD_VARIANTS")
+    return ffi.variants("GROUPED_WGRAD_VARIANTS")
 
 
 def grouped_gemm_supported(m: int, n: int, k: int, g: int) -> bool:
@@ -74,6 +69,15 @@ def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
     return min(names, key=cost)
 
 
+def _variant_index(names: tuple[str, ...], n: int, variant: str | None, fits, what: str) -> np.int32:
+    """The ``variant`` attribute: ``variant`` (checked) or :func:`default_variant` among those that ``fits``."""
+    if variant is None:
+        variant = default_variant(n, tuple(v for v in names if fits(v)))
+    if variant not in names or not fits(variant):
+        raise ValueError(f"{variant=} is not one of the compiled {names} for {what}")
+    return np.int32(names.index(variant))
+
+
 def grouped_gemm_bf16_cuda(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -104,15 +108,11 @@ def grouped_gemm_bf16_cuda(
     group_sizes = jnp.asarray(group_sizes)
     if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integer [{g}], got {group_sizes.shape=} {group_sizes.dtype=}")
-    names = grouped_gemm_variants()
-    if variant is None:
-        variant = default_variant(n, tuple(v for v in names if v.endswith("_bk") == transpose_rhs))
-    if variant not in names or variant.endswith("_bk") != transpose_rhs:
-        raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
-    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(
-        lhs, rhs, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
+    index = _variant_index(
+        grouped_gemm_variants(), n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}"
     )
+    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes.astype(jnp.int32), variant=index)
 
 
 def _as_bf16(x) -> jax.Array:
@@ -185,15 +185,11 @@ def grouped_wgrad_bf16_cuda(
     g = group_sizes.shape[0]
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(f"grouped wgrad kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
-    names = grouped_wgrad_variants()
-    if variant is None:
-        variant = default_variant(n, tuple(v for v in names if _wgrad_out_dtype(v) == out_dtype))
-    if variant not in names or _wgrad_out_dtype(variant) != out_dtype:
-        raise ValueError(f"{variant=} is not one of the compiled {out_dtype} variants of {names}")
-    out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(
-        lhs, rhs, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
+    index = _variant_index(
+        grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
     )
+    out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
+    return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(lhs, rhs, group_sizes.astype(jnp.int32), variant=index)
 
 
 def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
