@@ -5,10 +5,12 @@
 For one shape of ``common.MLP_SHAPES`` it times, each as its own jitted program on
 the same inputs: the six GEMMs of a step (FC1, FC2, the two dgrads with the weight
 as stored, the two wgrads) on bf16 operands, and the MXFP8 conversions the mxfp8
-recipe adds around them (quantizing activations, the dequantization to bf16 that the
-kernels currently need before they run, and the weights' one-pass fake quantization
-that replaced quantize + dequantize for them; the weight quantize/dequantize rows
-stay for comparison and are not part of the step any more). Each part is multiplied by
+recipe adds around them: one two-copy pass per activation (x, a, dy, dh: the rowwise
+values in bf16 plus the columnwise copy, kept as FP8 for x and a), the weights'
+one-pass fake quantization, and the dequantization of the two kept FP8 residuals
+before the weight gradients. Rows with a count of 0 are what earlier versions ran
+instead (quantize both copies to FP8, then dequantize in XLA), kept for
+comparison. Each part is multiplied by
 how often one step runs it, so the table adds up to an estimate of the step, to set
 against ``bench_mlp.py``'s measured step time. Writes JSON
 (``results/step_parts_<platform>.json``).
@@ -46,6 +48,8 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
     q_w = {ax: jax.jit(lambda w, ax=ax: primitives.quantize(w, ax)) for ax in (1, 2)}
     fq_w = {ax: jax.jit(lambda w, ax=ax: primitives.fake_quantize(w, ax)) for ax in (1, 2)}
     deq = jax.jit(lambda t: mxfp8.dequantize(t, jnp.bfloat16))
+    pair = {keep: jax.jit(lambda x, gs, keep=keep: primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep))
+            for keep in (False, True)}
     x_row, x_col = q_both(x, gs)
     a_row, a_col = q_both(a, gs)
     w1_k = q_w[1](w1)
@@ -57,18 +61,24 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
         ("gemm dgrad fc1 (w1 as stored, K-major)", 1, dgrad, (a, w1, gs)),
         ("wgrad dw1 [M,H]^T[M,F]", 1, wgrad, (x, a, gs)),
         ("wgrad dw2 [M,F]^T[M,H]", 1, wgrad, (a, x, gs)),
-        ("quantize_both [M,H] (x, dy)", 2, q_both, (x, gs)),
-        ("quantize_both [M,F] (a, dh)", 2, q_both, (a, gs)),
-        ("quantize weight along K (fprop)", 2, q_w[1], (w1,)),
-        ("quantize weight along N (dgrad)", 2, q_w[2], (w1,)),
+        # What the mxfp8 step runs (per-step counts):
+        ("fake_quantize_pair + FP8 col [M,H] (x)", 1, pair[True], (x, gs)),
+        ("fake_quantize_pair + FP8 col [M,F] (a)", 1, pair[True], (a, gs)),
+        ("fake_quantize_pair bf16 col [M,H] (dy)", 1, pair[False], (x, gs)),
+        ("fake_quantize_pair bf16 col [M,F] (dh)", 1, pair[False], (a, gs)),
         ("fake_quantize weight along K (fprop)", 2, fq_w[1], (w1,)),
         ("fake_quantize weight along N (dgrad)", 2, fq_w[2], (w1,)),
-        ("dequantize rowwise [M,H] (x, dy)", 2, deq, (x_row,)),
-        ("dequantize grouped col [M,H] (x, dy)", 2, deq, (x_col,)),
-        ("dequantize rowwise [M,F] (a, dh)", 2, deq, (a_row,)),
-        ("dequantize grouped col [M,F] (a, dh)", 2, deq, (a_col,)),
-        ("dequantize weight (fprop)", 2, deq, (w1_k,)),
-        ("dequantize weight along N (dgrad)", 2, deq, (w1_t,)),
+        ("dequantize grouped col [M,H] (x kept)", 1, deq, (x_col,)),
+        ("dequantize grouped col [M,F] (a kept)", 1, deq, (a_col,)),
+        # What earlier versions ran instead (count 0: for comparison only):
+        ("quantize_both [M,H]", 0, q_both, (x, gs)),
+        ("quantize_both [M,F]", 0, q_both, (a, gs)),
+        ("quantize weight along K (fprop)", 0, q_w[1], (w1,)),
+        ("quantize weight along N (dgrad)", 0, q_w[2], (w1,)),
+        ("dequantize rowwise [M,H]", 0, deq, (x_row,)),
+        ("dequantize rowwise [M,F]", 0, deq, (a_row,)),
+        ("dequantize weight (fprop)", 0, deq, (w1_k,)),
+        ("dequantize weight along N (dgrad)", 0, deq, (w1_t,)),
     ]
 
 
@@ -90,7 +100,9 @@ def main(argv=None) -> int:
     print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
     for name, count, fn, args in _parts(m, h, f, g, ns.seed):
         ms = 1e3 * time_call(fn, *args, iters=ns.iters)
-        kind = {"wgrad": "gemm", "quantize_both": "quantize"}.get(name.split()[0], name.split()[0])
+        kind = {"wgrad": "gemm", "quantize_both": "quantize", "fake_quantize_pair": "quantize"}.get(
+            name.split()[0], name.split()[0]
+        )
         totals[kind] += ms * count
         report["parts"][name] = {"ms": ms, "per_step": count}
         print(f"{name:42s} {ms:8.3f} {count:6d} {ms * count:8.3f}", flush=True)

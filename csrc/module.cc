@@ -28,6 +28,7 @@ PYBIND11_MODULE(_kernels, m) {
     };
     add("jgm_quantize_mxfp8", JgmQuantizeMxfp8Instantiate, JgmQuantizeMxfp8);
     add("jgm_fake_quantize_mxfp8", JgmFakeQuantizeInstantiate, JgmFakeQuantize);
+    add("jgm_fake_quantize_pair", JgmFakeQuantizePairInstantiate, JgmFakeQuantizePair);
     add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
     return d;
@@ -40,6 +41,8 @@ PYBIND11_MODULE(_kernels, m) {
   m.attr("QUANTIZE_VARIANTS") = names(jgm::kQuantizeVariants, jgm::kNumQuantizeVariants);
   m.attr("FAKE_QUANTIZE_VARIANTS") =
       names(jgm::kFakeQuantizeVariants, jgm::kNumFakeQuantizeVariants);
+  m.attr("FAKE_QUANTIZE_PAIR_VARIANTS") =
+      names(jgm::kFakeQuantizePairVariants, jgm::kNumFakeQuantizePairVariants);
   m.attr("GROUPED_GEMM_VARIANTS") = names(jgm::kGroupedGemmVariants, jgm::kNumGroupedGemmVariants);
   m.attr("GROUPED_WGRAD_VARIANTS") =
       names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);

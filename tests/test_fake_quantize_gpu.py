@@ -1,4 +1,4 @@
-"""The CUDA MXFP8 fake-quantize kernel: bf16 MXFP8 values, bit for bit the reference's.
+"""The CUDA MXFP8 fake-quantize kernels: bf16 MXFP8 values, bit for bit the reference's.
 
 ``fake_quantize_mxfp8_cuda(x, gs, mode)`` must equal ``dequantize(quantize_mxfp8(x, 1))``
 (mode "row") or ``dequantize(quantize_mxfp8_grouped(x, gs))`` (mode "col"), compared
@@ -7,6 +7,10 @@ XLA flushes subnormal float32 results to zero; the kernel keeps them (no .ftz). 
 where both sides are below bf16's normal range (zero or subnormal: tiny blocks, scale
 2**-127) they may differ; everywhere else the bits must agree. Outputs are poisoned
 with two patterns first: an unwritten element shows up as a difference.
+
+The two-copy kernel (``fake_quantize_pair_mxfp8_cuda``) must give the rowwise values
+as above, and the columnwise copy as values (mode "rowcol") or as the grouped
+MXFP8 tensor itself (mode "row_colq": data and scales byte for byte).
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ import pytest
 
 from jax_grouped_mlp._src import ffi, mxfp8, primitives
 from gpu_helpers import has_gpu
-from test_quantize_gpu import _poison, _random, _sizes
+from test_quantize_gpu import _assert_same, _poison, _random, _sizes
 
 needs_kernels = pytest.mark.skipif(
     not (has_gpu() and ffi.available() and ffi.fake_quantize_variants()),
     reason="needs a GPU and the built extension",
 )
 _fake = jax.jit(ffi.fake_quantize_mxfp8_cuda, static_argnames="mode")
+_pair = jax.jit(ffi.fake_quantize_pair_mxfp8_cuda, static_argnames="keep_col_fp8")
+needs_pair = pytest.mark.skipif(
+    not (has_gpu() and ffi.available() and ffi.fake_quantize_pair_variants()),
+    reason="needs a GPU and the built extension",
+)
 
 
 def _cpu(fn, *args):
@@ -59,6 +68,58 @@ def _check(x, group_sizes, mode: str) -> None:
         _assert_same_bits(jax.block_until_ready(_fake(x, gs, mode=mode)), want, f"{mode} (poison {value:#x})")
 
 
+def _check_pair(x, group_sizes, keep_col_fp8: bool) -> None:
+    x = jnp.asarray(x, jnp.bfloat16)
+    gs = jnp.asarray(np.asarray(group_sizes, np.int32))
+    m, k = x.shape
+    want_row = _reference(x, gs, "row")
+    # The FP8 copy is checked against the reference run on the GPU, as in test_quantize_gpu.
+    want_col = jax.jit(mxfp8.quantize_mxfp8_grouped)(x, gs) if keep_col_fp8 else _reference(x, gs, "col")
+    shapes = [(m, 2 * k), (m, k if keep_col_fp8 else 2 * k), (mxfp8.grouped_scale_rows(m, gs.shape[0]), k)]
+    for value in (0x5A, 0xFF):
+        _poison(shapes, value)
+        row, col = jax.block_until_ready(_pair(x, gs, keep_col_fp8=keep_col_fp8))
+        what = f"pair keep_col_fp8={keep_col_fp8} (poison {value:#x})"
+        _assert_same_bits(row, want_row, what + " row")
+        if keep_col_fp8:
+            assert col.group_sizes is not None and col.axis == 0
+            _assert_same(col, want_col, what + " col")
+        else:
+            _assert_same_bits(col, want_col, what + " col")
+
+
+_SHAPES = [(256, 256, 4, 256), (1000, 520, 7, 900), (77, 2056, 3, 77), (300, 40, 5, 400), (33, 8, 1, 33)]
+
+
+@pytest.mark.gpu
+@needs_pair
+@pytest.mark.parametrize("keep_col_fp8", [False, True])
+@pytest.mark.parametrize("m,k,g,total", _SHAPES)
+def test_pair_random(rng, keep_col_fp8, m, k, g, total):
+    _check_pair(_random(rng, m, k), _sizes(rng, m, g, total), keep_col_fp8)
+
+
+@pytest.mark.gpu
+@needs_pair
+@pytest.mark.parametrize("keep_col_fp8", [False, True])
+def test_pair_group_sizes_and_special_values(rng, keep_col_fp8):
+    x = _special(rng)
+    for sizes in ([50, 0, 60, 18], [128], [0, 5, 0, 33], [-5, 70, 0, 300], [0, 0]):
+        _check_pair(x, sizes, keep_col_fp8)
+    _check_pair(np.zeros((0, 64), np.float32), [0, 0], keep_col_fp8)
+
+
+@pytest.mark.gpu
+@needs_pair
+def test_pair_primitive_in_jit(rng):
+    """``primitives.fake_quantize_pair`` lowers to the kernel under jit, both ways."""
+    x = jnp.asarray(_random(rng, 200, 96), jnp.bfloat16)
+    gs = jnp.asarray([64, 0, 100], jnp.int32)
+    for keep in (False, True):
+        text = jax.jit(lambda x, gs: primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep)).lower(x, gs).as_text()
+        assert ffi.FAKE_QUANTIZE_PAIR_TARGET in text
+
+
 @pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("mode", ["row", "col"])
@@ -74,6 +135,14 @@ def test_random(rng, mode, m, k, g, total):
 @needs_kernels
 @pytest.mark.parametrize("mode", ["row", "col"])
 def test_group_sizes_and_special_values(rng, mode):
+    x = _special(rng)
+    for sizes in ([50, 0, 60, 18], [128], [0, 5, 0, 33], [-5, 70, 0, 300], [0, 0]):
+        _check(x, sizes, mode)
+    _check(np.zeros((0, 64), np.float32), [0, 0], mode)
+
+
+def _special(rng) -> np.ndarray:
+    """128 x 128 with a zero block, bf16 max/-max, subnormal blocks, a NaN and an Inf."""
     x = _random(rng, 128, 128).astype(ml_dtypes.bfloat16)
     big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
     tiny = float(ml_dtypes.finfo(ml_dtypes.bfloat16).smallest_subnormal)
@@ -83,9 +152,7 @@ def test_group_sizes_and_special_values(rng, mode):
     x[64:96, 32:64] = tiny * rng.integers(-3, 4, size=(32, 32))
     x[100, 5] = np.nan
     x[101, 40] = np.inf
-    for sizes in ([50, 0, 60, 18], [128], [0, 5, 0, 33], [-5, 70, 0, 300], [0, 0]):
-        _check(x, sizes, mode)
-    _check(np.zeros((0, 64), np.float32), [0, 0], mode)
+    return x
 
 
 @pytest.mark.gpu

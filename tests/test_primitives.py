@@ -32,7 +32,10 @@ def test_every_called_target_is_registered():
         pytest.skip("the CUDA extension is not built")
     from jax_grouped_mlp._src import gemm_ffi
 
-    targets = (ffi.QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_TARGET, gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET)
+    targets = (
+        ffi.QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_PAIR_TARGET,
+        gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET,
+    )
     for target in targets:
         assert target in ffi.registered_targets(), target
 
@@ -71,6 +74,9 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe):
     assert text.count(gemm_ffi.GROUPED_WGRAD_TARGET) >= 2  # dW1, dW2
     if recipe == "mxfp8":  # the weights, quantized along K for fprop and along N for dgrad
         assert text.count(ffi.FAKE_QUANTIZE_TARGET) >= 4
+        # x, a, dy, dh: both copies from one pass each; no separate quantize pass left.
+        assert text.count(ffi.FAKE_QUANTIZE_PAIR_TARGET) >= 4
+        assert ffi.QUANTIZE_TARGET + '"' not in text
 
 
 def test_shape_polymorphic_export_for_cpu_and_cuda(rng):

@@ -25,6 +25,7 @@ from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 QUANTIZE_TARGET = "jgm_quantize_mxfp8"
 FAKE_QUANTIZE_TARGET = "jgm_fake_quantize_mxfp8"
+FAKE_QUANTIZE_PAIR_TARGET = "jgm_fake_quantize_pair"
 # The compiled quantize configuration used by default (names: quantize_variants());
 # chosen by benchmarks/bench_quantize.py on the H200 (results/quantize_mxfp8_h200.json).
 QUANTIZE_VARIANT = "quantize_mxfp8_v8_t128"
@@ -148,6 +149,25 @@ def fake_quantize_variants() -> tuple[str, ...]:
     return variants("FAKE_QUANTIZE_VARIANTS")
 
 
+def _fake_quantize_inputs(name: str, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Checks a fake-quantize kernel's inputs; returns ``group_sizes`` as int32."""
+    if not available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
+    if not quantize_supported(x, g):
+        raise ValueError(
+            f"{name} needs bf16 x [M, K] with K % 8 == 0 and 32-bit offsets, got {x.shape=} {x.dtype=}"
+        )
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be a 1-D integer array, got {group_sizes.shape=} {group_sizes.dtype=}")
+    return group_sizes.astype(jnp.int32)
+
+
+def _mode_variant(names: tuple[str, ...], mode: str) -> np.int32:
+    return np.int32(names.index(next(v for v in names if v.startswith(f"fake_quantize_mxfp8_{mode}_v"))))
+
+
 def fake_quantize_mxfp8_cuda(x: jax.Array, group_sizes: jax.Array, *, mode: str) -> jax.Array:
     """One kernel: the MXFP8 values of bf16 ``x [M, K]`` as bf16, without the FP8 copy.
 
@@ -155,23 +175,52 @@ def fake_quantize_mxfp8_cuda(x: jax.Array, group_sizes: jax.Array, *, mode: str)
     ``dequantize(quantize_mxfp8_grouped(x, group_sizes))`` (rows past the groups
     zero). Bit-identical to those. Lowers only for CUDA and needs :func:`available`.
     """
-    if not available():
-        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     if mode not in ("row", "col"):
         raise ValueError(f"mode must be 'row' or 'col', got {mode!r}")
-    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
-    if not quantize_supported(x, g):
-        raise ValueError(
-            f"fake_quantize_mxfp8_cuda needs bf16 [M, K] with K % 8 == 0 and 32-bit offsets, got {x.shape=} {x.dtype=}"
-        )
-    group_sizes = jnp.asarray(group_sizes)
-    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be a 1-D integer array, got {group_sizes.shape=} {group_sizes.dtype=}")
-    names = fake_quantize_variants()
-    variant = next(v for v in names if v.startswith(f"fake_quantize_mxfp8_{mode}_"))
+    group_sizes = _fake_quantize_inputs("fake_quantize_mxfp8_cuda", x, group_sizes)
     return jax.ffi.ffi_call(FAKE_QUANTIZE_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.bfloat16))(
-        x, group_sizes.astype(jnp.int32), variant=np.int32(names.index(variant))
+        x, group_sizes, variant=_mode_variant(fake_quantize_variants(), mode)
     )
+
+
+def fake_quantize_pair_variants() -> tuple[str, ...]:
+    """Names of the compiled two-copy fake-quantize configurations (empty without the extension)."""
+    return variants("FAKE_QUANTIZE_PAIR_VARIANTS")
+
+
+def fake_quantize_pair_mxfp8_cuda(
+    x: jax.Array, group_sizes: jax.Array, *, keep_col_fp8: bool
+) -> tuple[jax.Array, jax.Array | MXFP8Tensor]:
+    """One kernel, one read of bf16 ``x [M, K]``: both MXFP8 copies a GEMM pair needs.
+
+    Returns ``(dequantize(quantize_mxfp8(x, 1)), col)`` with the rowwise values in
+    bf16 (for a fprop/dgrad GEMM) and ``col`` the group-aware columnwise copy (for a
+    weight gradient): its values in bf16, or with ``keep_col_fp8`` the
+    :class:`MXFP8Tensor` itself (a residual worth keeping small). Bit-identical to
+    the reference quantizers. Lowers only for CUDA and needs :func:`available`.
+    """
+    group_sizes = _fake_quantize_inputs("fake_quantize_pair_mxfp8_cuda", x, group_sizes)
+    m, k = x.shape
+    nb = mxfp8.grouped_scale_rows(m, group_sizes.shape[0])
+    out = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn if keep_col_fp8 else jnp.bfloat16),
+        jax.ShapeDtypeStruct((nb, k), jnp.float8_e8m0fnu),
+    )
+    mode = "row_colq" if keep_col_fp8 else "rowcol"
+    row, col, col_scale = jax.ffi.ffi_call(FAKE_QUANTIZE_PAIR_TARGET, out)(
+        x, group_sizes, variant=_mode_variant(fake_quantize_pair_variants(), mode)
+    )
+    if keep_col_fp8:
+        return row, MXFP8Tensor(col, col_scale, axis=0, group_sizes=group_sizes)
+    return row, col
+
+
+def fake_quantize_pair_cuda(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp8: bool):
+    """``primitives`` "fake_quantize_pair" on CUDA: the kernel when it takes ``x``, else the reference."""
+    if not fake_quantize_pair_variants() or not quantize_supported(x, jnp.shape(group_sizes)[0]):
+        return mxfp8.fake_quantize_pair(x, group_sizes, keep_col_fp8)
+    return fake_quantize_pair_mxfp8_cuda(x, group_sizes, keep_col_fp8=keep_col_fp8)
 
 
 def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:

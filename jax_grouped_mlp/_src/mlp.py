@@ -75,16 +75,16 @@ def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe):
 
 
 def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe):
-    x_row, x_col = recipe.row_and_col(x, group_sizes)
+    x_row, x_col = recipe.row_and_col(x, group_sizes, keep_col=True)
     h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
-    a_row, a_col = recipe.row_and_col(a, group_sizes)
+    a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
     y = _fc2(a_row, w2, group_sizes, recipe, x.dtype)
     return y, (_tag(x_col, FC1_INPUT), h, _tag(a_col, FC2_INPUT), w1, w2, group_sizes, probs)
 
 
 def _mlp_bwd(recipe: Recipe, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
-    dy_row, dy_col = recipe.row_and_col(dy, group_sizes)
+    dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
     # da in bf16: what the dgrad kernel writes (the bf16 rounding is far below the
     # MXFP8 operands' own error; the same on every platform).
     da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.bfloat16, transpose_rhs=True)
@@ -92,7 +92,7 @@ def _mlp_bwd(recipe: Recipe, res, dy):
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     dprobs = jnp.sum(da * (r * r), axis=1)
     dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
-    dh_row, dh_col = recipe.row_and_col(dh, group_sizes)
+    dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)

@@ -278,3 +278,12 @@ def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     scale = jnp.repeat(_scale_value(e), BLOCK, axis=axis, total_repeat_length=e.shape[axis] * BLOCK)
     scale = jax.lax.slice_in_dim(scale, 0, n, axis=axis)
     return (values * scale).astype(dtype)
+
+
+def fake_quantize_pair(x: jax.Array, group_sizes: jax.Array, keep_col_fp8: bool):
+    """Reference of ``primitives.fake_quantize_pair``: ``(dequantize(quantize_mxfp8(x, 1)),
+    col)`` with ``col = quantize_mxfp8_grouped(x, group_sizes)``, dequantized to bf16
+    unless ``keep_col_fp8``."""
+    row = dequantize(quantize_mxfp8(x, axis=1), jnp.bfloat16)
+    col = quantize_mxfp8_grouped(x, group_sizes)
+    return row, (col if keep_col_fp8 else dequantize(col, jnp.bfloat16))

@@ -24,7 +24,9 @@ from jax_grouped_mlp._src import mxfp8, reference
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
-OpName = Literal["quantize", "fake_quantize", "quantize_both", "grouped_gemm", "grouped_wgrad"]
+OpName = Literal[
+    "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_wgrad"
+]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
 
@@ -85,10 +87,15 @@ def _ref_quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tenso
     return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
 
 
+def _ref_fake_quantize_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp8: bool):
+    return mxfp8.fake_quantize_pair(x, group_sizes, keep_col_fp8)
+
+
 _REFERENCE: dict[str, Callable] = {
     "quantize": _ref_quantize,
     "fake_quantize": _ref_fake_quantize,
     "quantize_both": _ref_quantize_both,
+    "fake_quantize_pair": _ref_fake_quantize_pair,
     "grouped_gemm": _ref_grouped_gemm,
     "grouped_wgrad": _ref_grouped_wgrad,
 }
@@ -108,6 +115,19 @@ def fake_quantize(x: jax.Array, axis: int) -> jax.Array:
 def quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
     """``(quantize_mxfp8(x, 1), quantize_mxfp8_grouped(x, group_sizes))`` for ``[M, K]``: one pass on CUDA."""
     return _dispatch("quantize_both", x, group_sizes)
+
+
+def fake_quantize_pair(
+    x: jax.Array, group_sizes: jax.Array, *, keep_col_fp8: bool
+) -> tuple[jax.Array, Operand]:
+    """Both MXFP8 copies of ``[M, K]`` a GEMM pair needs, from one read on CUDA.
+
+    ``(rowwise values in bf16, group-aware columnwise copy)``: the first is a
+    fprop/dgrad GEMM operand (blocks along K), the second a weight-gradient operand
+    (32-row blocks along M that never cross a group), as its bf16 values or, with
+    ``keep_col_fp8``, as the :class:`MXFP8Tensor` (when it is kept as a residual).
+    """
+    return _dispatch("fake_quantize_pair", x, group_sizes, keep_col_fp8=keep_col_fp8)
 
 
 def grouped_gemm(
@@ -136,6 +156,8 @@ def _register_available_kernels() -> None:
         return
     register_cuda_impl("quantize", ffi.quantize_cuda)
     register_cuda_impl("quantize_both", ffi.quantize_both_cuda)
+    if ffi.fake_quantize_pair_variants():
+        register_cuda_impl("fake_quantize_pair", ffi.fake_quantize_pair_cuda)
     if ffi.fake_quantize_variants():
         register_cuda_impl("fake_quantize", ffi.fake_quantize_cuda)
     if gemm_ffi.grouped_gemm_variants():

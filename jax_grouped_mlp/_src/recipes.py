@@ -6,6 +6,13 @@ axis (the reduction axis of a fprop/dgrad GEMM); ``row_and_col`` also returns th
 "col" copy of a token-major ``[M, K]`` operand for a weight-gradient GEMM, blocked
 along the token axis in group-aware 32-row blocks; ``weight`` prepares stacked
 expert weights for either use.
+
+The GEMM kernels multiply bf16, so an MXFP8 operand that is used at once arrives as
+its MXFP8 values in bf16 (exact: E4M3 times a power of two fits bf16), written by
+the quantizer in the same pass, with no FP8 copy and no dequantization pass. Only a
+copy that is *kept* for the backward pass (``row_and_col(..., keep_col=True)``: the
+residuals "fc1_input" and "fc2_input") stays an FP8 :class:`MXFP8Tensor`, half
+the bytes.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ class Recipe(str, enum.Enum):
     def parse(cls, value: "str | Recipe") -> "Recipe":
         return checks.parse_enum(cls, value, "recipe")
 
-    def row(self, x: jax.Array, axis: int) -> Operand:
+    def row(self, x: jax.Array, axis: int) -> jax.Array:
+        """``x`` as a GEMM operand blocked along ``axis``: its MXFP8 values in bf16."""
         if self is Recipe.MXFP8:
-            return primitives.quantize(x, axis)
+            return primitives.fake_quantize(x, axis)
         return x.astype(jnp.bfloat16)
 
     def weight(self, w: jax.Array, reduce_axis: int) -> Operand:
@@ -47,9 +55,13 @@ class Recipe(str, enum.Enum):
             return primitives.fake_quantize(w, reduce_axis)
         return w.astype(jnp.bfloat16)
 
-    def row_and_col(self, x: jax.Array, group_sizes: jax.Array) -> tuple[Operand, Operand]:
-        """``(row(x, 1), col)`` for ``[M, K]``, where col is blocked along tokens; one pass on CUDA."""
+    def row_and_col(self, x: jax.Array, group_sizes: jax.Array, *, keep_col: bool) -> tuple[jax.Array, Operand]:
+        """``(row(x, 1), col)`` for ``[M, K]``, col blocked along tokens; one pass on CUDA.
+
+        ``keep_col``: col is a residual, so MXFP8 keeps it as FP8 (an
+        :class:`MXFP8Tensor`); otherwise it is used at once and comes as bf16 values.
+        """
         if self is Recipe.MXFP8:
-            return primitives.quantize_both(x, group_sizes)
+            return primitives.fake_quantize_pair(x, group_sizes, keep_col_fp8=keep_col)
         x = x.astype(jnp.bfloat16)
         return x, x

@@ -114,7 +114,14 @@ def _fake_quantize_variants():
     from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeConfig
 
     # Keep in the order of JGM_FAKE_QUANTIZE_VARIANTS in csrc/fake_quantize_mxfp8.cc.
-    return (FakeQuantizeConfig(vec=8, threads=128, mode="row"), FakeQuantizeConfig(vec=8, threads=128, mode="col"))
+    return tuple(FakeQuantizeConfig(vec=8, threads=128, mode=mode) for mode in ("row", "col"))
+
+
+def _fake_quantize_pair_variants():
+    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeConfig
+
+    # Keep in the order of JGM_FAKE_QUANTIZE_PAIR_VARIANTS in csrc/fake_quantize_mxfp8.cc.
+    return tuple(FakeQuantizeConfig(vec=8, threads=128, mode=mode) for mode in ("rowcol", "row_colq"))
 
 
 def _grouped_wgrad_variants():
@@ -181,6 +188,16 @@ def variants():
         args = (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
                 make_fake_stream())
         yield cfg.name, FakeQuantizeMxfp8(cfg), args
+
+    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizePairMxfp8
+
+    for cfg in _fake_quantize_pair_variants():
+        m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+        k = cute.sym_int32(divisibility=8)
+        col = cutlass.BFloat16 if cfg.mode == "rowcol" else cutlass.Uint8
+        args = (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
+                t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
+        yield cfg.name, FakeQuantizePairMxfp8(cfg), args
 
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmSm90
 

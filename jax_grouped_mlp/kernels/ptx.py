@@ -166,6 +166,43 @@ def encode_both_e4m3x4(
 
 
 @dsl_user_op
+def encode_e4m3x4(
+    w0: Uint32, w1: Uint32, s0: Float32, s1: Float32, s2: Float32, s3: Float32, *, loc=None, ip=None
+) -> Uint32:
+    """Four bf16 (two words) -> four E4M3 bytes of ``x * s`` per element (the column
+    encoding of :func:`encode_both_e4m3x4`, alone)."""
+    ops = [Uint32(w0).ir_value(loc=loc, ip=ip), Uint32(w1).ir_value(loc=loc, ip=ip)]
+    ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (s0, s1, s2, s3)]
+    return Uint32(
+        _asm(
+            T.i32(),
+            ops,
+            "{\n"
+            ".reg .b32 x0, x1, x2, x3;\n"
+            ".reg .f32 f0, f1, f2, f3;\n"
+            ".reg .b16 lo, hi;\n"
+            "shl.b32 x0, $1, 16;\n"
+            "and.b32 x1, $1, 0xFFFF0000;\n"
+            "shl.b32 x2, $2, 16;\n"
+            "and.b32 x3, $2, 0xFFFF0000;\n"
+            "mov.b32 f0, x0;\n"
+            "mov.b32 f1, x1;\n"
+            "mov.b32 f2, x2;\n"
+            "mov.b32 f3, x3;\n"
+            "mul.rn.f32 f0, f0, $3;\n"
+            "mul.rn.f32 f1, f1, $4;\n"
+            "mul.rn.f32 f2, f2, $5;\n"
+            "mul.rn.f32 f3, f3, $6;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
+            "mov.b32 $0, {lo, hi};\n"
+            "}",
+            "=r,r,r,f,f,f,f",
+        )
+    )
+
+
+@dsl_user_op
 def e8m0_value(e: Uint32, *, loc=None, ip=None) -> Float32:
     """2**(e - 127) as float32 (``e == 0``: the subnormal 2**-127); NaN for 0xFF.
 
