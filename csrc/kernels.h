@@ -154,6 +154,8 @@ extern const int kNumGroupedGemmVariants;
 // Names of the compiled fake-quantize variants, indexed by `variant`.
 extern const char* const kFakeQuantizeVariants[];
 extern const int kNumFakeQuantizeVariants;
+extern const char* const kDequantizeVariants[];
+extern const int kNumDequantizeVariants;
 extern const char* const kFakeQuantizePairVariants[];
 extern const int kNumFakeQuantizePairVariants;
 // Names of the compiled grouped weight-gradient variants, indexed by `variant`.
@@ -168,6 +170,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemm);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizeInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmDequantizeInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmDequantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizePairInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizePair);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);

@@ -29,6 +29,7 @@ PYBIND11_MODULE(_kernels, m) {
     add("jgm_quantize_mxfp8", JgmQuantizeMxfp8Instantiate, JgmQuantizeMxfp8);
     add("jgm_fake_quantize_mxfp8", JgmFakeQuantizeInstantiate, JgmFakeQuantize);
     add("jgm_fake_quantize_pair", JgmFakeQuantizePairInstantiate, JgmFakeQuantizePair);
+    add("jgm_dequantize_mxfp8", JgmDequantizeInstantiate, JgmDequantize);
     add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
     return d;
@@ -41,6 +42,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.attr("QUANTIZE_VARIANTS") = names(jgm::kQuantizeVariants, jgm::kNumQuantizeVariants);
   m.attr("FAKE_QUANTIZE_VARIANTS") =
       names(jgm::kFakeQuantizeVariants, jgm::kNumFakeQuantizeVariants);
+  m.attr("DEQUANTIZE_VARIANTS") = names(jgm::kDequantizeVariants, jgm::kNumDequantizeVariants);
   m.attr("FAKE_QUANTIZE_PAIR_VARIANTS") =
       names(jgm::kFakeQuantizePairVariants, jgm::kNumFakeQuantizePairVariants);
   m.attr("GROUPED_GEMM_VARIANTS") = names(jgm::kGroupedGemmVariants, jgm::kNumGroupedGemmVariants);

@@ -59,6 +59,8 @@ def test_kernels_are_in_the_compiled_program(gpu, rng):
     hlo = _loss_and_grads(None).lower(*args).compile().as_text()
     # x, a, dy, dh: both MXFP8 copies from one pass each (no quantize + dequantize).
     assert hlo.count(f'custom_call_target="{ffi.FAKE_QUANTIZE_PAIR_TARGET}"') == 4
+    # The two kept FP8 residuals, dequantized for the weight gradients by our kernel.
+    assert hlo.count(f'custom_call_target="{ffi.DEQUANTIZE_TARGET}"') == 2
     assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_GEMM_TARGET}"') == 4  # FC1, FC2, 2 dgrads
     assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}"') == 2
     assert not re.search(r"\bdot\(", hlo), "an XLA dot survived"

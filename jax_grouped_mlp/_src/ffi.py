@@ -26,6 +26,7 @@ from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 QUANTIZE_TARGET = "jgm_quantize_mxfp8"
 FAKE_QUANTIZE_TARGET = "jgm_fake_quantize_mxfp8"
 FAKE_QUANTIZE_PAIR_TARGET = "jgm_fake_quantize_pair"
+DEQUANTIZE_TARGET = "jgm_dequantize_mxfp8"
 # The compiled quantize configuration used by default (names: quantize_variants());
 # chosen by benchmarks/bench_quantize.py on the H200 (results/quantize_mxfp8_h200.json).
 QUANTIZE_VARIANT = "quantize_mxfp8_v8_t128"
@@ -221,6 +222,42 @@ def fake_quantize_pair_cuda(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp
     if not fake_quantize_pair_variants() or not quantize_supported(x, jnp.shape(group_sizes)[0]):
         return mxfp8.fake_quantize_pair(x, group_sizes, keep_col_fp8)
     return fake_quantize_pair_mxfp8_cuda(x, group_sizes, keep_col_fp8=keep_col_fp8)
+
+
+def dequantize_variants() -> tuple[str, ...]:
+    """Names of the compiled dequantize configurations (empty without the extension)."""
+    return variants("DEQUANTIZE_VARIANTS")
+
+
+def dequantize_grouped_mxfp8_cuda(t: MXFP8Tensor) -> jax.Array:
+    """One kernel: ``mxfp8.dequantize(t, bfloat16)`` for a group-aware columnwise ``[M, K]`` tensor.
+
+    Bit-identical to the reference (rows past the groups zero). ``K % 8 == 0``.
+    Lowers only for CUDA and needs :func:`available`.
+    """
+    if not isinstance(t, MXFP8Tensor) or not t.is_grouped or t.data.ndim != 2:
+        raise TypeError(f"need a group-aware columnwise [M, K] MXFP8Tensor, got {t!r}")
+    if not available() or not dequantize_variants():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels (with the dequantize kernel) is not built")
+    m, k = t.data.shape
+    g = t.group_sizes.shape[0]
+    if k % 8 or max(m, mxfp8.grouped_scale_rows(m, g)) * k >= 2**31:
+        raise ValueError(f"dequantize_grouped_mxfp8_cuda needs K % 8 == 0 and 32-bit offsets, got {t.data.shape=} G={g}")
+    return jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((m, k), jnp.bfloat16))(
+        t.data, t.scale, t.group_sizes.astype(jnp.int32), variant=np.int32(0)
+    )
+
+
+def dequantize_cuda(t: MXFP8Tensor) -> jax.Array:
+    """``mxfp8.dequantize(t, bfloat16)`` on CUDA: the kernel for a group-aware ``[M, K]``
+    tensor it takes, else the reference."""
+    if t.is_grouped and t.data.ndim == 2 and dequantize_variants():
+        m, k = t.data.shape
+        if isinstance(m, int) and isinstance(k, int) and k % 8 == 0 and (
+            max(m, mxfp8.grouped_scale_rows(m, t.group_sizes.shape[0])) * k < 2**31
+        ):
+            return dequantize_grouped_mxfp8_cuda(t)
+    return mxfp8.dequantize(t, jnp.bfloat16)
 
 
 def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:

@@ -124,6 +124,13 @@ def _fake_quantize_pair_variants():
     return tuple(FakeQuantizeConfig(vec=8, threads=128, mode=mode) for mode in ("rowcol", "row_colq"))
 
 
+def _dequantize_variants():
+    from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeConfig
+
+    # Keep in the order of JGM_DEQUANTIZE_VARIANTS in csrc/dequantize_mxfp8.cc.
+    return (DequantizeConfig(vec=8, threads=128),)
+
+
 def _grouped_wgrad_variants():
     from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig
 
@@ -198,6 +205,15 @@ def variants():
         args = (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
                 t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
         yield cfg.name, FakeQuantizePairMxfp8(cfg), args
+
+    from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeColMxfp8
+
+    for cfg in _dequantize_variants():
+        m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+        k = cute.sym_int32(divisibility=8)
+        args = (t(cutlass.Uint8, (m, k)), t(cutlass.Uint8, (nb, k)), t(cutlass.Int32, (g,), align=4),
+                t(cutlass.BFloat16, (m, k)), make_fake_stream())
+        yield cfg.name, DequantizeColMxfp8(cfg), args
 
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmSm90
 
