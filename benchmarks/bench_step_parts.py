@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import gemm_ffi, mxfp8, primitives
+from jax_grouped_mlp._src import ffi, mxfp8, primitives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import MLP_SHAPES, RESULTS, device_description, time_call, write_json  # noqa: E402
@@ -49,7 +49,8 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
     fq_w = {ax: jax.jit(lambda w, ax=ax: primitives.fake_quantize(w, ax)) for ax in (1, 2)}
     deq = jax.jit(lambda t: mxfp8.dequantize(t, jnp.bfloat16))  # XLA's
     # What the weight gradients' adapter runs on a kept residual (a kernel on CUDA).
-    deq_kept = jax.jit(lambda t: gemm_ffi._as_bf16(t))
+    deq_kept = jax.jit(lambda t: jax.lax.platform_dependent(
+        t, cuda=ffi.dequantize_cuda, default=lambda t: mxfp8.dequantize(t, jnp.bfloat16)))
     pair = {keep: jax.jit(lambda x, gs, keep=keep: primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep))
             for keep in (False, True)}
     x_row, x_col = q_both(x, gs)
