@@ -161,6 +161,9 @@ extern const int kNumFakeQuantizePairVariants;
 // Names of the compiled grouped weight-gradient variants, indexed by `variant`.
 extern const char* const kGroupedWgradVariants[];
 extern const int kNumGroupedWgradVariants;
+// Names of the compiled grouped GEMM variants with in-kernel MXFP8 weights, by `variant`.
+extern const char* const kGroupedGemmW8Variants[];
+extern const int kNumGroupedGemmW8Variants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
@@ -176,3 +179,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizePairInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizePair);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgrad);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8Instantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8);

@@ -32,6 +32,7 @@ PYBIND11_MODULE(_kernels, m) {
     add("jgm_dequantize_mxfp8", JgmDequantizeInstantiate, JgmDequantize);
     add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
+    add("jgm_grouped_gemm_w8", JgmGroupedGemmW8Instantiate, JgmGroupedGemmW8);
     return d;
   });
   auto names = [](const char* const* list, int count) {
@@ -48,5 +49,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.attr("GROUPED_GEMM_VARIANTS") = names(jgm::kGroupedGemmVariants, jgm::kNumGroupedGemmVariants);
   m.attr("GROUPED_WGRAD_VARIANTS") =
       names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);
+  m.attr("GROUPED_GEMM_W8_VARIANTS") =
+      names(jgm::kGroupedGemmW8Variants, jgm::kNumGroupedGemmW8Variants);
   m.attr("ARCH") = "sm_90a";
 }

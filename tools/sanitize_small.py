@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs every grouped GEMM, wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
+"""Runs every grouped GEMM (bf16 and MXFP8-weight), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
-from jax_grouped_mlp._src import ffi, gemm_ffi  # noqa: E402
+from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8  # noqa: E402
 
 
 def main() -> int:
@@ -32,6 +32,15 @@ def main() -> int:
         rhs = jnp.swapaxes(w, 1, 2) if bk else w
         out = gemm_ffi.grouped_gemm_bf16_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    # MXFP8 weights (N, K multiples of 16 for these kernels: 144 x 208, neither a tile multiple).
+    k8, n8 = 208, 144
+    a8 = jnp.asarray(rng.standard_normal((m, k8)), jnp.bfloat16)
+    w8 = jnp.asarray(rng.standard_normal((4, k8, n8)) / 16, jnp.bfloat16)
+    for v in gemm_ffi.grouped_gemm_w8_variants():
+        bk = v.endswith("_bk")
+        wq = mxfp8.quantize_mxfp8(jnp.swapaxes(w8, 1, 2), axis=2) if bk else mxfp8.quantize_mxfp8(w8, axis=1)
+        out = gemm_ffi.grouped_gemm_w8_cuda(a8, wq, gs, variant=v, transpose_rhs=bk)
+        bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
     for v in gemm_ffi.grouped_wgrad_variants():
         out = gemm_ffi.grouped_wgrad_bf16_cuda(a, dy, gs, variant=v, out_dtype=gemm_ffi._wgrad_out_dtype(v))
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
@@ -39,7 +48,8 @@ def main() -> int:
         out = ffi.fake_quantize_mxfp8_cuda(a, gs, mode=mode)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
     jax.block_until_ready(out)
-    n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_wgrad_variants()) + 2
+    n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_gemm_w8_variants())
+    n += len(gemm_ffi.grouped_wgrad_variants()) + 2
     print(f"ran {n} variants, {bad} with non-finite output")
     return int(bad > 0)
 

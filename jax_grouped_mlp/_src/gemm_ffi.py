@@ -8,6 +8,11 @@ sync; sizes are clamped to ``M``), rows at or past ``sum(group_sizes)`` zero. MX
 operands are dequantized to bf16 first, which is exact (``e4m3 * 2^k`` fits bf16), so
 the result equals the reference's up to fp32 summation order and the final bf16
 rounding. Lowers only for CUDA: dispatch through ``primitives.register_cuda_impl``.
+
+:func:`grouped_gemm_w8_cuda` (``csrc/grouped_gemm_w8.cc``, kernel
+``kernels/grouped_gemm_w8_sm90.py``) takes the weights as MXFP8 (FP8 data + E8M0
+scales) and converts them to bf16 inside the kernel, bitwise equal to the bf16 kernel
+on ``dequantize(rhs)``.
 """
 
 from __future__ import annotations
@@ -214,3 +219,103 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
         return primitives._REFERENCE["grouped_wgrad"](lhs, rhs, group_sizes, out_dtype=out_dtype)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
     return grouped_wgrad_bf16_cuda(a, b, group_sizes, out_dtype=kernel_dtype).astype(out_dtype)
+
+
+# ---- MXFP8 weights converted inside the kernel (csrc/grouped_gemm_w8.cc) ----
+
+GROUPED_GEMM_W8_TARGET = "jgm_grouped_gemm_w8"
+
+
+def grouped_gemm_w8_variants() -> tuple[str, ...]:
+    """Names of the compiled MXFP8-weight GEMM configurations (empty without the extension)."""
+    return ffi.variants("GROUPED_GEMM_W8_VARIANTS")
+
+
+def grouped_gemm_w8_supported(m: int, n: int, k: int, g: int) -> bool:
+    """Whether the in-kernel-conversion GEMM takes these dimensions.
+
+    N and K multiples of 16 (the FP8 and scale arrays are byte arrays: their TMA row
+    strides must be 16-byte multiples), < 2^31 elements per operand (32-bit offsets).
+    """
+    if not all(isinstance(d, int) for d in (m, n, k, g)):
+        return False
+    return n % 16 == 0 and k % 16 == 0 and m * k < _MAX and m * n < _MAX and g * k * n < _MAX
+
+
+def _w8_operands(lhs, rhs, group_sizes, transpose_rhs: bool):
+    """Validates the operands of :func:`grouped_gemm_w8_cuda`; returns (m, n, k, g, data, scale_u8 [G, KB, N], sizes)."""
+    if not isinstance(rhs, MXFP8Tensor):
+        raise TypeError(f"rhs must be an MXFP8Tensor (quantize_mxfp8(w, axis=K)), got {type(rhs).__name__}")
+    if rhs.is_grouped:
+        raise ValueError("rhs must be a plain MXFP8Tensor (blocks along K), not a group-aware one")
+    want = "[G, N, K]" if transpose_rhs else "[G, K, N]"
+    if jnp.ndim(lhs) != 2:
+        raise ValueError(f"lhs must be [M, K], got lhs.shape={jnp.shape(lhs)}")
+    if rhs.data.ndim != 3:
+        raise ValueError(f"rhs must be {want} ({transpose_rhs=}), got rhs.data.shape={rhs.data.shape}")
+    if jnp.dtype(lhs.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(f"lhs must be bf16, got lhs.dtype={lhs.dtype}")
+    if jnp.dtype(rhs.data.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise TypeError(f"rhs.data must be float8_e4m3fn, got rhs.data.dtype={rhs.data.dtype}")
+    if jnp.dtype(rhs.scale.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
+        raise TypeError(f"rhs.scale must be float8_e8m0fnu, got rhs.scale.dtype={rhs.scale.dtype}")
+    m, k = lhs.shape
+    k_axis = 2 if transpose_rhs else 1
+    g, n = rhs.data.shape[0], rhs.data.shape[1 if transpose_rhs else 2]
+    if rhs.data.shape[k_axis] != k:
+        raise ValueError(
+            f"contraction mismatch: lhs.shape={lhs.shape} vs rhs.data.shape={rhs.data.shape} "
+            f"(rhs is {want} for {transpose_rhs=})"
+        )
+    if rhs.axis != k_axis:
+        raise ValueError(
+            f"rhs must be blocked along K (axis {k_axis} of {want}), got rhs.axis={rhs.axis}"
+        )
+    kb = -(-k // mxfp8.BLOCK)
+    want_scale = (g, n, kb) if transpose_rhs else (g, kb, n)
+    if tuple(rhs.scale.shape) != want_scale:
+        raise ValueError(f"rhs.scale must have shape {want_scale}, got rhs.scale.shape={rhs.scale.shape}")
+    if not grouped_gemm_w8_supported(m, n, k, g):
+        raise ValueError(
+            f"grouped_gemm_w8 needs N, K multiples of 16 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
+        )
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
+            f"group_sizes.dtype={group_sizes.dtype}"
+        )
+    scale = rhs.scale
+    if jnp.dtype(scale.dtype) != jnp.dtype(jnp.uint8):
+        scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    if transpose_rhs:
+        scale = jnp.swapaxes(scale, 1, 2)  # [G, N, KB] -> [G, KB, N]: 1/32 of the data bytes
+    return m, n, k, g, rhs.data, scale, group_sizes.astype(jnp.int32)
+
+
+def grouped_gemm_w8_cuda(
+    lhs: jax.Array,
+    rhs: MXFP8Tensor,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    variant: str | None = None,
+) -> jax.Array:
+    """``out[m] = lhs[m] @ dequantize(rhs)[group(m)]`` with the weights converted in the kernel.
+
+    ``lhs`` bf16 ``[M, K]`` (typically MXFP8 values in bf16); ``rhs`` an
+    :class:`MXFP8Tensor` blocked along K: data ``[G, K, N]`` and scale
+    ``[G, ceil(K/32), N]`` (``axis=1``), or with ``transpose_rhs`` data ``[G, N, K]`` and
+    scale ``[G, N, ceil(K/32)]`` (``axis=2``; the scale is transposed here, the data are
+    read K-major as stored). bf16 ``[M, N]`` out, rows past ``sum(group_sizes)`` zero.
+    Bitwise equal to ``grouped_gemm_bf16_cuda(lhs, dequantize(rhs), ...)``.
+    N and K must be multiples of 16.
+    """
+    m, n, k, g, data, scale, gs = _w8_operands(lhs, rhs, group_sizes, transpose_rhs)
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    index = _variant_index(
+        grouped_gemm_w8_variants(), n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}"
+    )
+    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    return jax.ffi.ffi_call(GROUPED_GEMM_W8_TARGET, out)(lhs, data, scale, gs, variant=index)

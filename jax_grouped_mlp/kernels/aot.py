@@ -110,6 +110,37 @@ def _grouped_gemm_args(b_k_major: bool = False):
             cutlass.Int32(132), make_fake_stream())
 
 
+def _grouped_gemm_w8_variants():
+    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
+
+    # Keep in the order of JGM_GROUPED_GEMM_W8_VARIANTS in csrc/grouped_gemm_w8.cc.
+    return tuple(GroupedGemmConfig(tile_n=n, b_k_major=bk, b_fp8=True) for bk in (False, True) for n in (256, 192))
+
+
+def _grouped_gemm_w8_args(b_k_major: bool = False):
+    """Fake (lhs [M, K] bf16, rhs (N, K, G) uint8, rhs_scale (N, KB, G) uint8, out, group_sizes, num_ctas, stream).
+
+    rhs is N-contiguous (JAX's [G, K, N]) or K-contiguous ([G, N, K]) for ``b_k_major``;
+    rhs_scale is always N-contiguous (JAX's [G, KB, N]). N and K are multiples of 16
+    (16-byte TMA strides of the byte tensors).
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def t(dtype, shape, order, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
+                                        use_32bit_stride=True)
+
+    m, g, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    n, k = cute.sym_int32(divisibility=16), cute.sym_int32(divisibility=16)
+    return (t(cutlass.BFloat16, (m, k), (1, 0)),
+            t(cutlass.Uint8, (n, k, g), (1, 0, 2) if b_k_major else (0, 1, 2)),
+            t(cutlass.Uint8, (n, kb, g), (0, 1, 2)),
+            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
+            cutlass.Int32(132), make_fake_stream())
+
+
 def _fake_quantize_variants():
     from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeConfig
 
@@ -224,6 +255,11 @@ def variants():
 
     for cfg in _grouped_wgrad_variants():
         yield cfg.name, GroupedWgradSm90(cfg), _grouped_wgrad_args(cfg.out_f32)
+
+    from jax_grouped_mlp.kernels.grouped_gemm_w8_sm90 import GroupedGemmW8Sm90
+
+    for cfg in _grouped_gemm_w8_variants():
+        yield cfg.name, GroupedGemmW8Sm90(cfg), _grouped_gemm_w8_args(cfg.b_k_major)
 
 
 def main(argv=None) -> int:

@@ -78,6 +78,9 @@ class GroupedGemmConfig:
     epi_stages: shared-memory buffers of the TMA-store epilogue (128 x 32 bf16 each).
     b_k_major: B arrives as ``[G, N, K]`` (K contiguous: a transposed weight, the
       dgrad use) instead of ``[G, K, N]``; only the TMA/shared-memory layout differs.
+    b_fp8: B arrives as MXFP8 (FP8 E4M3 bytes + E8M0 scales per 32 along K) and is
+      converted to bf16 inside the kernel (:mod:`grouped_gemm_w8_sm90`); a stage then
+      also holds the raw FP8 tile and its scales.
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -87,6 +90,7 @@ class GroupedGemmConfig:
     panel_m: int = 8
     epi_stages: int = 2
     b_k_major: bool = False
+    b_fp8: bool = False
 
     tile_m = 128
 
@@ -104,7 +108,10 @@ class GroupedGemmConfig:
 
     @property
     def stage_bytes(self) -> int:
-        return (self.tile_m + self.tile_n) * self.tile_k * 2
+        bf16 = (self.tile_m + self.tile_n) * self.tile_k * 2
+        if self.b_fp8:  # + the raw FP8 B tile and its two rows of E8M0 scales
+            return bf16 + self.tile_n * self.tile_k + self.tile_n * (self.tile_k // 32)
+        return bf16
 
     @property
     def epi_bytes(self) -> int:
@@ -117,7 +124,8 @@ class GroupedGemmConfig:
 
     @property
     def name(self) -> str:
-        s = f"grouped_gemm_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
+        kind = "w8" if self.b_fp8 else "bf16"
+        s = f"grouped_gemm_sm90_{kind}_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
         return s + ("_bk" if self.b_k_major else "")
@@ -374,6 +382,112 @@ class GroupedGemmSm90:
             self.epi_barrier.arrive_and_wait()
         return epi_count + epi_num
 
+    @cute.jit
+    def _mma_consumer(
+        self, tiled_mma: cute.TiledMma, mainloop, converted, sA: cute.Tensor, sB: cute.Tensor,
+        sC: cute.Tensor, tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor,
+        group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+    ):
+        """The consumer warp groups (thread ``ctid`` of 256): mainloop and epilogue of every tile.
+
+        ``converted``: None, or a second pipeline with the same stage indices that must
+        also complete a stage before its wgmmas read it (the in-kernel B conversion).
+        """
+        m = mOut.shape[0]
+        n = mOut.shape[1]
+        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
+        num_groups = group_sizes.shape[0]
+        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
+
+        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
+        size_tRS_rD = cute.size(tRS_rD)
+        epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
+        # Partial tiles: shared memory -> global with 16-byte stores, a row predicate
+        # per vector (256 threads = 64 rows x 4 vectors of 8 columns per pass).
+        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+        tiled_s2g = cute.make_tiled_copy_tv(
+            s2g_atom, cute.make_ordered_layout((64, EPI_N // 8), order=(1, 0)), cute.make_layout((1, 8))
+        )
+        thr_s2g = tiled_s2g.get_slice(ctid)
+        tSG_sC = thr_s2g.partition_S(sC)
+        tSG_cC = thr_s2g.partition_D(cute.make_identity_tensor(self.epi_tile))
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        t = Int32(bidx)
+        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
+        )
+        while seg <= num_groups:
+            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+            acc.fill(0.0)
+            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                # First stage: issue and keep in flight.
+                mainloop.consumer_wait(read)
+                if cutlass.const_expr(converted is not None):
+                    converted.consumer_wait(read)
+                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                read.advance()
+                for k in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    if cutlass.const_expr(converted is not None):
+                        converted.consumer_wait(read)
+                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                    # The previous stage's wgmmas are done: hand its slot back.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+
+            row0 = seg_row0 + row_off
+            col0 = n_tile * self.tile_n
+            if rows_valid == self.tile_m:
+                gTile = cute.local_tile(
+                    cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile)
+                )
+                epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
+            else:
+                # Partial tile (a group's last rows, or the rows past the groups): the
+                # same shared-memory staging, then 16-byte stores of the valid rows only,
+                # so the tile never writes the next group's rows. Columns past N are
+                # whole vectors (N % 8 == 0) and are skipped too.
+                if warp_idx == self.epi_store_warp:
+                    # Earlier TMA stores may still read the buffers we are about to
+                    # overwrite (the barrier of the first subtile publishes this wait).
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                for e in cutlass.range_constexpr(self.tile_n // EPI_N):
+                    for v in cutlass.range_constexpr(size_tRS_rD):
+                        tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+                    tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                    buf = (epi_count + e) % self.epi_stages
+                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                    self.epi_barrier.arrive_and_wait()
+                    gSub = cute.local_tile(
+                        cute.domain_offset((row0, col0 + e * EPI_N), mOut), self.epi_tile, (0, 0)
+                    )
+                    tSG_g = thr_s2g.partition_D(gSub)
+                    tSG_s = tSG_sC[(None, None, None, buf)]
+                    cols_valid = n - (col0 + e * EPI_N)
+                    for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
+                        for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
+                            r, c = tSG_cC[(0, i, j)]
+                            if r < rows_valid:
+                                if c < cols_valid:
+                                    cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+                epi_count = epi_count + self.tile_n // EPI_N
+
+            t = t + gdim
+            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
+            )
+        store_pipeline.producer_tail()
+
     @cute.kernel
     def kernel(
         self,
@@ -454,89 +568,7 @@ class GroupedGemmSm90:
                 mainloop.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, tidx - 128)
-
-            epi = self._epilogue_copies(tiled_mma, sC, acc, tidx - 128)
-            tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-            size_tRS_rD = cute.size(tRS_rD)
-            epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
-            # Partial tiles: shared memory -> global with 16-byte stores, a row predicate
-            # per vector (256 threads = 64 rows x 4 vectors of 8 columns per pass).
-            s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
-            tiled_s2g = cute.make_tiled_copy_tv(
-                s2g_atom, cute.make_ordered_layout((64, EPI_N // 8), order=(1, 0)), cute.make_layout((1, 8))
+            self._mma_consumer(
+                tiled_mma, mainloop, None, sA, sB, sC, tma_atom_out, mOutTma, mOut, group_sizes,
+                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
             )
-            thr_s2g = tiled_s2g.get_slice(tidx - 128)
-            tSG_sC = thr_s2g.partition_S(sC)
-            tSG_cC = thr_s2g.partition_D(cute.make_identity_tensor(self.epi_tile))
-
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            t = Int32(bidx)
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
-            )
-            while seg <= num_groups:
-                row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-                acc.fill(0.0)
-                if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    # First stage: issue and keep in flight.
-                    mainloop.consumer_wait(read)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    read.advance()
-                    for k in range(1, k_tiles):
-                        mainloop.consumer_wait(read)
-                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                        # The previous stage's wgmmas are done: hand its slot back.
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        mainloop.consumer_release(release)
-                        release.advance()
-                        read.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    mainloop.consumer_release(release)
-                    release.advance()
-
-                row0 = seg_row0 + row_off
-                col0 = n_tile * self.tile_n
-                if rows_valid == self.tile_m:
-                    gTile = cute.local_tile(
-                        cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile)
-                    )
-                    epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
-                else:
-                    # Partial tile (a group's last rows, or the rows past the groups): the
-                    # same shared-memory staging, then 16-byte stores of the valid rows only,
-                    # so the tile never writes the next group's rows. Columns past N are
-                    # whole vectors (N % 8 == 0) and are skipped too.
-                    if warp_idx == self.epi_store_warp:
-                        # Earlier TMA stores may still read the buffers we are about to
-                        # overwrite (the barrier of the first subtile publishes this wait).
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    for e in cutlass.range_constexpr(self.tile_n // EPI_N):
-                        for v in cutlass.range_constexpr(size_tRS_rD):
-                            tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-                        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                        buf = (epi_count + e) % self.epi_stages
-                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                        self.epi_barrier.arrive_and_wait()
-                        gSub = cute.local_tile(
-                            cute.domain_offset((row0, col0 + e * EPI_N), mOut), self.epi_tile, (0, 0)
-                        )
-                        tSG_g = thr_s2g.partition_D(gSub)
-                        tSG_s = tSG_sC[(None, None, None, buf)]
-                        cols_valid = n - (col0 + e * EPI_N)
-                        for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                            for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                                r, c = tSG_cC[(0, i, j)]
-                                if r < rows_valid:
-                                    if c < cols_valid:
-                                        cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
-                    epi_count = epi_count + self.tile_n // EPI_N
-
-                t = t + gdim
-                seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                    group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-                )
-            store_pipeline.producer_tail()

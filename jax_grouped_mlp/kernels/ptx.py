@@ -328,3 +328,48 @@ def fake_quant_bf16x4(
         Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
         Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
     )
+
+
+@dsl_user_op
+def dequant_e4m3x4_bf16(
+    w: Uint32, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None, ip=None
+) -> tuple[Uint32, Uint32]:
+    """Four E4M3 bytes (byte ``i`` = element ``i``) times scales ``v`` -> two bf16x2 words.
+
+    ``bf16(f32(e4m3) * v)`` per element: the E4M3 decode goes through f16 (exact), the
+    product is one float32 rounding (exact for ``v = 2**k`` unless it falls below
+    float32's subnormals; no flush to zero), then one bf16 rounding -- the same
+    arithmetic as ``mxfp8.dequantize`` and :func:`fake_quant_bf16x4`'s second half, so
+    the result equals ``dequantize(...)`` bit for bit. ``v`` NaN (E8M0 0xFF) gives NaN.
+    """
+    ops = [Uint32(w).ir_value(loc=loc, ip=ip)]
+    ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (v0, v1, v2, v3)]
+    res = _asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]),
+        ops,
+        "{\n"
+        ".reg .b32 d01, d23;\n"
+        ".reg .f32 f0, f1, f2, f3;\n"
+        ".reg .b16 lo, hi, h0, h1, h2, h3;\n"
+        "mov.b32 {lo, hi}, $2;\n"
+        "cvt.rn.f16x2.e4m3x2 d01, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 d23, hi;\n"
+        "mov.b32 {h0, h1}, d01;\n"
+        "mov.b32 {h2, h3}, d23;\n"
+        "cvt.f32.f16 f0, h0;\n"
+        "cvt.f32.f16 f1, h1;\n"
+        "cvt.f32.f16 f2, h2;\n"
+        "cvt.f32.f16 f3, h3;\n"
+        "mul.rn.f32 f0, f0, $3;\n"
+        "mul.rn.f32 f1, f1, $4;\n"
+        "mul.rn.f32 f2, f2, $5;\n"
+        "mul.rn.f32 f3, f3, $6;\n"
+        "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
+        "cvt.rn.bf16x2.f32 $1, f3, f2;\n"
+        "}",
+        "=r,=r,r,f,f,f,f",
+    )
+    return (
+        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+        Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
+    )
