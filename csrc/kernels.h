@@ -157,6 +157,9 @@ extern const int kNumFakeQuantizeVariants;
 // Names of the compiled grouped weight-gradient variants, indexed by `variant`.
 extern const char* const kGroupedWgradVariants[];
 extern const int kNumGroupedWgradVariants;
+// Names of the compiled MXFP8 (FP8 wgmma) grouped GEMM variants, indexed by `variant`.
+extern const char* const kGroupedGemmFp8Variants[];
+extern const int kNumGroupedGemmFp8Variants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
@@ -168,3 +171,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizeInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgrad);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFp8Instantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFp8);

@@ -30,6 +30,7 @@ PYBIND11_MODULE(_kernels, m) {
     add("jgm_fake_quantize_mxfp8", JgmFakeQuantizeInstantiate, JgmFakeQuantize);
     add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
+    add("jgm_grouped_gemm_fp8", JgmGroupedGemmFp8Instantiate, JgmGroupedGemmFp8);
     return d;
   });
   auto names = [](const char* const* list, int count) {
@@ -43,5 +44,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.attr("GROUPED_GEMM_VARIANTS") = names(jgm::kGroupedGemmVariants, jgm::kNumGroupedGemmVariants);
   m.attr("GROUPED_WGRAD_VARIANTS") =
       names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);
+  m.attr("GROUPED_GEMM_FP8_VARIANTS") =
+      names(jgm::kGroupedGemmFp8Variants, jgm::kNumGroupedGemmFp8Variants);
   m.attr("ARCH") = "sm_90a";
 }

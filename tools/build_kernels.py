@@ -31,7 +31,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 BUILD = ROOT / "build"
-SOURCES = ["quantize_mxfp8.cc", "fake_quantize_mxfp8.cc", "grouped_gemm.cc", "grouped_wgrad.cc", "module.cc"]
+SOURCES = ["quantize_mxfp8.cc", "fake_quantize_mxfp8.cc", "grouped_gemm.cc", "grouped_wgrad.cc", "grouped_gemm_fp8.cc",
+           "module.cc"]
 
 
 def _missing() -> list[str]:
