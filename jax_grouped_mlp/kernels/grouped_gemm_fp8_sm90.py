@@ -154,6 +154,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         self.tile_k = config.tile_k
         self.k_blocks = config.k_blocks
         self.num_tmp = config.num_tmp
+        # Scale loads before the wgmma wait hide their latency but keep 2 + tile_n / 4
+        # more registers live across it: that spills with two temporaries or tile_n 192.
+        self.early_scales = config.num_tmp == 1 and config.tile_n <= 128
         self.stages = config.num_stages
         self.panel_m = config.panel_m
         self.tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
@@ -247,23 +250,27 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _promote(self, acc: cute.Tensor, tmp: cute.Tensor, sSA: cute.Tensor, sSBq: cute.Tensor,
-                 sb_frag: cute.Tensor, row: Int32, kb: int, stage) -> None:
-        """``acc += tmp * sa[row] * sb[col]`` for block ``kb`` of ``stage``.
+    def _load_scales(self, sSA: cute.Tensor, sSBq: cute.Tensor, sb_frag: cute.Tensor, row: Int32, kb: int, stage):
+        """This thread's scales of block ``kb`` of ``stage``: its ``tile_n / 4`` column scales
+        into ``sb_frag`` (16-byte loads), and the row scales of rows ``row`` and ``row + 8``
+        (returned). Issued before the wgmma wait where registers allow (``early_scales``)."""
+        cute.autovec_copy(sSBq[(None, kb, stage)], sb_frag)
+        return sSA[(row, kb, stage)], sSA[(row + 8, kb, stage)]
+
+    @cute.jit
+    def _promote(self, acc: cute.Tensor, tmp: cute.Tensor, sb_frag: cute.Tensor, sa) -> None:
+        """``acc += tmp * sa[row] * sb[col]``, one FMUL and one FFMA per value.
 
         Accumulator value ``v`` of an m64nNk32 wgmma fragment is column pair element
         ``j = v % 2``, row half ``i = (v // 2) % 2`` (rows ``row`` and ``row + 8``),
         column octet ``n8 = v // 4``: column ``8 n8 + 2 q + j`` (``q = lane % 4``), whose
         scale is ``sb_frag[2 n8 + j]`` in the permuted SB layout.
         """
-        cute.autovec_copy(sSBq[(None, kb, stage)], sb_frag)
-        sa0 = sSA[(row, kb, stage)]
-        sa1 = sSA[(row + 8, kb, stage)]
         for v in cutlass.range_constexpr(cute.size(acc)):
             j = v % 2
             i = (v // 2) % 2
             n8 = v // 4
-            s = (sa0 if i == 0 else sa1) * sb_frag[2 * n8 + j]
+            s = sa[i] * sb_frag[2 * n8 + j]
             acc[v] = _fma(tmp[v], s, acc[v])
 
     @cute.jit
@@ -280,11 +287,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         self._issue(tiled_mma, tmp0, tCrA, tCrB, 0, stage)
         if cutlass.const_expr(carry is not None):
             cute.nvgpu.warpgroup.wait_group(1)
-            self._promote(acc, tmps[last % 2], sSA, sSBq, sb_frag, row, last, carry)
+            sa = self._load_scales(sSA, sSBq, sb_frag, row, last, carry)
+            self._promote(acc, tmps[last % 2], sb_frag, sa)
         for kb in cutlass.range_constexpr(1, self.k_blocks):
             self._issue(tiled_mma, tmps[kb % 2], tCrA, tCrB, kb, stage)
             cute.nvgpu.warpgroup.wait_group(1)
-            self._promote(acc, tmps[(kb - 1) % 2], sSA, sSBq, sb_frag, row, kb - 1, stage)
+            sa = self._load_scales(sSA, sSBq, sb_frag, row, kb - 1, stage)
+            self._promote(acc, tmps[(kb - 1) % 2], sb_frag, sa)
 
     @cute.jit
     def _drain(self, blocks, stage) -> None:
@@ -292,7 +301,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         tiled_mma, acc, tmp0, tmp1, tCrA, tCrB, sSA, sSBq, sb_frag, row = blocks
         last = self.k_blocks - 1
         cute.nvgpu.warpgroup.wait_group(0)
-        self._promote(acc, (tmp0, tmp1)[last % 2], sSA, sSBq, sb_frag, row, last, stage)
+        sa = self._load_scales(sSA, sSBq, sb_frag, row, last, stage)
+        self._promote(acc, (tmp0, tmp1)[last % 2], sb_frag, sa)
 
     @cute.kernel
     def kernel(
@@ -464,8 +474,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                             mainloop.consumer_wait(read)
                             for kb in cutlass.range_constexpr(nkb):
                                 self._issue(tiled_mma, tmp0, tCrA, tCrB, kb, read.index)
-                                cute.nvgpu.warpgroup.wait_group(0)
-                                self._promote(acc, tmp0, sSA, sSBq, sb_frag, row, kb, read.index)
+                                if cutlass.const_expr(self.early_scales):
+                                    sa = self._load_scales(sSA, sSBq, sb_frag, row, kb, read.index)
+                                    cute.nvgpu.warpgroup.wait_group(0)
+                                else:
+                                    cute.nvgpu.warpgroup.wait_group(0)
+                                    sa = self._load_scales(sSA, sSBq, sb_frag, row, kb, read.index)
+                                self._promote(acc, tmp0, sb_frag, sa)
                             mainloop.consumer_release(release)
                             release.advance()
                             read.advance()
