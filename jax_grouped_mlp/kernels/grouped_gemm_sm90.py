@@ -382,6 +382,61 @@ class GroupedGemmSm90:
             self.epi_barrier.arrive_and_wait()
         return epi_count + epi_num
 
+    def _partial_store_copies(self, sC: cute.Tensor, ctid):
+        """Partial tiles: shared memory -> global with 16-byte stores, a row predicate
+        per vector (256 threads = 64 rows x 4 vectors of 8 columns per pass).
+
+        Returns ``(s2g_atom, thr_s2g, tSG_sC, tSG_cC)`` for consumer thread ``ctid``.
+        """
+        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+        tiled_s2g = cute.make_tiled_copy_tv(
+            s2g_atom, cute.make_ordered_layout((64, EPI_N // 8), order=(1, 0)), cute.make_layout((1, 8))
+        )
+        thr_s2g = tiled_s2g.get_slice(ctid)
+        tSG_sC = thr_s2g.partition_S(sC)
+        tSG_cC = thr_s2g.partition_D(cute.make_identity_tensor(self.epi_tile))
+        return s2g_atom, thr_s2g, tSG_sC, tSG_cC
+
+    @cute.jit
+    def _store_tile_partial(
+        self, epi, s2g, mOut: cute.Tensor, row0: Int32, col0: Int32, rows_valid: Int32, n: Int32,
+        epi_count: Int32, warp_idx,
+    ):
+        """Stores the accumulator's first ``rows_valid`` rows at ``(row0, col0)`` of ``mOut``.
+
+        Partial tile (a group's last rows, or the rows past the groups): the same
+        shared-memory staging as :meth:`_store_tile_tma`, then 16-byte stores of the
+        valid rows only, so the tile never writes the next group's rows. Columns past
+        N are whole vectors (N % 8 == 0) and are skipped too. Returns the new subtile count.
+        """
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
+        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
+        size_tRS_rD = cute.size(tRS_rD)
+        if warp_idx == self.epi_store_warp:
+            # Earlier TMA stores may still read the buffers we are about to
+            # overwrite (the barrier of the first subtile publishes this wait).
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        for e in cutlass.range_constexpr(self.tile_n // EPI_N):
+            for v in cutlass.range_constexpr(size_tRS_rD):
+                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+            buf = (epi_count + e) % self.epi_stages
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            self.epi_barrier.arrive_and_wait()
+            gSub = cute.local_tile(
+                cute.domain_offset((row0, col0 + e * EPI_N), mOut), self.epi_tile, (0, 0)
+            )
+            tSG_g = thr_s2g.partition_D(gSub)
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            cols_valid = n - (col0 + e * EPI_N)
+            for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
+                for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
+                    r, c = tSG_cC[(0, i, j)]
+                    if r < rows_valid:
+                        if c < cols_valid:
+                            cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+        return epi_count + self.tile_n // EPI_N
+
     @cute.jit
     def _mma_consumer(
         self, tiled_mma: cute.TiledMma, mainloop, converted, sA: cute.Tensor, sB: cute.Tensor,
@@ -400,18 +455,9 @@ class GroupedGemmSm90:
         tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
 
         epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        size_tRS_rD = cute.size(tRS_rD)
+        store_pipeline = epi[5]
         epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
-        # Partial tiles: shared memory -> global with 16-byte stores, a row predicate
-        # per vector (256 threads = 64 rows x 4 vectors of 8 columns per pass).
-        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
-        tiled_s2g = cute.make_tiled_copy_tv(
-            s2g_atom, cute.make_ordered_layout((64, EPI_N // 8), order=(1, 0)), cute.make_layout((1, 8))
-        )
-        thr_s2g = tiled_s2g.get_slice(ctid)
-        tSG_sC = thr_s2g.partition_S(sC)
-        tSG_cC = thr_s2g.partition_D(cute.make_identity_tensor(self.epi_tile))
+        s2g = self._partial_store_copies(sC, ctid)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -453,34 +499,9 @@ class GroupedGemmSm90:
                 )
                 epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
             else:
-                # Partial tile (a group's last rows, or the rows past the groups): the
-                # same shared-memory staging, then 16-byte stores of the valid rows only,
-                # so the tile never writes the next group's rows. Columns past N are
-                # whole vectors (N % 8 == 0) and are skipped too.
-                if warp_idx == self.epi_store_warp:
-                    # Earlier TMA stores may still read the buffers we are about to
-                    # overwrite (the barrier of the first subtile publishes this wait).
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                for e in cutlass.range_constexpr(self.tile_n // EPI_N):
-                    for v in cutlass.range_constexpr(size_tRS_rD):
-                        tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-                    tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                    buf = (epi_count + e) % self.epi_stages
-                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                    self.epi_barrier.arrive_and_wait()
-                    gSub = cute.local_tile(
-                        cute.domain_offset((row0, col0 + e * EPI_N), mOut), self.epi_tile, (0, 0)
-                    )
-                    tSG_g = thr_s2g.partition_D(gSub)
-                    tSG_s = tSG_sC[(None, None, None, buf)]
-                    cols_valid = n - (col0 + e * EPI_N)
-                    for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                        for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                            r, c = tSG_cC[(0, i, j)]
-                            if r < rows_valid:
-                                if c < cols_valid:
-                                    cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
-                epi_count = epi_count + self.tile_n // EPI_N
+                epi_count = self._store_tile_partial(
+                    epi, s2g, mOut, row0, col0, rows_valid, n, epi_count, warp_idx
+                )
 
             t = t + gdim
             seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
