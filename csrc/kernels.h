@@ -164,9 +164,6 @@ extern const int kNumGroupedWgradVariants;
 // Names of the compiled grouped GEMM variants with in-kernel MXFP8 weights, by `variant`.
 extern const char* const kGroupedGemmW8Variants[];
 extern const int kNumGroupedGemmW8Variants;
-// Names of the compiled MXFP8 (FP8 wgmma) grouped GEMM variants, indexed by `variant`.
-extern const char* const kGroupedGemmFp8Variants[];
-extern const int kNumGroupedGemmFp8Variants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
@@ -184,5 +181,3 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgrad);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFp8Instantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFp8);

@@ -33,7 +33,6 @@ PYBIND11_MODULE(_kernels, m) {
     add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
     add("jgm_grouped_gemm_w8", JgmGroupedGemmW8Instantiate, JgmGroupedGemmW8);
-    add("jgm_grouped_gemm_fp8", JgmGroupedGemmFp8Instantiate, JgmGroupedGemmFp8);
     return d;
   });
   auto names = [](const char* const* list, int count) {
@@ -52,7 +51,5 @@ PYBIND11_MODULE(_kernels, m) {
       names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);
   m.attr("GROUPED_GEMM_W8_VARIANTS") =
       names(jgm::kGroupedGemmW8Variants, jgm::kNumGroupedGemmW8Variants);
-  m.attr("GROUPED_GEMM_FP8_VARIANTS") =
-      names(jgm::kGroupedGemmFp8Variants, jgm::kNumGroupedGemmFp8Variants);
   m.attr("ARCH") = "sm_90a";
 }

@@ -47,9 +47,14 @@ def main() -> int:
     for mode in ("row", "col"):
         out = ffi.fake_quantize_mxfp8_cuda(a, gs, mode=mode)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    for keep in (False, True):
+        row, col = ffi.fake_quantize_pair_mxfp8_cuda(a, gs, keep_col_fp8=keep)
+        bad += int(not np.isfinite(np.asarray(row, np.float32)).all())
+        col = ffi.dequantize_grouped_mxfp8_cuda(col) if keep else col
+        bad += int(not np.isfinite(np.asarray(col, np.float32)).all())
     jax.block_until_ready(out)
     n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_gemm_w8_variants())
-    n += len(gemm_ffi.grouped_wgrad_variants()) + 2
+    n += len(gemm_ffi.grouped_wgrad_variants()) + 5
     print(f"ran {n} variants, {bad} with non-finite output")
     return int(bad > 0)
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi
+from jax_grouped_mlp._src import ffi, mxfp8
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"

@@ -187,34 +187,6 @@ def _grouped_wgrad_args(out_f32: bool):
             cutlass.Int32(132), make_fake_stream())
 
 
-def _grouped_gemm_fp8_variants():
-    from jax_grouped_mlp.kernels.grouped_gemm_fp8_sm90 import GroupedGemmFp8Config
-
-    # Keep in the order of JGM_GROUPED_GEMM_FP8_VARIANTS in csrc/grouped_gemm_fp8.cc.
-    return (GroupedGemmFp8Config(num_tmp=2), GroupedGemmFp8Config(num_tmp=1),
-            GroupedGemmFp8Config(tile_n=192, num_tmp=1))
-
-
-def _grouped_gemm_fp8_args(tile_n: int):
-    """Fake (A (M, K) fp8, B (N, K, G) fp8, SA (Mp, KB) f32, SB (Np, KB, G) f32, out (M, N) bf16,
-    group_sizes, num_ctas, stream); see kernels/grouped_gemm_fp8_sm90.py for the layouts."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-    def t(dtype, shape, order, align=16):
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
-                                        use_32bit_stride=True)
-
-    m, g, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=16)
-    mp, np_ = cute.sym_int32(divisibility=4), cute.sym_int32(divisibility=tile_n)
-    return (t(cutlass.Float8E4M3FN, (m, k), (1, 0)), t(cutlass.Float8E4M3FN, (n, k, g), (1, 0, 2)),
-            t(cutlass.Float32, (mp, kb), (0, 1)), t(cutlass.Float32, (np_, kb, g), (0, 1, 2)),
-            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
-            cutlass.Int32(132), make_fake_stream())
-
-
 def variants():
     """(name, kernel object, fake arguments) for every variant we ship."""
     import cutlass
@@ -288,11 +260,6 @@ def variants():
 
     for cfg in _grouped_gemm_w8_variants():
         yield cfg.name, GroupedGemmW8Sm90(cfg), _grouped_gemm_w8_args(cfg.b_k_major)
-
-    from jax_grouped_mlp.kernels.grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90
-
-    for cfg in _grouped_gemm_fp8_variants():
-        yield cfg.name, GroupedGemmFp8Sm90(cfg), _grouped_gemm_fp8_args(cfg.tile_n)
 
 
 def main(argv=None) -> int:
