@@ -21,7 +21,7 @@ fi
 
 if has test; then
 timeout ${TEST_S:-240} python3 -m pytest -q -m gpu tests/test_grouped_gemm_w8_gpu.py --tb=short \
-  -p no:cacheprovider --timeout=120 --maxfail=10 -rf 2>&1 | tee "$OUT/pytest.log" | tail -25
+  -p no:cacheprovider --maxfail=10 -rf 2>&1 | tee "$OUT/pytest.log" | tail -25
 stamp tests
 fi
 
