@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""Runs each kernel of one Nano-FC1 "MXFP8 GEMM" once, for ``ncu`` (no timing, no warm-up).
+
+    ncu --clock-control none -k 'regex:fake_kernel|GroupedGemmSm90_object|GroupedGemmW8Sm90' -c 3 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis python3 tools/ncu_nano.py
+
+The three launches: the weight's fake-quantize pass (what the op runs before the
+GEMM), the bf16 GEMM on the converted weight, and the w8 GEMM (FP8 weight converted
+in-kernel). Shape: 128 groups x 384 rows, 2688 -> 1856 (DESIGN.md's Nano FC1).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8  # noqa: E402
+
+
+def main() -> int:
+    g, rows, k, n = 128, 384, 2688, 1856
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((g * rows, k), np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / 64, jnp.bfloat16)
+    gs = jnp.full((g,), rows, jnp.int32)
+    wq = jax.block_until_ready(jax.jit(lambda w: mxfp8.quantize_mxfp8(w, axis=1))(w))
+    w_fq = jax.block_until_ready(jax.jit(lambda w: ffi.fake_quantize_cuda(w, axis=1))(w))
+    out = jax.jit(gemm_ffi.grouped_gemm_bf16_cuda)(x, w_fq, gs)
+    out8 = jax.jit(gemm_ffi.grouped_gemm_w8_cuda)(x, wq, gs)
+    same = bool(jnp.array_equal(out, out8))
+    print(f"nano fc1: bf16 and w8 outputs bitwise equal: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
