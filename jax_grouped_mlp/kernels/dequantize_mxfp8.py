@@ -91,7 +91,7 @@ class DequantizeColMxfp8(QuantizeMxfp8):
                     o = cute.make_rmem_tensor((1, vec), BFloat16)
                     ow = cute.recast_tensor(o, Uint32)
                     for q in cutlass.range_constexpr(vec // 4):
-                        lo, hi = ptx.dequant_e4m3x4(dw[q], *v[4 * q: 4 * q + 4])
+                        lo, hi = ptx.dequant_e4m3x4_bf16(dw[q], *v[4 * q: 4 * q + 4])
                         ow[2 * q] = lo & mask
                         ow[2 * q + 1] = hi & mask
                     cute.autovec_copy(o, g_out[(None, (row0 + r, chunk))])

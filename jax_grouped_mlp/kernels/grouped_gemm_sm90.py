@@ -438,6 +438,49 @@ class GroupedGemmSm90:
         return epi_count + self.tile_n // EPI_N
 
     @cute.jit
+    def _produce_tiles(
+        self, mainloop, state, t, cursor, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom, tBgB: cute.Tensor, tBsB: cute.Tensor, group_sizes: cute.Tensor,
+        gdim, m, n_tiles, k_tiles, extra=None,
+    ):
+        """The TMA producer (one thread's worth of warp 0): every stage of this CTA's tiles.
+
+        Starts at tile ``t`` with the cursor ``(seg, seg_tile0, seg_row0, seg_rows,
+        seg_tiles)`` from :meth:`_seek` and the pipeline ``state``. Per stage: the A tile
+        (rows from the tile's start) and the B tile of the tile's group, plus, when
+        ``extra = (tma_atom, tXgX, tXsX)`` is given, a third tile partitioned like B
+        (``(.., n_tile, k, group)``) into the same stage and transaction.
+        """
+        num_groups = group_sizes.shape[0]
+        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = cursor
+        while seg <= num_groups:
+            row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+            if seg < num_groups:
+                row0 = seg_row0 + row_off
+                gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+                )
+                tBgB_tile = tBgB[(None, n_tile, None, seg)]
+                tXgX_tile = None
+                if cutlass.const_expr(extra is not None):
+                    tXgX_tile = extra[1][(None, n_tile, None, seg)]
+                for k in range(k_tiles):
+                    mainloop.producer_acquire(state)
+                    bar = mainloop.producer_get_barrier(state)
+                    cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    if cutlass.const_expr(extra is not None):
+                        cute.copy(extra[0], tXgX_tile[(None, k)], extra[2][(None, state.index)], tma_bar_ptr=bar)
+                    mainloop.producer_commit(state)
+                    state.advance()
+            t = t + gdim
+            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
+            )
+        mainloop.producer_tail(state)
+
+    @cute.jit
     def _mma_consumer(
         self, tiled_mma: cute.TiledMma, mainloop, converted, sA: cute.Tensor, sB: cute.Tensor,
         sC: cute.Tensor, tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor,
@@ -539,7 +582,6 @@ class GroupedGemmSm90:
         m = mOut.shape[0]
         n = mOut.shape[1]
         n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-        num_groups = group_sizes.shape[0]
 
         # (tile_n, tile_k, n_tiles, k_tiles, G)
         gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
@@ -560,33 +602,11 @@ class GroupedGemmSm90:
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 t = Int32(bidx)
-                seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                    group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
+                cursor = self._seek(group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles)
+                self._produce_tiles(
+                    mainloop, state, t, cursor, tma_atom_a, mA, sA, tma_atom_b, tBgB, tBsB, group_sizes,
+                    gdim, m, n_tiles, k_tiles,
                 )
-                while seg <= num_groups:
-                    row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-                    if seg < num_groups:
-                        row0 = seg_row0 + row_off
-                        gA = cute.local_tile(
-                            cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
-                        )
-                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                            cute.group_modes(gA, 0, 2),
-                        )
-                        tBgB_tile = tBgB[(None, n_tile, None, seg)]
-                        for k in range(k_tiles):
-                            mainloop.producer_acquire(state)
-                            bar = mainloop.producer_get_barrier(state)
-                            cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                            mainloop.producer_commit(state)
-                            state.advance()
-                    t = t + gdim
-                    seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                        group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-                    )
-                mainloop.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma_consumer(

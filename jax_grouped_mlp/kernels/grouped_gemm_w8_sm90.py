@@ -339,32 +339,10 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
             )
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                while seg <= num_groups:
-                    row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-                    if seg < num_groups:
-                        row0 = seg_row0 + row_off
-                        gA = cute.local_tile(
-                            cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
-                        )
-                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                            cute.group_modes(gA, 0, 2),
-                        )
-                        tBgB_tile = tBgB[(None, n_tile, None, seg)]
-                        tSgS_tile = tSgS[(None, n_tile, None, seg)]
-                        for k in range(k_tiles):
-                            mainloop.producer_acquire(state)
-                            bar = mainloop.producer_get_barrier(state)
-                            cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_atom_s, tSgS_tile[(None, k)], tSsS[(None, state.index)], tma_bar_ptr=bar)
-                            mainloop.producer_commit(state)
-                            state.advance()
-                    t = t + gdim
-                    seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                        group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-                    )
-                mainloop.producer_tail(state)
+                self._produce_tiles(
+                    mainloop, state, t, (seg, seg_tile0, seg_row0, seg_rows, seg_tiles), tma_atom_a, mA, sA,
+                    tma_atom_b, tBgB, tBsB, group_sizes, gdim, m, n_tiles, k_tiles, extra=(tma_atom_s, tSgS, tSsS),
+                )
             else:
                 # Converters: the same stage sequence as the consumers (every stage of
                 # every non-tail tile), in order.

@@ -24,6 +24,33 @@ def _asm(result_type, operands, text: str, constraints: str):
     )
 
 
+def _decode_e4m3x4_to_bf16(first_scale: int) -> str:
+    """PTX lines: the E4M3 pairs in b16 registers ``lo``, ``hi`` -> ``$0``, ``$1``, two
+    bf16x2 words of ``e4m3 * scale`` (scales: operands ``first_scale .. + 3``).
+
+    Decoded through f16 (exact for E4M3), multiplied in float32 (exact, no flush to
+    zero), rounded once to bf16: ``mxfp8.dequantize``'s arithmetic. The asm block must
+    declare ``d01, d23`` (b32), ``h0..h3`` (b16) and ``f0..f3`` (f32).
+    """
+    s = first_scale
+    return (
+        "cvt.rn.f16x2.e4m3x2 d01, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 d23, hi;\n"
+        "mov.b32 {h0, h1}, d01;\n"
+        "mov.b32 {h2, h3}, d23;\n"
+        "cvt.f32.f16 f0, h0;\n"
+        "cvt.f32.f16 f1, h1;\n"
+        "cvt.f32.f16 f2, h2;\n"
+        "cvt.f32.f16 f3, h3;\n"
+        f"mul.rn.f32 f0, f0, ${s};\n"
+        f"mul.rn.f32 f1, f1, ${s + 1};\n"
+        f"mul.rn.f32 f2, f2, ${s + 2};\n"
+        f"mul.rn.f32 f3, f3, ${s + 3};\n"
+        "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
+        "cvt.rn.bf16x2.f32 $1, f3, f2;\n"
+    )
+
+
 @dsl_user_op
 def abs_bf16x2(a: Uint32, *, loc=None, ip=None) -> Uint32:
     """|x| of both bf16 halves as bits (clears the sign bits)."""
@@ -203,48 +230,6 @@ def encode_e4m3x4(
 
 
 @dsl_user_op
-def dequant_e4m3x4(
-    w: Uint32, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None, ip=None
-) -> tuple[Uint32, Uint32]:
-    """Four E4M3 bytes -> two bf16x2 words of ``e4m3 * v`` (``v``: :func:`e8m0_value`).
-
-    Decoded through f16 (exact for E4M3), multiplied in float32 (exact, no flush to
-    zero), rounded once to bf16: ``mxfp8.dequantize``'s arithmetic.
-    """
-    ops = [Uint32(w).ir_value(loc=loc, ip=ip)]
-    ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (v0, v1, v2, v3)]
-    res = _asm(
-        llvm.StructType.get_literal([T.i32(), T.i32()]),
-        ops,
-        "{\n"
-        ".reg .b32 d01, d23;\n"
-        ".reg .f32 f0, f1, f2, f3;\n"
-        ".reg .b16 lo, hi, h0, h1, h2, h3;\n"
-        "mov.b32 {lo, hi}, $2;\n"
-        "cvt.rn.f16x2.e4m3x2 d01, lo;\n"
-        "cvt.rn.f16x2.e4m3x2 d23, hi;\n"
-        "mov.b32 {h0, h1}, d01;\n"
-        "mov.b32 {h2, h3}, d23;\n"
-        "cvt.f32.f16 f0, h0;\n"
-        "cvt.f32.f16 f1, h1;\n"
-        "cvt.f32.f16 f2, h2;\n"
-        "cvt.f32.f16 f3, h3;\n"
-        "mul.rn.f32 f0, f0, $3;\n"
-        "mul.rn.f32 f1, f1, $4;\n"
-        "mul.rn.f32 f2, f2, $5;\n"
-        "mul.rn.f32 f3, f3, $6;\n"
-        "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
-        "cvt.rn.bf16x2.f32 $1, f3, f2;\n"
-        "}",
-        "=r,=r,r,f,f,f,f",
-    )
-    return (
-        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
-        Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
-    )
-
-
-@dsl_user_op
 def e8m0_value(e: Uint32, *, loc=None, ip=None) -> Float32:
     """2**(e - 127) as float32 (``e == 0``: the subnormal 2**-127); NaN for 0xFF.
 
@@ -307,21 +292,8 @@ def fake_quant_bf16x4(
         "mul.rn.f32 f3, f3, $7;\n"
         "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\n"
         "cvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
-        "cvt.rn.f16x2.e4m3x2 d01, lo;\n"
-        "cvt.rn.f16x2.e4m3x2 d23, hi;\n"
-        "mov.b32 {h0, h1}, d01;\n"
-        "mov.b32 {h2, h3}, d23;\n"
-        "cvt.f32.f16 f0, h0;\n"
-        "cvt.f32.f16 f1, h1;\n"
-        "cvt.f32.f16 f2, h2;\n"
-        "cvt.f32.f16 f3, h3;\n"
-        "mul.rn.f32 f0, f0, $8;\n"
-        "mul.rn.f32 f1, f1, $9;\n"
-        "mul.rn.f32 f2, f2, $10;\n"
-        "mul.rn.f32 f3, f3, $11;\n"
-        "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
-        "cvt.rn.bf16x2.f32 $1, f3, f2;\n"
-        "}",
+        + _decode_e4m3x4_to_bf16(8)
+        + "}",
         "=r,=r,r,r,f,f,f,f,f,f,f,f",
     )
     return (
@@ -352,21 +324,8 @@ def dequant_e4m3x4_bf16(
         ".reg .f32 f0, f1, f2, f3;\n"
         ".reg .b16 lo, hi, h0, h1, h2, h3;\n"
         "mov.b32 {lo, hi}, $2;\n"
-        "cvt.rn.f16x2.e4m3x2 d01, lo;\n"
-        "cvt.rn.f16x2.e4m3x2 d23, hi;\n"
-        "mov.b32 {h0, h1}, d01;\n"
-        "mov.b32 {h2, h3}, d23;\n"
-        "cvt.f32.f16 f0, h0;\n"
-        "cvt.f32.f16 f1, h1;\n"
-        "cvt.f32.f16 f2, h2;\n"
-        "cvt.f32.f16 f3, h3;\n"
-        "mul.rn.f32 f0, f0, $3;\n"
-        "mul.rn.f32 f1, f1, $4;\n"
-        "mul.rn.f32 f2, f2, $5;\n"
-        "mul.rn.f32 f3, f3, $6;\n"
-        "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
-        "cvt.rn.bf16x2.f32 $1, f3, f2;\n"
-        "}",
+        + _decode_e4m3x4_to_bf16(3)
+        + "}",
         "=r,=r,r,f,f,f,f",
     )
     return (
