@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import re
 import sys
 
@@ -33,7 +32,7 @@ import numpy as np
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import time_call  # noqa: E402
+from common import gemm_report, time_call  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SHAPES = {  # name: (groups, rows per group, K, N)
@@ -125,15 +124,10 @@ def main(argv=None) -> int:
     if not (ffi.available() and gemm_ffi.grouped_gemm_w8_variants()) or jax.devices()[0].platform != "gpu":
         print("needs a GPU and the built extension (tools/build_kernels.py)")
         return 1
-    report = {
-        "what": "grouped GEMM with MXFP8 weights: in-kernel conversion vs conversion before the bf16 kernel",
-        "command": "PYTHONPATH=. python3 " + " ".join(["benchmarks/bench_gemm_w8.py", *sys.argv[1:]]),
-        "gpu": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "host": platform.node(),
-        "timing": "median of 5 x (iters back-to-back dispatches / iters), after warm-up",
-        "shapes": {},
-    }
+    report = gemm_report(
+        "grouped GEMM with MXFP8 weights: in-kernel conversion vs conversion before the bf16 kernel",
+        "benchmarks/bench_gemm_w8.py", sys.argv[1:],
+    )
     for name in ns.shapes.split(","):
         report["shapes"][name] = bench_shape(name, ns.iters, not ns.no_kmajor)
         print(name, json.dumps(report["shapes"][name]), flush=True)

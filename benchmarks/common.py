@@ -39,6 +39,21 @@ def device_description() -> dict:
     return {"platform": d.platform, "device_kind": d.device_kind, "jax": jax.__version__}
 
 
+def gemm_report(what: str, script: str, argv: list[str]) -> dict:
+    """The header of a GEMM benchmark's JSON: what, the command, GPU, jax, host, timing."""
+    import platform
+
+    return {
+        "what": what,
+        "command": "PYTHONPATH=. python3 " + " ".join([script, *argv]),
+        "gpu": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "timing": "median of 5 x (iters back-to-back dispatches / iters), after warm-up",
+        "shapes": {},
+    }
+
+
 def write_json(report: dict, path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
