@@ -241,6 +241,18 @@ class GroupedGemmSm90:
         self.shared_storage = SharedStorage
         return (tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_out, tma_out), (a_smem, b_smem, epi_smem)
 
+    @cute.jit
+    def _kernel_start(self, tma_atoms):
+        """``(tidx, bidx, gdim, warp_idx)`` of this thread; warp 0 prefetches ``tma_atoms``' descriptors."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in tma_atoms:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        return tidx, bidx, gdim, warp_idx
+
     def _shared_and_pipeline(self, a_smem, b_smem, epi_smem):
         """Allocates shared memory and creates the TMA -> wgmma pipeline (inside the kernel).
 
@@ -568,14 +580,7 @@ class GroupedGemmSm90:
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_out)
+        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
 
         mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
 

@@ -263,15 +263,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         s_smem: cute.Layout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_s)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_out)
+        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_s, tma_atom_out))
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
