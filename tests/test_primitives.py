@@ -101,3 +101,29 @@ def test_shape_polymorphic_export_for_cpu_and_cuda(rng):
     got = exp.call(x, w1, w2, gs)
     want = jgm.grouped_mlp(x, w1, w2, gs)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_fake_quantize_pair_reference(rng, keep):
+    """The two-copy op on the reference path: rowwise MXFP8 values in bf16, and the
+    group-aware columnwise copy as FP8 (kept) or as its bf16 values (used at once)."""
+    from jax_grouped_mlp._src import mxfp8
+
+    x = jnp.asarray(rng.standard_normal((70, 64)) * 3, jnp.bfloat16)
+    gs = jnp.asarray([20, 0, 33], jnp.int32)  # 17 rows past the groups
+    row, col = primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep)
+    assert row.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(row, np.float32), np.asarray(mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=1)), np.float32)
+    )
+    want = mxfp8.quantize_mxfp8_grouped(x, gs)
+    if keep:
+        assert isinstance(col, mxfp8.MXFP8Tensor) and col.is_grouped and col.axis == 0
+        assert col.data.dtype == jnp.float8_e4m3fn
+        np.testing.assert_array_equal(np.asarray(col.data, np.float32), np.asarray(want.data, np.float32))
+    else:
+        assert col.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(col, np.float32), np.asarray(mxfp8.dequantize(want), np.float32))
+        assert not np.asarray(col[53:], np.float32).any()  # rows past the groups are zero
+    # Not just the identity: quantization changed some values.
+    assert not np.array_equal(np.asarray(row, np.float32), np.asarray(x, np.float32))
