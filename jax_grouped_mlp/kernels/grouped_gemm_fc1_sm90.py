@@ -222,7 +222,7 @@ class GroupedGemmFc1Sm90(GroupedGemmSm90):
         epi_num = cute.size(gEpi, mode=[1])
         epi_shape = gEpi.shape[1]
         epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        if not full:
+        if rows_valid < self.tile_m:  # partial tile
             if warp_idx == self.epi_store_warp:
                 # Earlier TMA stores may still read the buffers about to be overwritten
                 # (the first subtile's barrier publishes this wait).
