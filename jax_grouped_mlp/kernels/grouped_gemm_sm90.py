@@ -81,6 +81,9 @@ class GroupedGemmConfig:
     b_fp8: B arrives as MXFP8 (FP8 E4M3 bytes + E8M0 scales per 32 along K) and is
       converted to bf16 inside the kernel (:mod:`grouped_gemm_w8_sm90`); a stage then
       also holds the raw FP8 tile and its scales.
+    fc1_epilogue: the FC1 epilogue (:mod:`grouped_gemm_fc1_sm90`): besides ``h`` the
+      kernel writes ``a = bf16(probs * relu(h)**2)`` as MXFP8, rowwise values in bf16
+      and the group-aware columnwise FP8 copy (bf16 ``[G, K, N]`` weights only).
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -91,6 +94,7 @@ class GroupedGemmConfig:
     epi_stages: int = 2
     b_k_major: bool = False
     b_fp8: bool = False
+    fc1_epilogue: bool = False
 
     tile_m = 128
 
@@ -103,6 +107,8 @@ class GroupedGemmConfig:
             raise ValueError(f"epi_stages must be >= 2, got {self.epi_stages=}")
         if self.panel_m < 1:
             raise ValueError(f"panel_m must be >= 1, got {self.panel_m=}")
+        if self.fc1_epilogue and (self.b_k_major or self.b_fp8):
+            raise ValueError(f"fc1_epilogue is fprop with bf16 [G, K, N] weights only, got {self}")
         if self.num_stages < 2:
             raise ValueError(f"{self} leaves room for {self.num_stages} stages; need >= 2")
 
@@ -128,7 +134,8 @@ class GroupedGemmConfig:
         s = f"grouped_gemm_sm90_{kind}_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
-        return s + ("_bk" if self.b_k_major else "")
+        s += "_bk" if self.b_k_major else ""
+        return s + ("_fc1" if self.fc1_epilogue else "")
 
 
 def is_supported(config: GroupedGemmConfig, m: int, n: int, k: int, g: int) -> bool:

@@ -332,3 +332,36 @@ def dequant_e4m3x4_bf16(
         Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
         Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
     )
+
+
+@dsl_user_op
+def srelu_scaled_bf16x2(h: Uint32, p: Float32, *, loc=None, ip=None) -> Uint32:
+    """``bf16(p * relu(x)**2)`` for both bf16 halves ``x`` of ``h`` (the FC1 epilogue).
+
+    float32 math from the bf16 input, one ``mul.rn`` per product (never fused, no flush
+    to zero), one bf16 rounding: ``mlp._srelu_scaled``'s arithmetic,
+    ``(probs * (r * r)).astype(bf16)`` with ``r = maximum(f32(h), 0)``. ``max.NaN``
+    keeps a NaN input NaN, as ``jnp.maximum`` does.
+    """
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(h).ir_value(loc=loc, ip=ip), Float32(p).ir_value(loc=loc, ip=ip)],
+            "{\n"
+            ".reg .b32 x0, x1;\n"
+            ".reg .f32 f0, f1;\n"
+            "shl.b32 x0, $1, 16;\n"
+            "and.b32 x1, $1, 0xFFFF0000;\n"
+            "mov.b32 f0, x0;\n"
+            "mov.b32 f1, x1;\n"
+            "max.NaN.f32 f0, f0, 0f00000000;\n"
+            "max.NaN.f32 f1, f1, 0f00000000;\n"
+            "mul.rn.f32 f0, f0, f0;\n"
+            "mul.rn.f32 f1, f1, f1;\n"
+            "mul.rn.f32 f0, f0, $2;\n"
+            "mul.rn.f32 f1, f1, $2;\n"
+            "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
+            "}",
+            "=r,r,f",
+        )
+    )
