@@ -81,6 +81,8 @@ class GroupedGemmConfig:
     b_fp8: B arrives as MXFP8 (FP8 E4M3 bytes + E8M0 scales per 32 along K) and is
       converted to bf16 inside the kernel (:mod:`grouped_gemm_w8_sm90`); a stage then
       also holds the raw FP8 tile and its scales.
+    converter_warps: (b_fp8 only) warps converting B: 3 (warp group 0 beside the TMA
+      producer, 384 threads) or 7 (plus a fourth warp group, 512 threads; name ``_c7``).
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -91,6 +93,7 @@ class GroupedGemmConfig:
     epi_stages: int = 2
     b_k_major: bool = False
     b_fp8: bool = False
+    converter_warps: int = 3
 
     tile_m = 128
 
@@ -128,6 +131,7 @@ class GroupedGemmConfig:
         s = f"grouped_gemm_sm90_{kind}_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
+        s += f"_c{self.converter_warps}" if self.b_fp8 and self.converter_warps != 3 else ""
         return s + ("_bk" if self.b_k_major else "")
 
 

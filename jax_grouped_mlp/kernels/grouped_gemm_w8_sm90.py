@@ -52,7 +52,7 @@ from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
 SCALE_BLOCK = 32
-CONVERTER_THREADS = 96  # warps 1..3 of warp group 0
+CONVERTER_WARPS = (3, 7)  # warps 1-3 of warp group 0 (+ warps 12-15, a fourth warp group: ``_c7``)
 UNROLL = 11  # at most this many vectors (8 elements) per converter batch: loads first, for overlap
 
 
@@ -72,8 +72,19 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         # they can use): 128 x 152 + 256 x 176 = 64512 = 384 x 168, the CTA's pool (an
         # increase beyond the pool would block forever). The converters get the room for
         # 11 vectors in flight per batch.
-        self.load_regs = 152
-        self.mma_regs = 176
+        # ``_c7`` (converter_warps=7): a fourth warp group of 4 converter warps, 512
+        # threads, cap 128 per thread (512 x 128 = 65536): warp groups 0 and 3 at 120,
+        # consumers 136 (>= 128): 256 x 120 + 256 x 136 = 65536.
+        if config.converter_warps not in CONVERTER_WARPS:
+            raise ValueError(f"converter_warps must be one of {CONVERTER_WARPS}, got {config}")
+        self.conv_threads = 32 * config.converter_warps
+        if config.converter_warps == 3:
+            self.load_regs = 152
+            self.mma_regs = 176
+        else:
+            self.threads = 128 * (2 + self.num_mma_warp_groups)
+            self.load_regs = 120
+            self.mma_regs = 136
 
     @cute.jit
     def __call__(
@@ -201,7 +212,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
 
     @cute.jit
     def _convert_stage(self, sBraw: cute.Tensor, sS: cute.Tensor, sB: cute.Tensor, stage, ct):
-        """Converter thread ``ct`` (0..CONVERTER_THREADS-1): its share of the stage's raw B tile -> bf16 ``sB``.
+        """Converter thread ``ct`` (0..conv_threads-1): its share of the stage's raw B tile -> bf16 ``sB``.
 
         Work unit: 8 consecutive elements along B's contiguous dimension (one 8-byte
         load, one 16-byte store). A batch loads all its vectors (and their scales) first,
@@ -217,7 +228,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         scl = sS[(None, None, stage)]
         owords = cute.make_rmem_tensor((4,), Uint32)
         obf16 = cute.recast_tensor(owords, BFloat16)
-        ct_n = CONVERTER_THREADS
+        ct_n = self.conv_threads
         if cutlass.const_expr(self.b_k_major):
             # (n, 8 consecutive k): one scale per vector. 8 vectors per 64-byte row,
             # 12 rows per pass of 96 threads (22 passes at n256, 16 at n192, in two
@@ -362,7 +373,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mma_warp_groups * 4 + CONVERTER_THREADS // 32
+                pipeline.Agent.Thread, self.num_mma_warp_groups * 4 + self.conv_threads // 32
             ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -373,7 +384,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         converted = pipeline.PipelineAsync.create(
             barrier_storage=storage.conv_barriers.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTER_THREADS),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.conv_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
             defer_sync=True,
         )
@@ -406,7 +417,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
         seg0_tiles = (seg0_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
 
-        if warp_group == 0:
+        if warp_group == 0 or warp_group == 3:  # (no warp group 3 with 3 converter warps)
             cute.arch.setmaxregister_decrease(self.load_regs)
             t = Int32(bidx)
             seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
@@ -419,9 +430,12 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
                     tma_atom_b, tBgB, tBsB, group_sizes, gdim, m, n_tiles, k_tiles, extra=(tma_atom_s, tSgS, tSsS),
                 )
             else:
-                # Converters (warps 1-3): the same stage sequence as the consumers (every
-                # stage of every non-tail tile), in order.
+                # Converters (warps 1-3: ct 0..95; ``_c7``: warps 12-15, ct 96..223): the
+                # same stage sequence as the consumers (every stage of every non-tail
+                # tile), in order.
                 ct = tidx - 32
+                if warp_group == 3:
+                    ct = tidx - (384 - 96)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 while seg <= num_groups:
                     if seg < num_groups:
