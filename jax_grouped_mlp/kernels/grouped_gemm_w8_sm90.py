@@ -22,17 +22,22 @@ and the epilogue are the bf16 kernel's. So the output equals the bf16 kernel run
 Roles (384 threads, one CTA per SM; the tile scheduler is the bf16 kernel's):
   * warp 0 -- TMA producer: per stage the A tile (bf16), the raw B tile (FP8) and its
     scales (two 32-K blocks x tile_n bytes) into a "raw" stage, one transaction barrier.
-  * warps 1-3 -- converters (96 threads): wait for a raw stage, convert its B tile to
-    bf16 into the stage's B buffer in the swizzled layout the wgmma reads (16-byte
+  * warps 1-3 -- converters (96 threads; ``_c7`` variants: also warps 12-15, a fourth
+    warp group, 224 threads in 512): wait for a raw stage, convert its B tile to bf16
+    into the stage's B buffer in the swizzled layout the wgmma reads (16-byte
     shared-memory stores through CuTe's layout), ``fence.proxy.async`` (the stores are
     generic-proxy, wgmma reads through the async proxy), then arrive on the stage's
-    "converted" barrier (96 arrivals) and release the raw stage.
+    "converted" barrier (one arrival per converter thread) and release the raw stage.
+    Decode: integer bit placement + one bf16x2 multiply per pair (``ptx.
+    dequant_e4m3x4_bf16_fast``) for batches without E4M3 NaN bytes or scale bytes > 134,
+    else the exact float32 path (``ptx.dequant_e4m3x4_bf16``); batches of up to 11
+    vectors of 8 weights, all loads first.
   * warp groups 1-2 -- consumers, the bf16 kernel's code (``_mma_consumer``): wait for
     the raw stage (A) *and* the converted barrier (B), wgmma, release the raw stage.
-Pipelines: ``mainloop`` (PipelineTmaAsync; empty barrier: 8 consumer warps + 3 converter
-warps arrive, one lane each), ``converted`` (PipelineAsync full barriers only, same
-stage index and phase as ``mainloop``). The converted bf16 buffer of a stage needs no
-empty barrier of its own: the converters overwrite it only after the producer refilled
+Pipelines: ``mainloop`` (PipelineTmaAsync; empty barrier: 8 consumer warps + 3 (or 7)
+converter warps arrive, one lane each), ``converted`` (PipelineAsync full barriers only,
+same stage index and phase as ``mainloop``). The converted bf16 buffer of a stage needs
+no empty barrier of its own: the converters overwrite it only after the producer refilled
 the raw stage, which needs the consumers' release of that stage, which they give after
 their wgmmas on it completed (``wait_group``).
 """
