@@ -54,11 +54,13 @@ def _sizes(rng, g, total):
     return np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
 
 
-def _quantized_weight(rng, g, k, n, k_major: bool, *, random_bytes: bool = False) -> MXFP8Tensor:
+def _quantized_weight(
+    rng, g, k, n, k_major: bool, *, random_bytes: bool = False, scales: tuple[int, int] = (110, 140)
+) -> MXFP8Tensor:
     """MXFP8 weight blocked along K: ``[G, K, N]`` (axis 1) or ``[G, N, K]`` (axis 2).
 
     ``random_bytes``: every finite E4M3 byte (subnormals included) and scale bytes in
-    [110, 140] (2^-17 .. 2^13), instead of quantizing a Gaussian weight.
+    ``scales`` (default [110, 140]: 2^-17 .. 2^13), instead of quantizing a Gaussian weight.
     """
     shape = (g, n, k) if k_major else (g, k, n)
     axis = 2 if k_major else 1
@@ -69,7 +71,7 @@ def _quantized_weight(rng, g, k, n, k_major: bool, *, random_bytes: bool = False
     data[(data & 0x7F) == 0x7F] = 0x3C  # no E4M3 NaN in the data
     sshape = list(shape)
     sshape[axis] = -(-k // 32)
-    scale = rng.integers(110, 141, size=sshape, dtype=np.uint8)
+    scale = rng.integers(scales[0], scales[1] + 1, size=sshape, dtype=np.uint8)
     return MXFP8Tensor(
         jax.lax.bitcast_convert_type(jnp.asarray(data), jnp.float8_e4m3fn),
         jax.lax.bitcast_convert_type(jnp.asarray(scale), jnp.float8_e8m0fnu),
@@ -161,11 +163,45 @@ def test_random(rng, variant, m, n, k, g, total):
 @pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_e4m3_byte_and_wide_scales(rng, variant):
-    """All finite E4M3 codes (subnormals too) and scales 2^-17..2^13: the decode is exact."""
+@pytest.mark.parametrize(
+    "scales",
+    [
+        (110, 140),  # 2^-17..2^13: batches of both decode paths (fast: every scale byte <= 134)
+        (100, 134),  # fast path only
+        (120, 254),  # mostly the exact path; Inf/NaN outputs (compared bitwise with the twin)
+    ],
+)
+def test_every_e4m3_byte_and_wide_scales(rng, variant, scales):
+    """All finite E4M3 codes (subnormals too) and a range of scale bytes: the decode is exact."""
     k_major = variant.endswith("_bk")
     a = _lhs(rng, 600, 320)
-    _check(a, _quantized_weight(rng, 4, 320, 208, k_major, random_bytes=True), _sizes(rng, 4, 600), variant)
+    wq = _quantized_weight(rng, 4, 320, 208, k_major, random_bytes=True, scales=scales)
+    _check(a, wq, _sizes(rng, 4, 600), variant, expect_finite=scales[1] <= 140)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_nan_byte_poisons_its_column_only(rng, variant, byte):
+    """An E4M3 NaN byte (0x7F / 0xFF) with a finite scale: the fast decode's probe must
+    send its batch to the exact path, so exactly that column of that group is NaN."""
+    k_major = variant.endswith("_bk")
+    m, n, k, g = 400, 192, 256, 3
+    a = _lhs(rng, m, k)
+    wq = _quantized_weight(rng, g, k, n, k_major)
+    d = np.array(jax.lax.bitcast_convert_type(wq.data, jnp.uint8))
+    col, grp, row = 101, 2, 37
+    if k_major:
+        d[grp, col, row] = byte
+    else:
+        d[grp, row, col] = byte
+    wq = MXFP8Tensor(jax.lax.bitcast_convert_type(jnp.asarray(d), jnp.float8_e4m3fn), wq.scale, wq.axis)
+    sizes = [100, 150, 150]
+    got = _check(a, wq, sizes, variant, expect_finite=False)
+    want = np.zeros(got.shape, bool)
+    want[250:400, col] = True
+    np.testing.assert_array_equal(np.isnan(got), want)
 
 
 @pytest.mark.gpu

@@ -113,8 +113,12 @@ def _grouped_gemm_args(b_k_major: bool = False):
 def _grouped_gemm_w8_variants():
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
 
-    # Keep in the order of JGM_GROUPED_GEMM_W8_VARIANTS in csrc/grouped_gemm_w8.cc.
-    return tuple(GroupedGemmConfig(tile_n=n, b_k_major=bk, b_fp8=True) for bk in (False, True) for n in (256, 192))
+    # Keep in the order of JGM_GROUPED_GEMM_W8_VARIANTS in csrc/grouped_gemm_w8.cc. The
+    # _c7 variants (7 converter warps, 512 threads; n192 only: at n256 the consumers do not
+    # fit the 128-register cap of 512 threads) come last, so the default rule (first of
+    # the least-padding widths) keeps the 3-warp ones until measured.
+    base = tuple(GroupedGemmConfig(tile_n=n, b_k_major=bk, b_fp8=True) for bk in (False, True) for n in (256, 192))
+    return base + tuple(GroupedGemmConfig(tile_n=192, b_k_major=bk, b_fp8=True, converter_warps=7) for bk in (False, True))
 
 
 def _grouped_gemm_w8_args(b_k_major: bool = False):

@@ -84,6 +84,8 @@ class GroupedGemmConfig:
     fc1_epilogue: the FC1 epilogue (:mod:`grouped_gemm_fc1_sm90`): besides ``h`` the
       kernel writes ``a = bf16(probs * relu(h)**2)`` as MXFP8, rowwise values in bf16
       and the group-aware columnwise FP8 copy (bf16 ``[G, K, N]`` weights only).
+    converter_warps: (b_fp8 only) warps converting B: 3 (warp group 0 beside the TMA
+      producer, 384 threads) or 7 (plus a fourth warp group, 512 threads; name ``_c7``).
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -95,6 +97,7 @@ class GroupedGemmConfig:
     b_k_major: bool = False
     b_fp8: bool = False
     fc1_epilogue: bool = False
+    converter_warps: int = 3
 
     tile_m = 128
 
@@ -134,6 +137,7 @@ class GroupedGemmConfig:
         s = f"grouped_gemm_sm90_{kind}_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
+        s += f"_c{self.converter_warps}" if self.b_fp8 and self.converter_warps != 3 else ""
         s += "_bk" if self.b_k_major else ""
         return s + ("_fc1" if self.fc1_epilogue else "")
 
