@@ -55,7 +55,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
-from cutlass.pipeline import pipeline_init_wait
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import _BIG, EPI_N, GroupedGemmConfig, GroupedGemmSm90
@@ -357,36 +356,10 @@ class GroupedGemmFc1Sm90(GroupedGemmSm90):
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
-
-        mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
-
-        m = mOut.shape[0]
-        n = mOut.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-
-        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
         )
-        k_tiles = cute.size(gB, mode=[3])
-
-        warp_group = cute.arch.make_warp_uniform(tidx // 128)
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
-
-        seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
-        seg0_tiles = (seg0_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
-
-        if warp_group == 0:
-            cute.arch.setmaxregister_decrease(self.load_regs)
-            if warp_idx == 0:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                t = Int32(bidx)
-                cursor = self._seek(group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles)
-                self._produce_tiles(
-                    mainloop, state, t, cursor, tma_atom_a, mA, sA, tma_atom_b, tBgB, tBsB, group_sizes,
-                    gdim, m, n_tiles, k_tiles,
-                )
-        else:
+        if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma_consumer_fc1(
                 tiled_mma, mainloop, sA, sB, sC, tma_atom_out, mOutTma, mOut, g_row, g_col, g_scale, mProbs,

@@ -575,24 +575,16 @@ class GroupedGemmSm90:
             )
         store_pipeline.producer_tail()
 
-    @cute.kernel
-    def kernel(
-        self,
-        tma_atom_a: cute.CopyAtom,
-        mA: cute.Tensor,  # TMA coordinate tensor (M, K)
-        tma_atom_b: cute.CopyAtom,
-        mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
-        tma_atom_out: cute.CopyAtom,
-        mOutTma: cute.Tensor,  # TMA coordinate tensor (M, N)
-        mOut: cute.Tensor,  # (M, N)
-        group_sizes: cute.Tensor,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
+    @cute.jit
+    def _setup_and_produce(
+        self, tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        """The kernel body up to the consumers (bf16 B): shared memory and pipeline, the B
+        partition, the cursor start, and warp group 0 as the TMA producer (warp 0).
 
+        Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles)``
+        for the consumers (warp groups 1 and 2).
+        """
         mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
 
         m = mOut.shape[0]
@@ -623,7 +615,29 @@ class GroupedGemmSm90:
                     mainloop, state, t, cursor, tma_atom_a, mA, sA, tma_atom_b, tBgB, tBsB, group_sizes,
                     gdim, m, n_tiles, k_tiles,
                 )
-        else:
+        return mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,  # TMA coordinate tensor (M, K)
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
+        tma_atom_out: cute.CopyAtom,
+        mOutTma: cute.Tensor,  # TMA coordinate tensor (M, N)
+        mOut: cute.Tensor,  # (M, N)
+        group_sizes: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        )
+        if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma_consumer(
                 tiled_mma, mainloop, None, sA, sB, sC, tma_atom_out, mOutTma, mOut, group_sizes,
