@@ -15,6 +15,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -261,6 +262,38 @@ def test_zero_scale_byte_is_two_to_minus_127(rng, variant):
     assert np.isfinite(got).all() and np.abs(want).max() > 0
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel <= 5e-3, rel
+
+
+def _exact_dequantize_bf16(wq: MXFP8Tensor) -> jax.Array:
+    """``bf16(e4m3 * 2**(e - 127))`` on the host: the float64 product (exact, and exact in
+    float32: 4 significant bits, >= 2**-136) rounded once to bf16 with subnormals kept, so
+    unlike ``mxfp8.dequantize`` under XLA it never flushes."""
+    d = np.asarray(jax.lax.bitcast_convert_type(wq.data, jnp.uint8)).view(ml_dtypes.float8_e4m3fn)
+    e = np.asarray(jax.lax.bitcast_convert_type(wq.scale, jnp.uint8)).astype(np.float64)
+    e = np.repeat(e, 32, axis=wq.axis)
+    e = np.take(e, np.arange(d.shape[wq.axis]), axis=wq.axis)
+    v = d.astype(np.float64) * np.exp2(e - 127.0)
+    return jnp.asarray(v.astype(np.float32).astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_scales_bitwise(rng, variant):
+    """Scale bytes 0..8 with every finite E4M3 code: the fast decode's bf16 results are
+    subnormal for scale bytes <= 6 (``mul.rn.bf16x2`` must neither flush nor misround
+    them). Bitwise against the bf16 twin on the host's exact dequantization (XLA's
+    dequantize may flush these float32 subnormals, see test_w8_decode)."""
+    k_major = variant.endswith("_bk")
+    m, n, k, g = 256, 208, 320, 2
+    a = _lhs(rng, m, k) * jnp.asarray(2.0**100, jnp.bfloat16)  # products back in normal range
+    wq = _quantized_weight(rng, g, k, n, k_major, random_bytes=True, scales=(0, 8))
+    gs = jnp.asarray([100, 156], jnp.int32)
+    got = _run(_w8, m, n, a, wq, gs, variant=variant, transpose_rhs=k_major)
+    twin = _run(_bf16, m, n, a, _exact_dequantize_bf16(wq), gs, variant=_bf16_twin(variant), transpose_rhs=k_major)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    diff = got != twin
+    assert not diff.any(), f"{diff.sum()} outputs differ from the bf16 kernel on the exact dequantization ({variant})"
 
 
 @pytest.mark.gpu
