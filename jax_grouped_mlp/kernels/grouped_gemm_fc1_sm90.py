@@ -37,8 +37,8 @@ threads passed the epilogue barrier:
     warp (lane 0). Tail tiles (rows past the groups) write zero data and no scales.
   * a second barrier (partial tiles too) before the buffer is reused.
 The passes only read the staged subtile (the TMA store reads it too), so no extra
-shared memory and no extra barrier is needed; the buffer is rewritten two subtiles
-later, after every thread passed the next subtile's barrier.
+shared memory is needed; with the second barrier, the buffer is rewritten two subtiles
+later, after every thread has finished both passes over it.
 
 The scale row of a tile's first block is ``seg_blk0 + row_off / 32`` where ``seg_blk0``
 (the number of 32-row blocks of all earlier groups, sizes clamped as the scheduler
