@@ -24,6 +24,35 @@ def _asm(result_type, operands, text: str, constraints: str):
     )
 
 
+def _unpack_bf16x4(w01: int, w23: int) -> str:
+    """PTX lines: the bf16 pairs in operands ``$w01``, ``$w23`` -> float32 ``f0..f3``
+    (exact). The asm block must declare ``x0..x3`` (b32) and ``f0..f3`` (f32)."""
+    return (
+        f"shl.b32 x0, ${w01}, 16;\n"
+        f"and.b32 x1, ${w01}, 0xFFFF0000;\n"
+        f"shl.b32 x2, ${w23}, 16;\n"
+        f"and.b32 x3, ${w23}, 0xFFFF0000;\n"
+        "mov.b32 f0, x0;\n"
+        "mov.b32 f1, x1;\n"
+        "mov.b32 f2, x2;\n"
+        "mov.b32 f3, x3;\n"
+    )
+
+
+def _encode_f32x4_e4m3(first_scale: int) -> str:
+    """PTX lines: ``f0..f3`` times the scales in operands ``first_scale .. + 3`` -> E4M3
+    pairs in b16 registers ``lo``, ``hi`` (round to nearest, saturating)."""
+    s = first_scale
+    return (
+        f"mul.rn.f32 f0, f0, ${s};\n"
+        f"mul.rn.f32 f1, f1, ${s + 1};\n"
+        f"mul.rn.f32 f2, f2, ${s + 2};\n"
+        f"mul.rn.f32 f3, f3, ${s + 3};\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
+    )
+
+
 def _decode_e4m3x4_to_bf16(first_scale: int) -> str:
     """PTX lines: the E4M3 pairs in b16 registers ``lo``, ``hi`` -> ``$0``, ``$1``, two
     bf16x2 words of ``e4m3 * scale`` (scales: operands ``first_scale .. + 3``).
@@ -161,15 +190,8 @@ def encode_both_e4m3x4(
         ".reg .b32 x0, x1, x2, x3;\n"
         ".reg .f32 f0, f1, f2, f3, r0, r1, r2, r3, c0, c1, c2, c3;\n"
         ".reg .b16 lo, hi, clo, chi;\n"
-        "shl.b32 x0, $2, 16;\n"
-        "and.b32 x1, $2, 0xFFFF0000;\n"
-        "shl.b32 x2, $3, 16;\n"
-        "and.b32 x3, $3, 0xFFFF0000;\n"
-        "mov.b32 f0, x0;\n"
-        "mov.b32 f1, x1;\n"
-        "mov.b32 f2, x2;\n"
-        "mov.b32 f3, x3;\n"
-        "mul.rn.f32 r0, f0, $4;\n"
+        + _unpack_bf16x4(2, 3)
+        + "mul.rn.f32 r0, f0, $4;\n"
         "mul.rn.f32 r1, f1, $4;\n"
         "mul.rn.f32 r2, f2, $4;\n"
         "mul.rn.f32 r3, f3, $4;\n"
@@ -208,21 +230,9 @@ def encode_e4m3x4(
             ".reg .b32 x0, x1, x2, x3;\n"
             ".reg .f32 f0, f1, f2, f3;\n"
             ".reg .b16 lo, hi;\n"
-            "shl.b32 x0, $1, 16;\n"
-            "and.b32 x1, $1, 0xFFFF0000;\n"
-            "shl.b32 x2, $2, 16;\n"
-            "and.b32 x3, $2, 0xFFFF0000;\n"
-            "mov.b32 f0, x0;\n"
-            "mov.b32 f1, x1;\n"
-            "mov.b32 f2, x2;\n"
-            "mov.b32 f3, x3;\n"
-            "mul.rn.f32 f0, f0, $3;\n"
-            "mul.rn.f32 f1, f1, $4;\n"
-            "mul.rn.f32 f2, f2, $5;\n"
-            "mul.rn.f32 f3, f3, $6;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
-            "mov.b32 $0, {lo, hi};\n"
+            + _unpack_bf16x4(1, 2)
+            + _encode_f32x4_e4m3(3)
+            + "mov.b32 $0, {lo, hi};\n"
             "}",
             "=r,r,r,f,f,f,f",
         )
@@ -278,20 +288,8 @@ def fake_quant_bf16x4(
         ".reg .b32 x0, x1, x2, x3, d01, d23;\n"
         ".reg .f32 f0, f1, f2, f3;\n"
         ".reg .b16 lo, hi, h0, h1, h2, h3;\n"
-        "shl.b32 x0, $2, 16;\n"
-        "and.b32 x1, $2, 0xFFFF0000;\n"
-        "shl.b32 x2, $3, 16;\n"
-        "and.b32 x3, $3, 0xFFFF0000;\n"
-        "mov.b32 f0, x0;\n"
-        "mov.b32 f1, x1;\n"
-        "mov.b32 f2, x2;\n"
-        "mov.b32 f3, x3;\n"
-        "mul.rn.f32 f0, f0, $4;\n"
-        "mul.rn.f32 f1, f1, $5;\n"
-        "mul.rn.f32 f2, f2, $6;\n"
-        "mul.rn.f32 f3, f3, $7;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
+        + _unpack_bf16x4(2, 3)
+        + _encode_f32x4_e4m3(4)
         + _decode_e4m3x4_to_bf16(8)
         + "}",
         "=r,=r,r,r,f,f,f,f,f,f,f,f",
