@@ -187,13 +187,10 @@ class GroupedGemmSm90:
 
     # ---- pieces shared with the weight-gradient kernel ----
 
-    @cute.jit
-    def _prepare(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor):
-        """Trace-time setup for operands ``a`` (rows x K), ``b`` (N x K) and ``out``.
-
-        Sets the MMA, the output layout and the shared-storage struct; returns the six
-        TMA atoms/coordinate tensors (a, b, out) and the three shared-memory layouts.
-        """
+    def _mma_and_operand_layouts(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor):
+        """Sets ``ab_dtype``/``out_dtype`` (from ``a``, ``out``) and the bf16 wgmma for the
+        operands' major modes; returns the staged shared-memory layouts ``(a_smem, b_smem)``
+        (``b``'s layout decides B's major mode; its dtype is ``a``'s, the MMA's)."""
         self.ab_dtype = a.element_type
         self.out_dtype = out.element_type
         a_layout = utils.LayoutEnum.from_tensor(a)
@@ -209,6 +206,16 @@ class GroupedGemmSm90:
         )
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        return a_smem, b_smem
+
+    @cute.jit
+    def _prepare(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor):
+        """Trace-time setup for operands ``a`` (rows x K), ``b`` (N x K) and ``out``.
+
+        Sets the MMA, the output layout and the shared-storage struct; returns the six
+        TMA atoms/coordinate tensors (a, b, out) and the three shared-memory layouts.
+        """
+        a_smem, b_smem = self._mma_and_operand_layouts(a, b, out)
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             a,

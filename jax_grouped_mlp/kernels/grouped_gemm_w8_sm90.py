@@ -89,21 +89,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
 
     @cute.jit
     def _prepare_w8(self, a: cute.Tensor, b: cute.Tensor, b_scale: cute.Tensor, out: cute.Tensor):
-        self.ab_dtype = a.element_type  # bf16: the wgmma's A and (converted) B
-        self.out_dtype = out.element_type
-        a_layout = utils.LayoutEnum.from_tensor(a)
-        b_layout = utils.LayoutEnum.from_tensor(b)
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            a_layout.sm90_mma_major_mode(),
-            b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_n),
-        )
-        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.stages)
-        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        a_smem, b_smem = self._mma_and_operand_layouts(a, b, out)  # bf16: A and converted B
         # Raw FP8 B and its scales: plain (unswizzled) row-major boxes, as TMA writes them.
         tn, tk = self.tile_n, self.tile_k
         if cutlass.const_expr(self.b_k_major):
