@@ -73,9 +73,16 @@ def quantize_supported(x: jax.Array, num_groups: int = 0) -> bool:
     """
     if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
         return False
-    if not all(isinstance(d, int) for d in (*x.shape, num_groups)):
-        return False  # symbolic (shape-polymorphic export): the reference handles it
-    m, k = x.shape
+    return _fits_row_kernels(*x.shape, num_groups)
+
+
+def _fits_row_kernels(m, k, num_groups) -> bool:
+    """The shape rule of the quantize/fake-quantize/dequantize kernels for ``[M, K]`` with
+    ``num_groups`` groups: static sizes (symbolic ones, from shape-polymorphic export,
+    take the reference), ``K % 8 == 0`` (16-byte rows of 8 columns per thread) and 32-bit
+    offsets for the data and the group-aware scale rows."""
+    if not all(isinstance(d, int) for d in (m, k, num_groups)):
+        return False
     return k % 8 == 0 and m * k < 2**31 and mxfp8.grouped_scale_rows(m, num_groups) * k < 2**31
 
 
@@ -241,7 +248,7 @@ def dequantize_grouped_mxfp8_cuda(t: MXFP8Tensor) -> jax.Array:
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels (with the dequantize kernel) is not built")
     m, k = t.data.shape
     g = t.group_sizes.shape[0]
-    if k % 8 or max(m, mxfp8.grouped_scale_rows(m, g)) * k >= 2**31:
+    if not _fits_row_kernels(m, k, g):
         raise ValueError(f"dequantize_grouped_mxfp8_cuda needs K % 8 == 0 and 32-bit offsets, got {t.data.shape=} G={g}")
     return jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((m, k), jnp.bfloat16))(
         t.data, t.scale, t.group_sizes.astype(jnp.int32), variant=np.int32(0)
@@ -252,10 +259,7 @@ def dequantize_cuda(t: MXFP8Tensor) -> jax.Array:
     """``mxfp8.dequantize(t, bfloat16)`` on CUDA: the kernel for a group-aware ``[M, K]``
     tensor it takes, else the reference."""
     if t.is_grouped and t.data.ndim == 2 and dequantize_variants():
-        m, k = t.data.shape
-        if isinstance(m, int) and isinstance(k, int) and k % 8 == 0 and (
-            max(m, mxfp8.grouped_scale_rows(m, t.group_sizes.shape[0])) * k < 2**31
-        ):
+        if _fits_row_kernels(*t.data.shape, t.group_sizes.shape[0]):
             return dequantize_grouped_mxfp8_cuda(t)
     return mxfp8.dequantize(t, jnp.bfloat16)
 
