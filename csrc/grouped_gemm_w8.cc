@@ -18,6 +18,8 @@
 #include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
 #include "grouped_gemm_sm90_w8_m128n192k64_s4.h"
 #include "grouped_gemm_sm90_w8_m128n192k64_s4_bk.h"
+#include "grouped_gemm_sm90_w8_m128n192k64_s4_c7.h"
+#include "grouped_gemm_sm90_w8_m128n192k64_s4_c7_bk.h"
 #include "grouped_gemm_sm90_w8_m128n256k64_s3.h"
 #include "grouped_gemm_sm90_w8_m128n256k64_s3_bk.h"
 
@@ -26,7 +28,9 @@
   X(grouped_gemm_sm90_w8_m128n256k64_s3, false)    \
   X(grouped_gemm_sm90_w8_m128n192k64_s4, false)    \
   X(grouped_gemm_sm90_w8_m128n256k64_s3_bk, true)  \
-  X(grouped_gemm_sm90_w8_m128n192k64_s4_bk, true)
+  X(grouped_gemm_sm90_w8_m128n192k64_s4_bk, true)  \
+  X(grouped_gemm_sm90_w8_m128n192k64_s4_c7, false) \
+  X(grouped_gemm_sm90_w8_m128n192k64_s4_c7_bk, true)
 
 namespace jgm {
 

@@ -164,6 +164,9 @@ extern const int kNumGroupedWgradVariants;
 // Names of the compiled grouped GEMM variants with in-kernel MXFP8 weights, by `variant`.
 extern const char* const kGroupedGemmW8Variants[];
 extern const int kNumGroupedGemmW8Variants;
+// Names of the compiled grouped GEMM variants with the FC1 epilogue, by `variant`.
+extern const char* const kGroupedGemmFc1Variants[];
+extern const int kNumGroupedGemmFc1Variants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
@@ -181,3 +184,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgrad);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1Instantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1);

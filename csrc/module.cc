@@ -33,6 +33,7 @@ PYBIND11_MODULE(_kernels, m) {
     add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
     add("jgm_grouped_gemm_w8", JgmGroupedGemmW8Instantiate, JgmGroupedGemmW8);
+    add("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1Instantiate, JgmGroupedGemmFc1);
     return d;
   });
   auto names = [](const char* const* list, int count) {
@@ -51,5 +52,7 @@ PYBIND11_MODULE(_kernels, m) {
       names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);
   m.attr("GROUPED_GEMM_W8_VARIANTS") =
       names(jgm::kGroupedGemmW8Variants, jgm::kNumGroupedGemmW8Variants);
+  m.attr("GROUPED_GEMM_FC1_VARIANTS") =
+      names(jgm::kGroupedGemmFc1Variants, jgm::kNumGroupedGemmFc1Variants);
   m.attr("ARCH") = "sm_90a";
 }

@@ -15,6 +15,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -54,11 +55,13 @@ def _sizes(rng, g, total):
     return np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
 
 
-def _quantized_weight(rng, g, k, n, k_major: bool, *, random_bytes: bool = False) -> MXFP8Tensor:
+def _quantized_weight(
+    rng, g, k, n, k_major: bool, *, random_bytes: bool = False, scales: tuple[int, int] = (110, 140)
+) -> MXFP8Tensor:
     """MXFP8 weight blocked along K: ``[G, K, N]`` (axis 1) or ``[G, N, K]`` (axis 2).
 
     ``random_bytes``: every finite E4M3 byte (subnormals included) and scale bytes in
-    [110, 140] (2^-17 .. 2^13), instead of quantizing a Gaussian weight.
+    ``scales`` (default [110, 140]: 2^-17 .. 2^13), instead of quantizing a Gaussian weight.
     """
     shape = (g, n, k) if k_major else (g, k, n)
     axis = 2 if k_major else 1
@@ -69,7 +72,7 @@ def _quantized_weight(rng, g, k, n, k_major: bool, *, random_bytes: bool = False
     data[(data & 0x7F) == 0x7F] = 0x3C  # no E4M3 NaN in the data
     sshape = list(shape)
     sshape[axis] = -(-k // 32)
-    scale = rng.integers(110, 141, size=sshape, dtype=np.uint8)
+    scale = rng.integers(scales[0], scales[1] + 1, size=sshape, dtype=np.uint8)
     return MXFP8Tensor(
         jax.lax.bitcast_convert_type(jnp.asarray(data), jnp.float8_e4m3fn),
         jax.lax.bitcast_convert_type(jnp.asarray(scale), jnp.float8_e8m0fnu),
@@ -161,11 +164,45 @@ def test_random(rng, variant, m, n, k, g, total):
 @pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_e4m3_byte_and_wide_scales(rng, variant):
-    """All finite E4M3 codes (subnormals too) and scales 2^-17..2^13: the decode is exact."""
+@pytest.mark.parametrize(
+    "scales",
+    [
+        (110, 140),  # 2^-17..2^13: batches of both decode paths (fast: every scale byte <= 134)
+        (100, 134),  # fast path only
+        (120, 254),  # mostly the exact path; Inf/NaN outputs (compared bitwise with the twin)
+    ],
+)
+def test_every_e4m3_byte_and_wide_scales(rng, variant, scales):
+    """All finite E4M3 codes (subnormals too) and a range of scale bytes: the decode is exact."""
     k_major = variant.endswith("_bk")
     a = _lhs(rng, 600, 320)
-    _check(a, _quantized_weight(rng, 4, 320, 208, k_major, random_bytes=True), _sizes(rng, 4, 600), variant)
+    wq = _quantized_weight(rng, 4, 320, 208, k_major, random_bytes=True, scales=scales)
+    _check(a, wq, _sizes(rng, 4, 600), variant, expect_finite=scales[1] <= 140)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_nan_byte_poisons_its_column_only(rng, variant, byte):
+    """An E4M3 NaN byte (0x7F / 0xFF) with a finite scale: the fast decode's probe must
+    send its batch to the exact path, so exactly that column of that group is NaN."""
+    k_major = variant.endswith("_bk")
+    m, n, k, g = 400, 192, 256, 3
+    a = _lhs(rng, m, k)
+    wq = _quantized_weight(rng, g, k, n, k_major)
+    d = np.array(jax.lax.bitcast_convert_type(wq.data, jnp.uint8))
+    col, grp, row = 101, 2, 37
+    if k_major:
+        d[grp, col, row] = byte
+    else:
+        d[grp, row, col] = byte
+    wq = MXFP8Tensor(jax.lax.bitcast_convert_type(jnp.asarray(d), jnp.float8_e4m3fn), wq.scale, wq.axis)
+    sizes = [100, 150, 150]
+    got = _check(a, wq, sizes, variant, expect_finite=False)
+    want = np.zeros(got.shape, bool)
+    want[250:400, col] = True
+    np.testing.assert_array_equal(np.isnan(got), want)
 
 
 @pytest.mark.gpu
@@ -225,6 +262,38 @@ def test_zero_scale_byte_is_two_to_minus_127(rng, variant):
     assert np.isfinite(got).all() and np.abs(want).max() > 0
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel <= 5e-3, rel
+
+
+def _exact_dequantize_bf16(wq: MXFP8Tensor) -> jax.Array:
+    """``bf16(e4m3 * 2**(e - 127))`` on the host: the float64 product (exact, and exact in
+    float32: 4 significant bits, >= 2**-136) rounded once to bf16 with subnormals kept, so
+    unlike ``mxfp8.dequantize`` under XLA it never flushes."""
+    d = np.asarray(jax.lax.bitcast_convert_type(wq.data, jnp.uint8)).view(ml_dtypes.float8_e4m3fn)
+    e = np.asarray(jax.lax.bitcast_convert_type(wq.scale, jnp.uint8)).astype(np.float64)
+    e = np.repeat(e, 32, axis=wq.axis)
+    e = np.take(e, np.arange(d.shape[wq.axis]), axis=wq.axis)
+    v = d.astype(np.float64) * np.exp2(e - 127.0)
+    return jnp.asarray(v.astype(np.float32).astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_scales_bitwise(rng, variant):
+    """Scale bytes 0..8 with every finite E4M3 code: the fast decode's bf16 results are
+    subnormal for scale bytes <= 6 (``mul.rn.bf16x2`` must neither flush nor misround
+    them). Bitwise against the bf16 twin on the host's exact dequantization (XLA's
+    dequantize may flush these float32 subnormals, see test_w8_decode)."""
+    k_major = variant.endswith("_bk")
+    m, n, k, g = 256, 208, 320, 2
+    a = _lhs(rng, m, k) * jnp.asarray(2.0**100, jnp.bfloat16)  # products back in normal range
+    wq = _quantized_weight(rng, g, k, n, k_major, random_bytes=True, scales=(0, 8))
+    gs = jnp.asarray([100, 156], jnp.int32)
+    got = _run(_w8, m, n, a, wq, gs, variant=variant, transpose_rhs=k_major)
+    twin = _run(_bf16, m, n, a, _exact_dequantize_bf16(wq), gs, variant=_bf16_twin(variant), transpose_rhs=k_major)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    diff = got != twin
+    assert not diff.any(), f"{diff.sum()} outputs differ from the bf16 kernel on the exact dequantization ({variant})"
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device checks of the MXFP8-weight grouped GEMM (in-kernel conversion). Phases (args,
-# default "smoke test bench", about 8 minutes at most): smoke (every variant once on the
+# default "smoke test bench", about 11 minutes at most): smoke (every variant once on the
 # small ragged case: a deadlock shows up as a timeout), test (GPU tests), bench, san
 # (compute-sanitizer memcheck, racecheck, synccheck on the small case). Builds nothing:
 #   run(command="bash tools/gpu_check_w8.sh", carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
@@ -20,7 +20,7 @@ stamp smoke
 fi
 
 if has test; then
-timeout ${TEST_S:-240} python3 -m pytest -q -m gpu tests/test_grouped_gemm_w8_gpu.py --tb=short \
+timeout ${TEST_S:-420} python3 -m pytest -q -m gpu tests/test_grouped_gemm_w8_gpu.py --tb=short \
   -p no:cacheprovider --maxfail=10 -rf 2>&1 | tee "$OUT/pytest.log" | tail -25
 stamp tests
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs every grouped GEMM (bf16 and MXFP8-weight), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
+"""Runs every grouped GEMM (bf16, MXFP8-weight and FC1-epilogue), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
 
@@ -41,6 +41,12 @@ def main() -> int:
         wq = mxfp8.quantize_mxfp8(jnp.swapaxes(w8, 1, 2), axis=2) if bk else mxfp8.quantize_mxfp8(w8, axis=1)
         out = gemm_ffi.grouped_gemm_w8_cuda(a8, wq, gs, variant=v, transpose_rhs=bk)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    # FC1 epilogue (h, a_row, a_col): probs with zeros and negatives.
+    probs = jnp.asarray(rng.uniform(-1.0, 1.0, m) * (rng.random(m) > 0.1), jnp.float32)
+    for v in gemm_ffi.grouped_gemm_fc1_variants():
+        h, a_row, a_col = gemm_ffi.grouped_gemm_fc1_cuda(a, w, gs, probs, variant=v)
+        for t in (h, a_row, ffi.dequantize_grouped_mxfp8_cuda(a_col)):
+            bad += int(not np.isfinite(np.asarray(t, np.float32)).all())
     for v in gemm_ffi.grouped_wgrad_variants():
         out = gemm_ffi.grouped_wgrad_bf16_cuda(a, dy, gs, variant=v, out_dtype=gemm_ffi._wgrad_out_dtype(v))
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
@@ -54,7 +60,7 @@ def main() -> int:
         bad += int(not np.isfinite(np.asarray(col, np.float32)).all())
     jax.block_until_ready(out)
     n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_gemm_w8_variants())
-    n += len(gemm_ffi.grouped_wgrad_variants()) + 5
+    n += len(gemm_ffi.grouped_wgrad_variants()) + len(gemm_ffi.grouped_gemm_fc1_variants()) + 5
     print(f"ran {n} variants, {bad} with non-finite output")
     return int(bad > 0)
 

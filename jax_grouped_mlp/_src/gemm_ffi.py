@@ -319,3 +319,89 @@ def grouped_gemm_w8_cuda(
     )
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     return jax.ffi.ffi_call(GROUPED_GEMM_W8_TARGET, out)(lhs, data, scale, gs, variant=index)
+
+
+# ---- FC1 with the fused epilogue (csrc/grouped_gemm_fc1.cc) ----
+# Compiled, not yet run on a GPU: not used by mlp.py until tests/test_grouped_gemm_fc1_gpu.py passes.
+
+GROUPED_GEMM_FC1_TARGET = "jgm_grouped_gemm_fc1"
+
+
+def grouped_gemm_fc1_variants() -> tuple[str, ...]:
+    """Names of the compiled FC1-epilogue GEMM configurations (empty without the extension)."""
+    return ffi.variants("GROUPED_GEMM_FC1_VARIANTS")
+
+
+def _fc1_operands(x, w1, group_sizes, probs):
+    """Validates :func:`grouped_gemm_fc1_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
+    if jnp.ndim(x) != 2:
+        raise ValueError(f"x must be [M, K], got x.shape={jnp.shape(x)}")
+    if jnp.ndim(w1) != 3:
+        raise ValueError(f"w1 must be [G, K, N], got w1.shape={jnp.shape(w1)}")
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(x.dtype) != bf16:
+        raise TypeError(f"x must be bf16, got x.dtype={x.dtype}")
+    if jnp.dtype(w1.dtype) != bf16:
+        raise TypeError(f"w1 must be bf16, got w1.dtype={w1.dtype}")
+    m, k = x.shape
+    g, k2, n = w1.shape
+    if k != k2:
+        raise ValueError(f"contraction mismatch: x.shape={x.shape} vs w1.shape={w1.shape} (w1 is [G, K, N])")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
+            f"group_sizes.dtype={group_sizes.dtype}"
+        )
+    probs = jnp.asarray(probs)
+    if probs.shape != (m,):
+        raise ValueError(f"probs must be [M] = [{m}], got probs.shape={probs.shape}")
+    if not jnp.issubdtype(probs.dtype, jnp.floating) or jnp.dtype(probs.dtype).itemsize > 4:
+        raise TypeError(f"probs must be float32 (or a narrower float), got probs.dtype={probs.dtype}")
+    if not grouped_gemm_supported(m, n, k, g) or (mxfp8.grouped_scale_rows(m, g) * n >= _MAX):
+        raise ValueError(
+            f"grouped_gemm_fc1 needs N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
+        )
+    return m, n, k, g, probs.astype(jnp.float32), group_sizes.astype(jnp.int32)
+
+
+def grouped_gemm_fc1_cuda(
+    x: jax.Array,
+    w1: jax.Array,
+    group_sizes: jax.Array,
+    probs: jax.Array,
+    *,
+    variant: str | None = None,
+) -> tuple[jax.Array, jax.Array, MXFP8Tensor]:
+    """FC1 with the fused epilogue: ``(h, a_row, a_col)`` from one kernel.
+
+    ``h = grouped GEMM(x, w1)`` (bf16 ``[M, N]``, bitwise what :func:`grouped_gemm_bf16_cuda`
+    writes), and with ``a = mlp._srelu_scaled(h, probs)`` (``bf16(probs * relu(h)**2)``,
+    float32 math): ``a_row`` the rowwise MXFP8 values of ``a`` in bf16 and ``a_col`` the
+    group-aware columnwise :class:`MXFP8Tensor`, i.e. bit for bit
+    ``mxfp8.fake_quantize_pair(a, group_sizes, keep_col_fp8=True)``.
+
+    ``x`` bf16 ``[M, K]``, ``w1`` bf16 ``[G, K, N]``, ``group_sizes`` int ``[G]``, ``probs``
+    float ``[M]`` (cast to float32). N and K multiples of 8. G == 0 or K == 0 (static)
+    is computed here in JAX (the kernel needs non-empty TMA dimensions).
+    STATUS: compiled, not yet run on a GPU.
+    """
+    m, n, k, g, probs, gs = _fc1_operands(x, w1, group_sizes, probs)
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    if g == 0 or k == 0:
+        from jax_grouped_mlp._src.mlp import _srelu_scaled
+
+        h = jnp.zeros((m, n), jnp.bfloat16)
+        a_row, a_col = mxfp8.fake_quantize_pair(_srelu_scaled(h, probs), gs, keep_col_fp8=True)
+        return h, a_row, a_col
+    index = _variant_index(grouped_gemm_fc1_variants(), n, variant, lambda v: True, "the FC1 epilogue")
+    nb = mxfp8.grouped_scale_rows(m, g)
+    out = (
+        jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m, n), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((nb, n), jnp.float8_e8m0fnu),
+    )
+    h, a_row, col, col_scale = jax.ffi.ffi_call(GROUPED_GEMM_FC1_TARGET, out)(x, w1, gs, probs, variant=index)
+    return h, a_row, MXFP8Tensor(col, col_scale, axis=0, group_sizes=gs)

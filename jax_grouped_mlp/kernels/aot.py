@@ -113,8 +113,12 @@ def _grouped_gemm_args(b_k_major: bool = False):
 def _grouped_gemm_w8_variants():
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
 
-    # Keep in the order of JGM_GROUPED_GEMM_W8_VARIANTS in csrc/grouped_gemm_w8.cc.
-    return tuple(GroupedGemmConfig(tile_n=n, b_k_major=bk, b_fp8=True) for bk in (False, True) for n in (256, 192))
+    # Keep in the order of JGM_GROUPED_GEMM_W8_VARIANTS in csrc/grouped_gemm_w8.cc. The
+    # _c7 variants (7 converter warps, 512 threads; n192 only: at n256 the consumers do not
+    # fit the 128-register cap of 512 threads) come last, so the default rule (first of
+    # the least-padding widths) keeps the 3-warp ones until measured.
+    base = tuple(GroupedGemmConfig(tile_n=n, b_k_major=bk, b_fp8=True) for bk in (False, True) for n in (256, 192))
+    return base + tuple(GroupedGemmConfig(tile_n=192, b_k_major=bk, b_fp8=True, converter_warps=7) for bk in (False, True))
 
 
 def _grouped_gemm_w8_args(b_k_major: bool = False):
@@ -138,6 +142,33 @@ def _grouped_gemm_w8_args(b_k_major: bool = False):
             t(cutlass.Uint8, (n, k, g), (1, 0, 2) if b_k_major else (0, 1, 2)),
             t(cutlass.Uint8, (n, kb, g), (0, 1, 2)),
             t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
+            cutlass.Int32(132), make_fake_stream())
+
+
+def _grouped_gemm_fc1_variants():
+    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
+
+    # Keep in the order of JGM_GROUPED_GEMM_FC1_VARIANTS in csrc/grouped_gemm_fc1.cc.
+    return tuple(GroupedGemmConfig(tile_n=n, fc1_epilogue=True) for n in (256, 192))
+
+
+def _grouped_gemm_fc1_args():
+    """Fake (lhs [M, K], rhs (N, K, G) N-contiguous, h [M, N], a_row [M, N] bf16, a_col [M, N]
+    uint8, a_scale [NB, N] uint8, probs [M] f32, group_sizes, num_ctas, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def t(dtype, shape, order, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
+                                        use_32bit_stride=True)
+
+    m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
+    return (t(cutlass.BFloat16, (m, k), (1, 0)), t(cutlass.BFloat16, (n, k, g), (0, 1, 2)),
+            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.BFloat16, (m, n), (1, 0)),
+            t(cutlass.Uint8, (m, n), (1, 0)), t(cutlass.Uint8, (nb, n), (1, 0)),
+            t(cutlass.Float32, (m,), (0,), align=4), t(cutlass.Int32, (g,), (0,), align=4),
             cutlass.Int32(132), make_fake_stream())
 
 
@@ -260,6 +291,11 @@ def variants():
 
     for cfg in _grouped_gemm_w8_variants():
         yield cfg.name, GroupedGemmW8Sm90(cfg), _grouped_gemm_w8_args(cfg.b_k_major)
+
+    from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import GroupedGemmFc1Sm90
+
+    for cfg in _grouped_gemm_fc1_variants():
+        yield cfg.name, GroupedGemmFc1Sm90(cfg), _grouped_gemm_fc1_args()
 
 
 def main(argv=None) -> int:

@@ -81,6 +81,11 @@ class GroupedGemmConfig:
     b_fp8: B arrives as MXFP8 (FP8 E4M3 bytes + E8M0 scales per 32 along K) and is
       converted to bf16 inside the kernel (:mod:`grouped_gemm_w8_sm90`); a stage then
       also holds the raw FP8 tile and its scales.
+    fc1_epilogue: the FC1 epilogue (:mod:`grouped_gemm_fc1_sm90`): besides ``h`` the
+      kernel writes ``a = bf16(probs * relu(h)**2)`` as MXFP8, rowwise values in bf16
+      and the group-aware columnwise FP8 copy (bf16 ``[G, K, N]`` weights only).
+    converter_warps: (b_fp8 only) warps converting B: 3 (warp group 0 beside the TMA
+      producer, 384 threads) or 7 (plus a fourth warp group, 512 threads; name ``_c7``).
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -91,6 +96,8 @@ class GroupedGemmConfig:
     epi_stages: int = 2
     b_k_major: bool = False
     b_fp8: bool = False
+    fc1_epilogue: bool = False
+    converter_warps: int = 3
 
     tile_m = 128
 
@@ -103,6 +110,8 @@ class GroupedGemmConfig:
             raise ValueError(f"epi_stages must be >= 2, got {self.epi_stages=}")
         if self.panel_m < 1:
             raise ValueError(f"panel_m must be >= 1, got {self.panel_m=}")
+        if self.fc1_epilogue and (self.b_k_major or self.b_fp8):
+            raise ValueError(f"fc1_epilogue is fprop with bf16 [G, K, N] weights only, got {self}")
         if self.num_stages < 2:
             raise ValueError(f"{self} leaves room for {self.num_stages} stages; need >= 2")
 
@@ -128,7 +137,9 @@ class GroupedGemmConfig:
         s = f"grouped_gemm_sm90_{kind}_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
-        return s + ("_bk" if self.b_k_major else "")
+        s += f"_c{self.converter_warps}" if self.b_fp8 and self.converter_warps != 3 else ""
+        s += "_bk" if self.b_k_major else ""
+        return s + ("_fc1" if self.fc1_epilogue else "")
 
 
 def is_supported(config: GroupedGemmConfig, m: int, n: int, k: int, g: int) -> bool:
@@ -571,24 +582,16 @@ class GroupedGemmSm90:
             )
         store_pipeline.producer_tail()
 
-    @cute.kernel
-    def kernel(
-        self,
-        tma_atom_a: cute.CopyAtom,
-        mA: cute.Tensor,  # TMA coordinate tensor (M, K)
-        tma_atom_b: cute.CopyAtom,
-        mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
-        tma_atom_out: cute.CopyAtom,
-        mOutTma: cute.Tensor,  # TMA coordinate tensor (M, N)
-        mOut: cute.Tensor,  # (M, N)
-        group_sizes: cute.Tensor,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
+    @cute.jit
+    def _setup_and_produce(
+        self, tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        """The kernel body up to the consumers (bf16 B): shared memory and pipeline, the B
+        partition, the cursor start, and warp group 0 as the TMA producer (warp 0).
 
+        Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles)``
+        for the consumers (warp groups 1 and 2).
+        """
         mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
 
         m = mOut.shape[0]
@@ -619,7 +622,29 @@ class GroupedGemmSm90:
                     mainloop, state, t, cursor, tma_atom_a, mA, sA, tma_atom_b, tBgB, tBsB, group_sizes,
                     gdim, m, n_tiles, k_tiles,
                 )
-        else:
+        return mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,  # TMA coordinate tensor (M, K)
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
+        tma_atom_out: cute.CopyAtom,
+        mOutTma: cute.Tensor,  # TMA coordinate tensor (M, N)
+        mOut: cute.Tensor,  # (M, N)
+        group_sizes: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        )
+        if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma_consumer(
                 tiled_mma, mainloop, None, sA, sB, sC, tma_atom_out, mOutTma, mOut, group_sizes,

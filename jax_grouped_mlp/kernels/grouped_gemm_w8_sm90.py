@@ -22,17 +22,22 @@ and the epilogue are the bf16 kernel's. So the output equals the bf16 kernel run
 Roles (384 threads, one CTA per SM; the tile scheduler is the bf16 kernel's):
   * warp 0 -- TMA producer: per stage the A tile (bf16), the raw B tile (FP8) and its
     scales (two 32-K blocks x tile_n bytes) into a "raw" stage, one transaction barrier.
-  * warps 1-3 -- converters (96 threads): wait for a raw stage, convert its B tile to
-    bf16 into the stage's B buffer in the swizzled layout the wgmma reads (16-byte
+  * warps 1-3 -- converters (96 threads; ``_c7`` variants: also warps 12-15, a fourth
+    warp group, 224 threads in 512): wait for a raw stage, convert its B tile to bf16
+    into the stage's B buffer in the swizzled layout the wgmma reads (16-byte
     shared-memory stores through CuTe's layout), ``fence.proxy.async`` (the stores are
     generic-proxy, wgmma reads through the async proxy), then arrive on the stage's
-    "converted" barrier (96 arrivals) and release the raw stage.
+    "converted" barrier (one arrival per converter thread) and release the raw stage.
+    Decode: integer bit placement + one bf16x2 multiply per pair (``ptx.
+    dequant_e4m3x4_bf16_fast``) for batches without E4M3 NaN bytes or scale bytes > 134,
+    else the exact float32 path (``ptx.dequant_e4m3x4_bf16``); batches of up to 11
+    vectors of 8 weights, all loads first.
   * warp groups 1-2 -- consumers, the bf16 kernel's code (``_mma_consumer``): wait for
     the raw stage (A) *and* the converted barrier (B), wgmma, release the raw stage.
-Pipelines: ``mainloop`` (PipelineTmaAsync; empty barrier: 8 consumer warps + 3 converter
-warps arrive, one lane each), ``converted`` (PipelineAsync full barriers only, same
-stage index and phase as ``mainloop``). The converted bf16 buffer of a stage needs no
-empty barrier of its own: the converters overwrite it only after the producer refilled
+Pipelines: ``mainloop`` (PipelineTmaAsync; empty barrier: 8 consumer warps + 3 (or 7)
+converter warps arrive, one lane each), ``converted`` (PipelineAsync full barriers only,
+same stage index and phase as ``mainloop``). The converted bf16 buffer of a stage needs
+no empty barrier of its own: the converters overwrite it only after the producer refilled
 the raw stage, which needs the consumers' release of that stage, which they give after
 their wgmmas on it completed (``wait_group``).
 """
@@ -52,8 +57,8 @@ from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
 SCALE_BLOCK = 32
-CONVERTER_THREADS = 96  # warps 1..3 of warp group 0
-UNROLL = 4  # vectors (8 elements) per converter batch: loads first, for overlap
+CONVERTER_WARPS = (3, 7)  # warps 1-3 of warp group 0 (+ warps 12-15, a fourth warp group: ``_c7``)
+UNROLL = 11  # at most this many vectors (8 elements) per converter batch: loads first, for overlap
 
 
 class GroupedGemmW8Sm90(GroupedGemmSm90):
@@ -65,8 +70,26 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         super().__init__(config)
         self.b_k_major = config.b_k_major
         self.kb_per_stage = self.tile_k // SCALE_BLOCK  # 2
-        # Register split within the 64K file: 128 x 40 + 256 x 232 = 64512 (the bf16
-        # kernel's; the converters fit in 40, checked with cuobjdump: no local memory).
+        # Register split. ptxas compiles every region under the kernel's cap (384 threads,
+        # 1 CTA/SM: 168 per thread); setmaxnreg only moves physical registers, so the
+        # bf16 kernel's 232 for the consumers buys nothing (its consumer code uses R0-R152).
+        # Here: warp group 0 (producer + converters) 152, consumers 176 (>= the 168
+        # they can use): 128 x 152 + 256 x 176 = 64512 = 384 x 168, the CTA's pool (an
+        # increase beyond the pool would block forever). The converters get the room for
+        # 11 vectors in flight per batch.
+        # ``_c7`` (converter_warps=7): a fourth warp group of 4 converter warps, 512
+        # threads, cap 128 per thread (512 x 128 = 65536): warp groups 0 and 3 at 120,
+        # consumers 136 (>= 128): 256 x 120 + 256 x 136 = 65536.
+        if config.converter_warps not in CONVERTER_WARPS:
+            raise ValueError(f"converter_warps must be one of {CONVERTER_WARPS}, got {config}")
+        self.conv_threads = 32 * config.converter_warps
+        if config.converter_warps == 3:
+            self.load_regs = 152
+            self.mma_regs = 176
+        else:
+            self.threads = 128 * (2 + self.num_mma_warp_groups)
+            self.load_regs = 120
+            self.mma_regs = 136
 
     @cute.jit
     def __call__(
@@ -136,59 +159,119 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
     # ---- the converters ----
 
     @cute.jit
+    def _store_vec(self, dst_vec: cute.Tensor, owords: cute.Tensor, obf16: cute.Tensor, lo0, hi0, lo1, hi1):
+        owords[0] = lo0
+        owords[1] = hi0
+        owords[2] = lo1
+        owords[3] = hi1
+        cute.autovec_copy(obf16, dst_vec)
+
+    @cute.jit
+    def _convert_vec_k(self, vdst, owords, obf16, rwords, sreg, j, r, kv, fast: cutlass.Constexpr):
+        """K-major: vector ``j`` of the batch (row ``r``, k-vector ``kv``, one scale) -> ``vdst``."""
+        if cutlass.const_expr(fast):
+            f = ptx.e8m0_bf16x2_factor(sreg[j])
+            lo0, hi0 = ptx.dequant_e4m3x4_bf16_fast(rwords[(0, j)], f, f)
+            lo1, hi1 = ptx.dequant_e4m3x4_bf16_fast(rwords[(1, j)], f, f)
+        else:
+            v = ptx.e8m0_value(sreg[j])
+            lo0, hi0 = ptx.dequant_e4m3x4_bf16(rwords[(0, j)], v, v, v, v)
+            lo1, hi1 = ptx.dequant_e4m3x4_bf16(rwords[(1, j)], v, v, v, v)
+        self._store_vec(vdst[((0, None), (r, kv))], owords, obf16, lo0, hi0, lo1, hi1)
+
+    @cute.jit
+    def _convert_batch_k(
+        self, vdst, owords, obf16, rwords, sreg, b: cutlass.Constexpr, unroll: cutlass.Constexpr,
+        passes: cutlass.Constexpr, rows: cutlass.Constexpr, row0, kv, fast: cutlass.Constexpr,
+    ):
+        """K-major: the loaded batch ``b`` (passes ``b * unroll ..``) -> ``vdst``; only the
+        last pass can run past the tile's rows."""
+        for j in cutlass.range_constexpr(unroll):
+            p = b * unroll + j
+            if cutlass.const_expr(p < passes - 1):
+                self._convert_vec_k(vdst, owords, obf16, rwords, sreg, j, row0 + p * rows, kv, fast)
+            elif cutlass.const_expr(p == passes - 1):
+                if row0 + p * rows < self.tile_n:
+                    self._convert_vec_k(vdst, owords, obf16, rwords, sreg, j, row0 + p * rows, kv, fast)
+
+    @cute.jit
+    def _fast_vec_n(self, vdst, owords, obf16, rwords, f, j, nv, kj):
+        """N-major fast path: vector ``j`` of the batch (n-vector ``nv``, row ``kj``) -> ``vdst``."""
+        lo0, hi0 = ptx.dequant_e4m3x4_bf16_fast(rwords[(0, j)], f[0], f[1])
+        lo1, hi1 = ptx.dequant_e4m3x4_bf16_fast(rwords[(1, j)], f[2], f[3])
+        self._store_vec(vdst[((None, 0), (nv, kj))], owords, obf16, lo0, hi0, lo1, hi1)
+
+    @cute.jit
     def _convert_stage(self, sBraw: cute.Tensor, sS: cute.Tensor, sB: cute.Tensor, stage, ct):
-        """Converter thread ``ct`` (0..95): its share of the stage's raw B tile -> bf16 ``sB``.
+        """Converter thread ``ct`` (0..conv_threads-1): its share of the stage's raw B tile -> bf16 ``sB``.
 
         Work unit: 8 consecutive elements along B's contiguous dimension (one 8-byte
-        load, one 16-byte store), ``UNROLL`` units per batch. Out-of-bounds parts of the
-        tile (past N or K) hold TMA's zero fill, data and scales, and convert to zeros.
+        load, one 16-byte store). A batch loads all its vectors (and their scales) first,
+        probes them for E4M3 NaN bytes and E8M0 bytes > 134, then converts with the fast
+        integer decode (:func:`ptx.dequant_e4m3x4_bf16_fast`: prmt/shift/mask + one bf16x2
+        multiply per pair) or, if the probe fired, with the exact float32 decode of the
+        first version (:func:`ptx.dequant_e4m3x4_bf16`). Both give
+        ``bf16(f32(e4m3) * 2**(e - 127))``. Out-of-bounds parts of the tile (past N or K)
+        hold TMA's zero fill, data and scales, and convert to zeros.
         """
         raw = sBraw[(None, None, stage)]
         dst = sB[(None, None, stage)]
         scl = sS[(None, None, stage)]
-        rbytes = cute.make_rmem_tensor((8, UNROLL), Uint8)
-        rwords = cute.recast_tensor(rbytes, Uint32)  # (2, UNROLL)
         owords = cute.make_rmem_tensor((4,), Uint32)
         obf16 = cute.recast_tensor(owords, BFloat16)
+        ct_n = self.conv_threads
         if cutlass.const_expr(self.b_k_major):
             # (n, 8 consecutive k): one scale per vector. 8 vectors per 64-byte row,
-            # 12 rows per pass of 96 threads; a warp covers 4 whole rows.
+            # 12 rows per pass of 96 threads (22 passes at n256, 16 at n192, in two
+            # batches); a warp covers 4 whole rows.
             vpr = self.tile_k // 8
-            rows = CONVERTER_THREADS // vpr
+            rows = ct_n // vpr
+            passes = (self.tile_n + rows - 1) // rows
+            nbat = (passes + UNROLL - 1) // UNROLL
+            unroll = (passes + nbat - 1) // nbat
             vraw = cute.zipped_divide(raw, (1, 8))  # ((1, 8), (tile_n, vpr))
             vdst = cute.zipped_divide(dst, (1, 8))
             kv = ct % vpr
-            row = ct // vpr
-            while row < self.tile_n:
-                # One scale per vector (row + j * rows): the batch's four scales.
-                vs = []
-                for j in cutlass.range_constexpr(UNROLL):
-                    r = cutlass.min(row + j * rows, Int32(self.tile_n - 1))
-                    vs.append(ptx.e8m0_value(Uint32(scl[(r, kv * 8 // SCALE_BLOCK)])))
-
-                for j in cutlass.range_constexpr(UNROLL):
-                    r = row + j * rows
-                    if r < self.tile_n:
-                        cute.autovec_copy(vraw[((0, None), (r, kv))], rbytes[(None, j)])
-                for j in cutlass.range_constexpr(UNROLL):
-                    r = row + j * rows
-                    if r < self.tile_n:
-                        v = vs[j]
-                        for w in cutlass.range_constexpr(2):
-                            lo, hi = ptx.dequant_e4m3x4_bf16(rwords[(w, j)], v, v, v, v)
-                            owords[2 * w] = lo
-                            owords[2 * w + 1] = hi
-                        cute.autovec_copy(obf16, vdst[((0, None), (r, kv))])
-                row = row + UNROLL * rows
+            row0 = ct // vpr
+            sb = kv * 8 // SCALE_BLOCK
+            rbytes = cute.make_rmem_tensor((8, unroll), Uint8)
+            rwords = cute.recast_tensor(rbytes, Uint32)  # (2, unroll)
+            sreg = cute.make_rmem_tensor((unroll,), Uint32)
+            for b in cutlass.range_constexpr(nbat):
+                bad = Uint32(0)  # E4M3 NaN probe (bits 0x80808080)
+                smax = Uint32(0)  # the batch's largest scale byte
+                for j in cutlass.range_constexpr(unroll):
+                    p = b * unroll + j
+                    if cutlass.const_expr(p < passes):
+                        r = row0 + p * rows
+                        if cutlass.const_expr(p < passes - 1):
+                            cute.autovec_copy(vraw[((0, None), (r, kv))], rbytes[(None, j)])
+                            sreg[j] = Uint32(scl[(r, sb)])
+                            bad = ptx.e4m3_nan_probe(bad, rwords[(0, j)], rwords[(1, j)])
+                            smax = cutlass.max(smax, sreg[j])
+                        else:
+                            if r < self.tile_n:
+                                cute.autovec_copy(vraw[((0, None), (r, kv))], rbytes[(None, j)])
+                                sreg[j] = Uint32(scl[(r, sb)])
+                                bad = ptx.e4m3_nan_probe(bad, rwords[(0, j)], rwords[(1, j)])
+                                smax = cutlass.max(smax, sreg[j])
+                # Fast unless a NaN byte or a scale byte > 134 (then (smax + 121) >> 8 == 1).
+                if ((bad & Uint32(0x80808080)) | ((smax + Uint32(121)) >> Uint32(8))) == Uint32(0):
+                    self._convert_batch_k(vdst, owords, obf16, rwords, sreg, b, unroll, passes, rows, row0, kv, True)
+                else:
+                    self._convert_batch_k(vdst, owords, obf16, rwords, sreg, b, unroll, passes, rows, row0, kv, False)
         else:
             # (8 consecutive n, k): eight scales per vector, one set per 32-K block.
-            # Thread: a fixed n-vector, k rows kq, kq + KQ, ... (KQ = 96 / vectors per
-            # row); a warp covers 32 consecutive vectors of one or two rows.
+            # Thread: a fixed n-vector, k rows kq, kq + KQ, ... (KQ = threads / vectors
+            # per row: 3 at n256, 4 at n192); one batch per 32-K block (11 or 8 rows).
             nvec = self.tile_n // 8
-            kq_n = CONVERTER_THREADS // nvec
+            kq_n = ct_n // nvec
+            unroll = (SCALE_BLOCK + kq_n - 1) // kq_n
             vraw = cute.zipped_divide(raw, (8, 1))  # ((8, 1), (nvec, tile_k))
             vdst = cute.zipped_divide(dst, (8, 1))
             vscl = cute.zipped_divide(scl, (8, 1))  # ((8, 1), (nvec, 2))
+            rbytes = cute.make_rmem_tensor((8, unroll), Uint8)
+            rwords = cute.recast_tensor(rbytes, Uint32)  # (2, unroll)
             sbytes = cute.make_rmem_tensor((8,), Uint8)
             swords = cute.recast_tensor(sbytes, Uint32)
             nv = ct % nvec
@@ -199,35 +282,51 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
                     k = kq
                     if cutlass.const_expr(kb > 0):
                         k = kq + (kb * SCALE_BLOCK - kq + (kq_n - 1)) // kq_n * kq_n
+                    end = (kb + 1) * SCALE_BLOCK
                     cute.autovec_copy(vscl[((None, 0), (nv, kb))], sbytes)
                     s0, s1 = swords[0], swords[1]
-                    v = (
-                        ptx.e8m0_value(s0 & Uint32(0xFF)),
-                        ptx.e8m0_value((s0 >> Uint32(8)) & Uint32(0xFF)),
-                        ptx.e8m0_value((s0 >> Uint32(16)) & Uint32(0xFF)),
-                        ptx.e8m0_value(s0 >> Uint32(24)),
-                        ptx.e8m0_value(s1 & Uint32(0xFF)),
-                        ptx.e8m0_value((s1 >> Uint32(8)) & Uint32(0xFF)),
-                        ptx.e8m0_value((s1 >> Uint32(16)) & Uint32(0xFF)),
-                        ptx.e8m0_value(s1 >> Uint32(24)),
-                    )
-                    end = (kb + 1) * SCALE_BLOCK
-                    while k < end:
-                        for j in cutlass.range_constexpr(UNROLL):
-                            kj = k + j * kq_n
+                    bad = ptx.e8m0x4_big_probe(ptx.e8m0x4_big_probe(Uint32(0), s0), s1)
+                    # Rows j < unroll - 1 always lie in the block ((unroll - 1) * KQ < 32).
+                    for j in cutlass.range_constexpr(unroll):
+                        kj = k + j * kq_n
+                        if cutlass.const_expr(j < unroll - 1):
+                            cute.autovec_copy(vraw[((None, 0), (nv, kj))], rbytes[(None, j)])
+                            bad = ptx.e4m3_nan_probe(bad, rwords[(0, j)], rwords[(1, j)])
+                        else:
                             if kj < end:
                                 cute.autovec_copy(vraw[((None, 0), (nv, kj))], rbytes[(None, j)])
-                        for j in cutlass.range_constexpr(UNROLL):
+                                bad = ptx.e4m3_nan_probe(bad, rwords[(0, j)], rwords[(1, j)])
+                    if (bad & Uint32(0x80808080)) == Uint32(0):
+                        f = (
+                            ptx.e8m0x2_bf16x2_factor(s0, 0),
+                            ptx.e8m0x2_bf16x2_factor(s0, 1),
+                            ptx.e8m0x2_bf16x2_factor(s1, 0),
+                            ptx.e8m0x2_bf16x2_factor(s1, 1),
+                        )
+                        for j in cutlass.range_constexpr(unroll):
+                            kj = k + j * kq_n
+                            if cutlass.const_expr(j < unroll - 1):
+                                self._fast_vec_n(vdst, owords, obf16, rwords, f, j, nv, kj)
+                            else:
+                                if kj < end:
+                                    self._fast_vec_n(vdst, owords, obf16, rwords, f, j, nv, kj)
+                    else:
+                        v = (
+                            ptx.e8m0_value(s0 & Uint32(0xFF)),
+                            ptx.e8m0_value((s0 >> Uint32(8)) & Uint32(0xFF)),
+                            ptx.e8m0_value((s0 >> Uint32(16)) & Uint32(0xFF)),
+                            ptx.e8m0_value(s0 >> Uint32(24)),
+                            ptx.e8m0_value(s1 & Uint32(0xFF)),
+                            ptx.e8m0_value((s1 >> Uint32(8)) & Uint32(0xFF)),
+                            ptx.e8m0_value((s1 >> Uint32(16)) & Uint32(0xFF)),
+                            ptx.e8m0_value(s1 >> Uint32(24)),
+                        )
+                        for j in cutlass.range_constexpr(unroll):
                             kj = k + j * kq_n
                             if kj < end:
-                                for w in cutlass.range_constexpr(2):
-                                    lo, hi = ptx.dequant_e4m3x4_bf16(
-                                        rwords[(w, j)], v[4 * w], v[4 * w + 1], v[4 * w + 2], v[4 * w + 3]
-                                    )
-                                    owords[2 * w] = lo
-                                    owords[2 * w + 1] = hi
-                                cute.autovec_copy(obf16, vdst[((None, 0), (nv, kj))])
-                        k = k + UNROLL * kq_n
+                                lo0, hi0 = ptx.dequant_e4m3x4_bf16(rwords[(0, j)], v[0], v[1], v[2], v[3])
+                                lo1, hi1 = ptx.dequant_e4m3x4_bf16(rwords[(1, j)], v[4], v[5], v[6], v[7])
+                                self._store_vec(vdst[((None, 0), (nv, kj))], owords, obf16, lo0, hi0, lo1, hi1)
 
     @cute.kernel
     def kernel_w8(
@@ -265,7 +364,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mma_warp_groups * 4 + CONVERTER_THREADS // 32
+                pipeline.Agent.Thread, self.num_mma_warp_groups * 4 + self.conv_threads // 32
             ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -276,7 +375,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         converted = pipeline.PipelineAsync.create(
             barrier_storage=storage.conv_barriers.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTER_THREADS),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.conv_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
             defer_sync=True,
         )
@@ -309,7 +408,7 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
         seg0_tiles = (seg0_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
 
-        if warp_group == 0:
+        if warp_group == 0 or warp_group == 3:  # (no warp group 3 with 3 converter warps)
             cute.arch.setmaxregister_decrease(self.load_regs)
             t = Int32(bidx)
             seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
@@ -322,9 +421,12 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
                     tma_atom_b, tBgB, tBsB, group_sizes, gdim, m, n_tiles, k_tiles, extra=(tma_atom_s, tSgS, tSsS),
                 )
             else:
-                # Converters: the same stage sequence as the consumers (every stage of
-                # every non-tail tile), in order.
+                # Converters (warps 1-3: ct 0..95; ``_c7``: warps 12-15, ct 96..223): the
+                # same stage sequence as the consumers (every stage of every non-tail
+                # tile), in order.
                 ct = tidx - 32
+                if warp_group == 3:
+                    ct = tidx - (384 - 96)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 while seg <= num_groups:
                     if seg < num_groups:

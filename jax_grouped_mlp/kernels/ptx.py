@@ -330,3 +330,164 @@ def dequant_e4m3x4_bf16(
         Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
         Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
     )
+
+
+@dsl_user_op
+def srelu_scaled_bf16x2(h: Uint32, p: Float32, *, loc=None, ip=None) -> Uint32:
+    """``bf16(p * relu(x)**2)`` for both bf16 halves ``x`` of ``h`` (the FC1 epilogue).
+
+    float32 math from the bf16 input, one ``mul.rn`` per product (never fused, no flush
+    to zero), one bf16 rounding: ``mlp._srelu_scaled``'s arithmetic,
+    ``(probs * (r * r)).astype(bf16)`` with ``r = maximum(f32(h), 0)``. ``max.NaN``
+    keeps a NaN input NaN, as ``jnp.maximum`` does.
+    """
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(h).ir_value(loc=loc, ip=ip), Float32(p).ir_value(loc=loc, ip=ip)],
+            "{\n"
+            ".reg .b32 x0, x1;\n"
+            ".reg .f32 f0, f1;\n"
+            "shl.b32 x0, $1, 16;\n"
+            "and.b32 x1, $1, 0xFFFF0000;\n"
+            "mov.b32 f0, x0;\n"
+            "mov.b32 f1, x1;\n"
+            "max.NaN.f32 f0, f0, 0f00000000;\n"
+            "max.NaN.f32 f1, f1, 0f00000000;\n"
+            "mul.rn.f32 f0, f0, f0;\n"
+            "mul.rn.f32 f1, f1, f1;\n"
+            "mul.rn.f32 f0, f0, $2;\n"
+            "mul.rn.f32 f1, f1, $2;\n"
+            "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
+            "}",
+            "=r,r,f",
+        )
+    )
+
+
+# ---- the w8 GEMM's fast E4M3 -> bf16 decode (integer bit placement + one bf16x2 multiply) ----
+#
+# An E4M3 byte ``s EEEE mmm`` placed as the bf16 ``s 0000EEEE mmm0000`` is exactly
+# ``e4m3 * 2**-120`` (normals: exponent field E means 2**(E-127); subnormals E = 0: the
+# bf16 subnormal m * 2**-129 = (m * 2**-9) * 2**-120; zeros keep their sign). One bf16
+# multiply by 2**(e - 7) (an E8M0 byte e) then rounds the exact product
+# ``e4m3 * 2**(e - 127)`` once, which is ``bf16(f32(e4m3) * 2**(e - 127))``: the float32
+# product of the reference is exact (4 significant bits, >= 2**-136). Valid while 2**(e-7)
+# is a bf16 (e <= 134) and the byte is not the E4M3 NaN (0x7F / 0xFF, which the placement
+# would turn into 480); the kernel checks both per batch and takes the exact float32 path
+# (:func:`dequant_e4m3x4_bf16`) otherwise. ``tests/test_w8_decode.py`` checks all of it
+# exhaustively on the CPU (all 256 x 256 byte pairs).
+
+FAST_SCALE_MAX = 134  # largest E8M0 byte whose 2**(e - 7) is a (normal) bf16
+
+
+@dsl_user_op
+def dequant_e4m3x4_bf16_fast(w: Uint32, f01: Uint32, f23: Uint32, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
+    """Four E4M3 bytes (byte ``i`` = element ``i``) -> two bf16x2 words ``e4m3 * 2**(e-127)``.
+
+    ``f01``, ``f23``: bf16x2 words of the factors ``2**(e - 7)`` for elements (0, 1) and
+    (2, 3) (:func:`e8m0_bf16x2_factor`). ``prmt`` spreads byte ``i`` into the low byte of
+    half ``i`` with its sign replicated into the high byte; ``<< 4`` and the mask leave
+    ``s 0000EEEE mmm0000`` per half. Only for non-NaN bytes and e <= 134 (see above).
+    """
+    ops = [Uint32(x).ir_value(loc=loc, ip=ip) for x in (w, f01, f23)]
+    res = _asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]),
+        ops,
+        "{\n"
+        ".reg .b32 z, h0, h1;\n"
+        "mov.b32 z, 0;\n"
+        "prmt.b32 h0, $2, z, 0x9180;\n"
+        "prmt.b32 h1, $2, z, 0xB3A2;\n"
+        "shl.b32 h0, h0, 4;\n"
+        "shl.b32 h1, h1, 4;\n"
+        "and.b32 h0, h0, 0x87F087F0;\n"
+        "and.b32 h1, h1, 0x87F087F0;\n"
+        "mul.rn.bf16x2 $0, h0, $3;\n"
+        "mul.rn.bf16x2 $1, h1, $4;\n"
+        "}",
+        "=r,=r,r,r,r",
+    )
+    return (
+        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+        Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
+    )
+
+
+@dsl_user_op
+def e8m0_bf16x2_factor(e: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The bf16x2 word (2**(e-7), 2**(e-7)) for one E8M0 byte ``e <= 134``: the bf16 bits
+    ``(e + 120) << 7`` in both halves, as one ``e * 0x00800080 + 0x3C003C00``."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(e).ir_value(loc=loc, ip=ip)],
+            "mad.lo.u32 $0, $1, 0x00800080, 0x3C003C00;",
+            "=r,r",
+        )
+    )
+
+
+@dsl_user_op
+def e8m0x2_bf16x2_factor(s: Uint32, sel: int, *, loc=None, ip=None) -> Uint32:
+    """The bf16x2 word (2**(e_a - 7), 2**(e_b - 7)) of two E8M0 bytes of the word ``s``:
+    bytes 0, 1 for ``sel == 0``, bytes 2, 3 for ``sel == 1`` (each e <= 134; larger
+    bytes give garbage, the caller then takes the exact path)."""
+    selector = 0x4140 if sel == 0 else 0x4342
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(s).ir_value(loc=loc, ip=ip)],
+            "{\n"
+            ".reg .b32 h, z;\n"
+            "mov.b32 z, 0;\n"
+            f"prmt.b32 h, $1, z, {selector:#x};\n"
+            "mad.lo.u32 $0, h, 0x80, 0x3C003C00;\n"
+            "}",
+            "=r,r",
+        )
+    )
+
+
+@dsl_user_op
+def e4m3_nan_probe(acc: Uint32, w0: Uint32, w1: Uint32, *, loc=None, ip=None) -> Uint32:
+    """``acc | t(w0) | t(w1)`` with ``t(w) = (w & 0x7F7F7F7F) + 0x01010101``: bit 7 of a byte
+    of ``t`` is set iff that E4M3 byte is a NaN (0x7F / 0xFF); no carry crosses bytes.
+    Test ``acc & 0x80808080`` after the batch."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(x).ir_value(loc=loc, ip=ip) for x in (acc, w0, w1)],
+            "{\n"
+            ".reg .b32 t0, t1;\n"
+            "and.b32 t0, $2, 0x7F7F7F7F;\n"
+            "and.b32 t1, $3, 0x7F7F7F7F;\n"
+            "add.u32 t0, t0, 0x01010101;\n"
+            "add.u32 t1, t1, 0x01010101;\n"
+            "or.b32 t0, t0, t1;\n"
+            "or.b32 $0, $1, t0;\n"
+            "}",
+            "=r,r,r,r",
+        )
+    )
+
+
+@dsl_user_op
+def e8m0x4_big_probe(acc: Uint32, s: Uint32, *, loc=None, ip=None) -> Uint32:
+    """``acc | big(s)``: bit 7 of a byte of ``big(s)`` is set iff that E8M0 byte is > 134
+    (``((s & 0x7F7F7F7F) + 0x79797979) & s``: the high bit set and the low 7 bits >= 7;
+    no carry crosses bytes). Test ``acc & 0x80808080``."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(x).ir_value(loc=loc, ip=ip) for x in (acc, s)],
+            "{\n"
+            ".reg .b32 t;\n"
+            "and.b32 t, $2, 0x7F7F7F7F;\n"
+            "add.u32 t, t, 0x79797979;\n"
+            "and.b32 t, t, $2;\n"
+            "or.b32 $0, $1, t;\n"
+            "}",
+            "=r,r,r",
+        )
+    )

@@ -1,0 +1,367 @@
+"""Hopper grouped GEMM with the FC1 epilogue: ``h``, and ``a = probs * relu(h)**2`` as MXFP8.
+
+STATUS: compiled for sm_90a, NOT YET RUN ON A GPU (tests/test_grouped_gemm_fc1_gpu.py).
+
+``h[m] = A[m] @ B[group(m)]`` exactly as :class:`GroupedGemmSm90` writes it (same
+mainloop, same bf16 rounding, same stores), plus, from the same shared-memory subtiles:
+
+  a_row    [M, N] bf16   ``dequantize(quantize_mxfp8(a, axis=1))``: the rowwise MXFP8
+                          values of ``a`` in bf16 (FC2's operand; 32-blocks along N)
+  a_col    [M, N] E4M3   ``quantize_mxfp8_grouped(a, group_sizes).data``
+  a_scale  [cdiv(M, 32) + G, N] E8M0   ``... .scale`` (32-row blocks that never cross a
+                          group; block ``b`` of the group layout is scale row ``b``)
+
+with ``a = bf16(probs[:, None] * relu(f32(h))**2)`` (float32 math from the bf16 ``h``,
+:func:`ptx.srelu_scaled_bf16x2`), i.e. bit for bit
+``mxfp8.fake_quantize_pair(mlp._srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)``.
+Rows past ``sum(group_sizes)``: ``h`` zero, ``a_row`` the row quantization of
+``bf16(probs * 0)``, ``a_col`` data zero; unused scale rows are zero (the handler clears
+``a_scale`` before the launch; the kernel writes only used blocks).
+
+Operands: A ``[M, K]`` bf16, B ``[G, K, N]`` bf16 (N contiguous; fprop only), probs
+``[M]`` float32, group_sizes ``[G]`` int32. Everything else (scheduler, producer,
+pipeline, register split, TMA store of ``h``) is the bf16 kernel's.
+
+Epilogue, per 128 x 32 subtile (one rowwise block per row; four 32-row column blocks),
+after the subtile of ``h`` is staged in shared memory (stmatrix) and the 256 consumer
+threads passed the epilogue barrier:
+  * ``h``: TMA store (full tiles) or predicated 16-byte stores (partial tiles), as before;
+  * row pass: the partial-store mapping (thread = 8 columns of rows ``r``, ``r + 64``;
+    4 threads per row): 16-byte shared-memory reads through CuTe's swizzled layout,
+    ``a`` in registers, block amax on the integer pipe + 2 shuffles, 16-byte stores
+    of the fake-quantized values;
+  * column pass: the transposed mapping (a warp = 32 consecutive rows x 8 columns, so a
+    warp holds exactly one 32-row block of 8 columns): the same reads, ``a`` again,
+    rows past the tile's valid rows masked to zero, amax over the warp (5 butterfly
+    shuffles per bf16 pair), 8-byte E4M3 stores per row and one 8-byte scale store per
+    warp (lane 0). Tail tiles (rows past the groups) write zero data and no scales.
+  * a second barrier (partial tiles too) before the buffer is reused.
+The passes only read the staged subtile (the TMA store reads it too), so no extra
+shared memory is needed; with the second barrier, the buffer is rewritten two subtiles
+later, after every thread has finished both passes over it.
+
+The scale row of a tile's first block is ``seg_blk0 + row_off / 32`` where ``seg_blk0``
+(the number of 32-row blocks of all earlier groups, sizes clamped as the scheduler
+clamps them) is carried in the consumers' own copy of the segment cursor
+(:meth:`_seek_fc1`; the base ``_seek``, which the producer uses, is untouched). Tiles
+start at their group's start + a multiple of 128, so each 32-row sub-block of a tile is
+one block of the group layout, cut short at the group's end.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
+
+from jax_grouped_mlp.kernels import ptx
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import _BIG, EPI_N, GroupedGemmConfig, GroupedGemmSm90
+
+BLOCK = 32  # MXFP8 block
+VEC = 8  # elements per thread vector (16 bytes of bf16)
+
+
+class GroupedGemmFc1Sm90(GroupedGemmSm90):
+    """The bf16 grouped GEMM with the FC1 epilogue; see the module docstring."""
+
+    def __init__(self, config: GroupedGemmConfig):
+        if not config.fc1_epilogue or config.b_k_major or config.b_fp8:
+            raise ValueError(f"GroupedGemmFc1Sm90 needs fc1_epilogue=True with bf16 [G, K, N] B, got {config}")
+        super().__init__(config)
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (M, K) bf16, K contiguous
+        b: cute.Tensor,  # (N, K, G) bf16, N contiguous (JAX's [G, K, N])
+        out: cute.Tensor,  # (M, N) bf16: h
+        a_row: cute.Tensor,  # (M, N) bf16: rowwise MXFP8 values of a
+        a_col: cute.Tensor,  # (M, N) uint8: E4M3 data of the group-aware columnwise copy
+        a_scale: cute.Tensor,  # (NB, N) uint8: its E8M0 scales, NB = cdiv(M, 32) + G
+        probs: cute.Tensor,  # (M,) float32
+        group_sizes: cute.Tensor,  # (G,) int32
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        tma, smem_layouts = self._prepare(a, b, out)
+        v = (1, VEC)
+        self.kernel_fc1(
+            *tma, out, cute.zipped_divide(a_row, v), cute.zipped_divide(a_col, v), cute.zipped_divide(a_scale, v),
+            probs, group_sizes, self.tiled_mma, *smem_layouts,
+        ).launch(
+            grid=(num_ctas, 1, 1),
+            block=(self.threads, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---- the consumers' cursor: the base one plus the blocks of earlier groups ----
+
+    @cute.jit
+    def _seek_fc1(self, group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0, m, n_tiles):
+        """:meth:`_seek`, also carrying ``seg_blk0``: the 32-row blocks of segments before ``seg``."""
+        num_groups = group_sizes.shape[0]
+        while t - seg_tile0 >= seg_tiles:
+            seg_tile0 = seg_tile0 + seg_tiles
+            seg_row0 = seg_row0 + seg_rows
+            seg_blk0 = seg_blk0 + (seg_rows + (BLOCK - 1)) // BLOCK
+            seg = seg + 1
+            seg_rows = self._segment_rows(group_sizes, seg, seg_row0, m)
+            seg_tiles = (seg_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
+            if seg > num_groups:
+                seg_tiles = Int32(_BIG)
+        return seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0
+
+    # ---- the epilogue ----
+
+    def _col_read_copies(self, sC: cute.Tensor, ctid):
+        """The column pass's view of the staged subtile: 16-byte reads, thread ``ctid`` =
+        row ``ctid % 64`` (and + 64) x 8 columns ``8 * (ctid // 64)``; a warp is 32
+        consecutive rows of one 8-column vector. Returns ``(tCR_sC, tCR_cC)``."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((64, EPI_N // VEC), order=(0, 1)), cute.make_layout((1, VEC))
+        )
+        thr = tiled.get_slice(ctid)
+        return thr.partition_S(sC), thr.partition_D(cute.make_identity_tensor(self.epi_tile))
+
+    def _load_words(self, src: cute.Tensor):
+        """8 bf16 of the staged subtile (one 16-byte shared-memory read) -> 4 packed words."""
+        rv = cute.make_rmem_tensor((VEC,), BFloat16)
+        cute.autovec_copy(src, rv)
+        rw = cute.recast_tensor(rv, Uint32)
+        return [rw[w] for w in range(VEC // 2)]
+
+    @cute.jit
+    def _row_pass(self, tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid):
+        """Rowwise MXFP8 values of ``a`` for this thread's two 8-column vectors (rows ``r``, ``r + 64``)."""
+        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
+            r, c = tSG_cC[(0, i, 0)]
+            hw = self._load_words(tSG_s[(None, i, 0)])
+            aw = [ptx.srelu_scaled_bf16x2(hw[w], p_row[i]) for w in range(VEC // 2)]
+            am = ptx.max_u16x2(ptx.max_u16x2(ptx.abs_bf16x2(aw[0]), ptx.abs_bf16x2(aw[1])),
+                               ptx.max_u16x2(ptx.abs_bf16x2(aw[2]), ptx.abs_bf16x2(aw[3])))
+            am = cutlass.max(am & Uint32(0xFFFF), am >> 16)
+            am = am & (Uint32(0) - Uint32(c < cols_valid))  # columns past N: not in any block
+            # The 4 threads of a row are 4 consecutive lanes; every lane shuffles.
+            am = cutlass.max(am, Uint32(cute.arch.shuffle_sync_bfly(am, offset=1)))
+            am = cutlass.max(am, Uint32(cute.arch.shuffle_sync_bfly(am, offset=2)))
+            e = ptx.e8m0_rceil(am)
+            rs = ptx.e8m0_reciprocal(e)
+            vs = ptx.e8m0_value(e)
+            o = cute.make_rmem_tensor((1, VEC), BFloat16)
+            ow = cute.recast_tensor(o, Uint32)
+            for q in cutlass.range_constexpr(VEC // 4):
+                lo, hi = ptx.fake_quant_bf16x4(aw[2 * q], aw[2 * q + 1], rs, rs, rs, rs, vs, vs, vs, vs)
+                ow[2 * q] = lo
+                ow[2 * q + 1] = hi
+            if r < rows_valid:
+                if c < cols_valid:
+                    cute.autovec_copy(o, g_row[(None, (row0 + r, (gcol0 + c) // VEC))])
+
+    @cute.jit
+    def _col_pass(self, tCR_s, tCR_cC, g_col, g_scale, p_col, row0, gcol0, rows_valid, cols_valid, in_group,
+                  blk0, lane):
+        """Group-aware columnwise MXFP8 of ``a``: this warp's 32-row block(s) of 8 columns."""
+        data_mask = Uint32(0) - Uint32(in_group)  # rows past the groups: data 0, no scales
+        for i in cutlass.range_constexpr(cute.size(tCR_cC, mode=[1])):
+            r, c = tCR_cC[(0, i, 0)]
+            hw = self._load_words(tCR_s[(None, i, 0)])
+            row_mask = Uint32(0) - Uint32(r < rows_valid)  # rows past the tile's group: zero
+            aw = [ptx.srelu_scaled_bf16x2(hw[w], p_col[i]) & row_mask for w in range(VEC // 2)]
+            cm = [ptx.abs_bf16x2(aw[w]) for w in range(VEC // 2)]
+            for w in cutlass.range_constexpr(VEC // 2):
+                for s in cutlass.range_constexpr(5):  # the warp's 32 rows: one block
+                    cm[w] = ptx.max_u16x2(cm[w], Uint32(cute.arch.shuffle_sync_bfly(cm[w], offset=1 << s)))
+            ecol = []
+            rcol = []
+            for j in cutlass.range_constexpr(VEC):
+                ej = ptx.e8m0_rceil((cm[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF))
+                ecol.append(ej)
+                rcol.append(ptx.e8m0_reciprocal(ej))
+            oc = cute.make_rmem_tensor((1, VEC), Uint8)
+            ocw = cute.recast_tensor(oc, Uint32)
+            for q in cutlass.range_constexpr(VEC // 4):
+                ocw[q] = data_mask & ptx.encode_e4m3x4(aw[2 * q], aw[2 * q + 1], *rcol[4 * q: 4 * q + 4])
+            if r < rows_valid:
+                if c < cols_valid:
+                    cute.autovec_copy(oc, g_col[(None, (row0 + r, (gcol0 + c) // VEC))])
+            blk = r // BLOCK  # the tile's block (0..3); the warp's rows are one block
+            if in_group:
+                if lane == 0:
+                    if blk * BLOCK < rows_valid:
+                        if c < cols_valid:
+                            os_ = cute.make_rmem_tensor((1, VEC), Uint8)
+                            for j in cutlass.range_constexpr(VEC):
+                                os_[j] = Uint8(ecol[j])
+                            cute.autovec_copy(os_, g_scale[(None, (blk0 + blk, (gcol0 + c) // VEC))])
+
+    @cute.jit
+    def _store_tile_fc1(
+        self, epi, s2g, col_read, tma_atom_out, sC: cute.Tensor, mOutTma: cute.Tensor, mOut: cute.Tensor,
+        g_row, g_col, g_scale, p_row, p_col, row0: Int32, col0: Int32, n_tile: Int32, rows_valid: Int32,
+        n: Int32, in_group, blk0: Int32, epi_count: Int32, warp_idx, lane,
+    ):
+        """The tile's epilogue: ``h`` as the bf16 kernel stores it (TMA for full tiles,
+        predicated 16-byte stores for partial ones), then per subtile the row and column
+        passes of ``a`` from the same staged shared-memory subtile. Returns the new
+        subtile count."""
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
+        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
+        tCR_sC, tCR_cC = col_read
+        size_tRS_rD = cute.size(tRS_rD)
+        full = rows_valid == self.tile_m
+        gTile = cute.local_tile(cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile))
+        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, 32), (1, tile_n / 32))
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
+        )
+        epi_num = cute.size(gEpi, mode=[1])
+        epi_shape = gEpi.shape[1]
+        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        if rows_valid < self.tile_m:  # partial tile
+            if warp_idx == self.epi_store_warp:
+                # Earlier TMA stores may still read the buffers about to be overwritten
+                # (the first subtile's barrier publishes this wait).
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        for e in cutlass.range_constexpr(epi_num):
+            for v in cutlass.range_constexpr(size_tRS_rD):
+                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+            buf = (epi_count + e) % self.epi_stages
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            # stmatrix writes go through the generic proxy; TMA reads async.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epi_barrier.arrive_and_wait()
+            gcol0 = col0 + e * EPI_N
+            cols_valid = n - gcol0
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            if full:
+                if warp_idx == self.epi_store_warp:
+                    cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
+                    store_pipeline.producer_commit()
+                    store_pipeline.producer_acquire()  # the buffer written next is free again
+            else:
+                gSub = cute.local_tile(cute.domain_offset((row0, gcol0), mOut), self.epi_tile, (0, 0))
+                tSG_g = thr_s2g.partition_D(gSub)
+                for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
+                    for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
+                        r, c = tSG_cC[(0, i, j)]
+                        if r < rows_valid:
+                            if c < cols_valid:
+                                cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+            self._row_pass(tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid)
+            self._col_pass(
+                tCR_sC[(None, None, None, buf)], tCR_cC, g_col, g_scale, p_col, row0, gcol0, rows_valid,
+                cols_valid, in_group, blk0, lane,
+            )
+            # Every thread is done reading this buffer before it is written again.
+            self.epi_barrier.arrive_and_wait()
+        return epi_count + epi_num
+
+    @cute.jit
+    def _load_probs(self, mProbs: cute.Tensor, coords, row0: Int32, rows_valid: Int32):
+        """``probs`` of this thread's two rows in ``coords`` (tile-relative); 0 past the valid rows."""
+        ps = []
+        for i in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+            r, _ = coords[(0, i, 0)]
+            p = Float32(0.0)
+            if r < rows_valid:
+                p = Float32(mProbs[row0 + r])
+            ps.append(p)
+        return ps
+
+    @cute.jit
+    def _mma_consumer_fc1(
+        self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
+        tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, g_row, g_col, g_scale,
+        mProbs: cute.Tensor, group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+    ):
+        """:meth:`_mma_consumer` (same mainloop) with the FC1 epilogue and the block cursor."""
+        m = mOut.shape[0]
+        n = mOut.shape[1]
+        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
+        num_groups = group_sizes.shape[0]
+        lane = ctid % 32
+        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
+
+        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
+        store_pipeline = epi[5]
+        epi_count = Int32(0)
+        s2g = self._partial_store_copies(sC, ctid)
+        col_read = self._col_read_copies(sC, ctid)
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        t = Int32(bidx)
+        seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0 = self._seek_fc1(
+            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, Int32(0), m, n_tiles
+        )
+        while seg <= num_groups:
+            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+            acc.fill(0.0)
+            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                mainloop.consumer_wait(read)
+                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                read.advance()
+                for k in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+
+            row0 = seg_row0 + row_off
+            col0 = n_tile * self.tile_n
+            p_row = self._load_probs(mProbs, s2g[3], row0, rows_valid)
+            p_col = self._load_probs(mProbs, col_read[1], row0, rows_valid)
+            epi_count = self._store_tile_fc1(
+                epi, s2g, col_read, tma_atom_out, sC, mOutTma, mOut, g_row, g_col, g_scale, p_row, p_col,
+                row0, col0, n_tile, rows_valid, n, seg < num_groups, seg_blk0 + row_off // BLOCK, epi_count,
+                warp_idx, lane,
+            )
+
+            t = t + gdim
+            seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0 = self._seek_fc1(
+                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0, m, n_tiles
+            )
+        store_pipeline.producer_tail()
+
+    @cute.kernel
+    def kernel_fc1(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,  # TMA coordinate tensor (M, K)
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
+        tma_atom_out: cute.CopyAtom,
+        mOutTma: cute.Tensor,  # TMA coordinate tensor (M, N)
+        mOut: cute.Tensor,  # (M, N) bf16
+        g_row: cute.Tensor,  # ((1, 8), (M, N / 8)) bf16
+        g_col: cute.Tensor,  # ((1, 8), (M, N / 8)) uint8
+        g_scale: cute.Tensor,  # ((1, 8), (NB, N / 8)) uint8
+        mProbs: cute.Tensor,  # (M,) float32
+        group_sizes: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        )
+        if warp_group != 0:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._mma_consumer_fc1(
+                tiled_mma, mainloop, sA, sB, sC, tma_atom_out, mOutTma, mOut, g_row, g_col, g_scale, mProbs,
+                group_sizes, tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+            )
