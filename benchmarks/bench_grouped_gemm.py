@@ -9,7 +9,11 @@ Shapes (G groups of equal size, ``[M, K] x [G, K, N] -> [M, N]``):
   nano_fc2 128 x 384 rows, 1856 -> 2688  (its FC2 mirror)
   nano_fc1_ragged  the FC1 shape with skewed random group sizes (Dirichlet(1) expert
            shares of M = 49152, fixed seed): most groups end in a partial row tile
-For each: every compiled kernel variant, the default variant on MXFP8 operands
+For each: every compiled kernel variant, the FC1 fused-epilogue kernel (``h`` plus
+``a = probs * relu(h)**2`` as MXFP8 row values and a group-aware FP8 column copy, one
+launch) against the same outputs from the plain kernel followed by the one-pass
+fake-quantize kernel (``fc1_unfused``), tokamax's ``ragged_dot`` (bf16, when importable),
+the default variant on MXFP8 operands
 (dequantized to bf16 inside the same jit, i.e. strategy 2 with the conversion outside
 the kernel), ``jax.lax.ragged_dot`` (bf16 in, f32 accumulate) and, as a ceiling, XLA's
 dense bf16 GEMM of the same FLOPs (``[M, K] x [K, N]``). TFLOP/s = 2 M N K / time.
@@ -49,6 +53,48 @@ def _entry(seconds: float, flops: float) -> dict:
     return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
 
 
+def _tokamax_ragged_dot():
+    """tokamax's ragged_dot (bf16 out) when the package imports, else None."""
+    try:
+        import tokamax
+    except ImportError:
+        return None
+    return lambda a, b, gs: tokamax.ragged_dot(a, b, gs)
+
+
+def _fc1_epilogue(a, b, gs, flops: float, iters: int) -> dict:
+    """FC1 fused-epilogue kernel vs plain kernel + squared ReLU + one-pass pair quantize.
+
+    Both produce the same three tensors (``h``, ``a_row``, ``a_col``); ``bitwise_equal``
+    says whether they agree bit for bit on this input.
+    """
+    out: dict = {}
+    if not gemm_ffi.grouped_gemm_fc1_variants():
+        return out
+    from jax_grouped_mlp._src.mlp import _srelu_scaled
+
+    probs = jax.random.uniform(jax.random.key(7), (a.shape[0],), jnp.float32)
+    n = b.shape[2]
+    variant = gemm_ffi.default_variant(n, tuple(v for v in gemm_ffi.grouped_gemm_variants() if not v.endswith("_bk")))
+
+    def unfused(a, b, gs, probs):
+        h = gemm_ffi.grouped_gemm_bf16_cuda(a, b, gs, variant=variant)
+        row, col = ffi.fake_quantize_pair_mxfp8_cuda(_srelu_scaled(h, probs), gs, keep_col_fp8=True)
+        return h, row, col
+
+    ref = jax.jit(unfused)
+    out["fc1_unfused"] = _entry(time_call(ref, a, b, gs, probs, iters=iters), flops)
+    out["fc1_unfused"]["variant"] = variant
+    want = jax.tree_util.tree_leaves(ref(a, b, gs, probs))
+    for v in gemm_ffi.grouped_gemm_fc1_variants():
+        fn = jax.jit(lambda a, b, gs, probs, v=v: gemm_ffi.grouped_gemm_fc1_cuda(a, b, gs, probs, variant=v))
+        e = _entry(time_call(fn, a, b, gs, probs, iters=iters), flops)
+        got = jax.tree_util.tree_leaves(fn(a, b, gs, probs))
+        e["bitwise_equal"] = all(bool(jnp.array_equal(x, y)) for x, y in zip(got, want))
+        out[f"fc1_epilogue:{v}"] = e
+    return out
+
+
 def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> dict:
     g, rows, k, n = SHAPES[name]
     m = g * rows
@@ -80,6 +126,16 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
             got = fn(a, b, gs).astype(jnp.float32)
             e["rel_err_vs_ragged_dot"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         res[f"kernel:{variant}"] = e
+
+    res.update(_fc1_epilogue(a, b, gs, flops, iters))
+    tok = _tokamax_ragged_dot()
+    if tok is not None:
+        fn = jax.jit(tok)
+        e = _entry(time_call(fn, a, b, gs, iters=iters), flops)
+        if want is not None:
+            got = fn(a, b, gs).astype(jnp.float32)
+            e["rel_err_vs_ragged_dot"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        res["tokamax_ragged_dot_bf16"] = e
 
     aq, bq = mxfp8.quantize_mxfp8(a, axis=1), mxfp8.quantize_mxfp8(b, axis=1)
     via = jax.jit(lambda aq, bq, gs: gemm_ffi.grouped_gemm_cuda(aq, bq, gs, out_dtype=jnp.bfloat16))
@@ -128,12 +184,16 @@ def main(argv=None) -> int:
         print(name, json.dumps(report["shapes"][name]), flush=True)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{'shape':10} {'best variant':42} {'ms':>8} {'TFLOP/s':>8} {'ragged_dot ms':>14} {'x ragged':>9} {'dense TF/s':>10}")
+    nan = {"ms": float("nan")}
+    print(f"{'shape':15} {'best variant':42} {'ms':>8} {'TFLOP/s':>8} {'ragged_dot ms':>14} {'x ragged':>9} "
+          f"{'tokamax ms':>10} {'dense TF/s':>10} {'fc1 unfused':>11} {'fc1 fused':>9}")
     for name, r in report["shapes"].items():
         best = r[f"kernel:{r['best_variant']}"]
-        print(f"{name:10} {r['best_variant']:42} {best['ms']:8.3f} {best['tflops']:8.1f} "
-              f"{r.get('ragged_dot_bf16', {}).get('ms', float('nan')):14.2f} {r.get('speedup_vs_ragged_dot', float('nan')):9.1f} "
-              f"{r['xla_dense_bf16_same_flops']['tflops']:10.1f}")
+        fused = min((e["ms"] for kk, e in r.items() if kk.startswith("fc1_epilogue:")), default=float("nan"))
+        print(f"{name:15} {r['best_variant']:42} {best['ms']:8.3f} {best['tflops']:8.1f} "
+              f"{r.get('ragged_dot_bf16', nan)['ms']:14.2f} {r.get('speedup_vs_ragged_dot', float('nan')):9.1f} "
+              f"{r.get('tokamax_ragged_dot_bf16', nan)['ms']:10.3f} {r['xla_dense_bf16_same_flops']['tflops']:10.1f} "
+              f"{r.get('fc1_unfused', nan)['ms']:11.3f} {fused:9.3f}")
     if ns.plot:
         try:
             _plot(report, ns.out.with_suffix(".png"))
