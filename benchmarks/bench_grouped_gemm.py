@@ -71,7 +71,7 @@ def _fc1_epilogue(a, b, gs, flops: float, iters: int) -> dict:
     out: dict = {}
     if not gemm_ffi.grouped_gemm_fc1_variants():
         return out
-    from jax_grouped_mlp._src.mlp import _srelu_scaled
+    from jax_grouped_mlp._src.primitives import srelu_scaled as _srelu_scaled
 
     probs = jax.random.uniform(jax.random.key(7), (a.shape[0],), jnp.float32)
     n = b.shape[2]

@@ -43,6 +43,7 @@ def _step(mlp):
 def _candidates() -> dict:
     c = {
         "grouped_mlp_mxfp8": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
+        "grouped_mlp_mxfp8_unfused_fc1": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8", fuse_fc1_epilogue=False),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
         "ragged_dot_bf16": ragged_dot_mlp,
     }

@@ -1,12 +1,12 @@
 """The FC1-epilogue grouped GEMM (``gemm_ffi.grouped_gemm_fc1_cuda``) against the plain
 kernel and the reference quantizers, bit for bit.
 
-STATUS: written before the kernel ever ran on a GPU (docs/gemm.md, "FC1 epilogue").
+Written before the kernel first ran; it passed on the H200 on 2026-11-30 (docs/gemm.md, "FC1 epilogue").
 
 For every case (fresh random inputs, outputs poisoned with two byte patterns first):
   * ``h`` equals the plain kernel's output with the same tile width, bit for bit;
   * ``a_row`` equals ``dequantize(quantize_mxfp8(a, axis=1))`` with
-    ``a = mlp._srelu_scaled(h, probs)``, as bf16 bit patterns (reference on the CPU; any
+    ``a = primitives.srelu_scaled(h, probs)``, as bf16 bit patterns (reference on the CPU; any
     NaN matches any NaN, and where both are zero or subnormal they may differ: the CPU
     flushes subnormal float32 results, see test_fake_quantize_gpu.py);
   * ``a_col`` (data and scales) equals ``quantize_mxfp8_grouped(a, group_sizes)`` byte for
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
-from jax_grouped_mlp._src.mlp import _srelu_scaled
+from jax_grouped_mlp._src.primitives import srelu_scaled as _srelu_scaled
 from gpu_helpers import has_gpu
 from test_fake_quantize_gpu import _assert_same_bits
 from test_quantize_gpu import _assert_same, _poison

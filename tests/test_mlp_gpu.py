@@ -17,10 +17,10 @@ from test_mlp import BANDS, SIZES, make_inputs
 pytestmark = pytest.mark.gpu
 
 
-def _loss_and_grads(policy):
+def _loss_and_grads(policy, fuse=True):
     def run(x, w1, w2, gs, probs, dy):
         def f(x, w1, w2, p):
-            return jgm.grouped_mlp(x, w1, w2, gs, p)
+            return jgm.grouped_mlp(x, w1, w2, gs, p, fuse_fc1_epilogue=fuse)
 
         if policy is not None:
             f = jax.checkpoint(f, policy=policy)
@@ -53,18 +53,35 @@ def test_matches_cpu_path_and_float64(gpu, rng, case):
         assert rel_err(g_, r) < BANDS["mxfp8"][name], name
 
 
-def test_kernels_are_in_the_compiled_program(gpu, rng):
+@pytest.mark.parametrize("fuse", [True, False])
+def test_kernels_are_in_the_compiled_program(gpu, rng, fuse):
     """Every GEMM of forward + backward is ours: no XLA dot, cuBLAS or Triton GEMM is left."""
     args = jax.device_put(make_inputs(rng, m=256, h=128, f=128, g=4), gpu)
-    hlo = _loss_and_grads(None).lower(*args).compile().as_text()
-    # x, a, dy, dh: both MXFP8 copies from one pass each (no quantize + dequantize).
-    assert hlo.count(f'custom_call_target="{ffi.FAKE_QUANTIZE_PAIR_TARGET}"') == 4
+    hlo = _loss_and_grads(None, fuse).lower(*args).compile().as_text()
+    # x, a, dy, dh: both MXFP8 copies from one pass each (no quantize + dequantize);
+    # fused, FC1's kernel writes a's copies itself.
+    assert hlo.count(f'custom_call_target="{ffi.FAKE_QUANTIZE_PAIR_TARGET}"') == 4 - fuse
+    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_GEMM_FC1_TARGET}"') == fuse
     # The two kept FP8 residuals, dequantized for the weight gradients by our kernel.
     assert hlo.count(f'custom_call_target="{ffi.DEQUANTIZE_TARGET}"') == 2
-    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_GEMM_TARGET}"') == 4  # FC1, FC2, 2 dgrads
+    # FC1 (unless fused), FC2, 2 dgrads
+    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_GEMM_TARGET}"') == 4 - fuse
     assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}"') == 2
     assert not re.search(r"\bdot\(", hlo), "an XLA dot survived"
     assert "cublas" not in hlo and "triton_gemm" not in hlo
+
+
+@pytest.mark.parametrize("case", ["zeros_and_skew", "sum_above_m", "unaligned"])
+def test_fused_fc1_epilogue_changes_no_bit(gpu, rng, case):
+    """The FC1 epilogue kernel writes what the unfused FC1 + srelu + quantize passes write,
+    so the output and all four gradients are bitwise those of the unfused op."""
+    args = jax.device_put(make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[s * 4 for s in SIZES[case]]), gpu)
+    fused = jax.tree.leaves(_loss_and_grads(None, True)(*args))
+    unfused = jax.tree.leaves(_loss_and_grads(None, False)(*args))
+    for a, b in zip(fused[:-1], unfused[:-1]):  # y, dx, dw1, dw2
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # dprobs: a row reduction XLA may order differently per program.
+    np.testing.assert_allclose(np.asarray(fused[-1]), np.asarray(unfused[-1]), rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_are_bitwise_reproducible(gpu, rng):

@@ -27,10 +27,11 @@ def inputs():
     return x, w1, w2, probs, gs
 
 
-def grad_fn(policy, gs, recipe="mxfp8"):
+def grad_fn(policy, gs, recipe="mxfp8", fuse=True):
     def loss(x, w1, w2, probs):
         layer = jax.checkpoint(
-            lambda x, w1, w2, p: jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe), policy=policy
+            lambda x, w1, w2, p: jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, fuse_fc1_epilogue=fuse),
+            policy=policy,
         )
         return jnp.sum(layer(x, w1, w2, probs).astype(jnp.float32) ** 2)
 
@@ -87,6 +88,37 @@ def test_placement(inputs, combo, recipe):
         assert "activation_input" not in body_names
     for name, placement in zip(("fc1_input", "activation_input", "fc2_input"), combo):
         assert (name in body_names) == (placement == "recompute"), name
+
+
+def _count_prims(jaxpr, name: str) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            n += _count_prims(sub, name)
+    return n
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_recomputing_fc2_input_reruns_fc1_only_when_fused(inputs, fuse):
+    """The documented cost of ``fuse_fc1_epilogue``: with activation_input kept and
+    fc2_input recomputed, the unfused op rebuilds fc2_input from h (no GEMM in the
+    recomputed part), the fused one reruns FC1 (its GEMM is recomputed)."""
+    x, w1, w2, probs, gs = inputs
+
+    def gemms_in_backward(fc2_input):
+        fn = grad_fn(jgm.offload_policy("device", "device", fc2_input), gs, fuse=fuse)
+        (body,) = list(_remat_bodies(jax.make_jaxpr(fn)(x, w1, w2, probs).jaxpr))
+        # Every GEMM's reference branch is one dot_general; the body holds the backward
+        # pass (4 GEMMs) plus whatever is recomputed.
+        return _count_prims(body, "dot_general")
+
+    assert gemms_in_backward("recompute") - gemms_in_backward("device") == int(fuse)
+    fn = grad_fn(jgm.offload_policy("device", "device", "recompute"), gs, fuse=fuse)
+    got = jax.jit(fn)(x, w1, w2, probs)
+    want = jax.jit(grad_fn(jgm.offload_policy("device", "device", "recompute"), gs, fuse=not fuse))(x, w1, w2, probs)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.fixture(scope="module")

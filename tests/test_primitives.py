@@ -40,8 +40,8 @@ def test_every_called_target_is_registered():
         assert target in ffi.registered_targets(), target
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
-def test_cuda_gradient_has_no_fallback_gemms(rng, recipe):
+@pytest.mark.parametrize("recipe,fuse", [("mxfp8", True), ("mxfp8", False), ("bf16", True)])
+def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse):
     """Lowered for CUDA (no GPU needed), the MLP's forward + backward is our custom calls only.
 
     No ``dot_general`` (an XLA GEMM, which is also what the reference's tile scan is
@@ -63,7 +63,9 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe):
     )
 
     def loss(x, w1, w2, gs, p):
-        return jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe).astype(jnp.float32) ** 2)
+        return jnp.sum(
+            jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, fuse_fc1_epilogue=fuse).astype(jnp.float32) ** 2
+        )
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
     text = jax.export.export(step, platforms=["cuda"], disabled_checks=jgm.export_disabled_checks())(
@@ -75,8 +77,13 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe):
     if recipe == "mxfp8":  # the weights, quantized along K for fprop and along N for dgrad
         assert text.count(ffi.FAKE_QUANTIZE_TARGET) >= 4
         # x, a, dy, dh: both copies from one pass each; no separate quantize pass left.
-        assert text.count(ffi.FAKE_QUANTIZE_PAIR_TARGET) >= 4
+        # Fused, FC1's kernel writes a's two copies itself (no pass over a).
+        fused = gemm_ffi.GROUPED_GEMM_FC1_TARGET in text
+        assert fused == (fuse and bool(gemm_ffi.grouped_gemm_fc1_variants()))
+        assert text.count(ffi.FAKE_QUANTIZE_PAIR_TARGET) >= (3 if fused else 4)
         assert ffi.QUANTIZE_TARGET + '"' not in text
+    else:
+        assert gemm_ffi.GROUPED_GEMM_FC1_TARGET not in text
 
 
 def test_shape_polymorphic_export_for_cpu_and_cuda(rng):

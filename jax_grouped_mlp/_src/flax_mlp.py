@@ -24,7 +24,8 @@ class GroupedMLP(nnx.Module):
 
     Params: ``w1 [num_experts, hidden, ffn]`` and ``w2 [num_experts, ffn, hidden]``,
     stored in ``param_dtype`` and cast to ``dtype`` for the computation (with
-    ``recipe="mxfp8"`` the GEMMs quantize them to MXFP8 anyway).
+    ``recipe="mxfp8"`` the GEMMs quantize them to MXFP8 anyway). ``recipe`` and
+    ``fuse_fc1_epilogue`` are :func:`jax_grouped_mlp.grouped_mlp`'s.
 
     Call as ``module(x, group_sizes, probs=None)`` with ``x [M, hidden]``; see
     :func:`jax_grouped_mlp.grouped_mlp`. Use under ``nnx.jit`` and ``nnx.remat``
@@ -38,6 +39,7 @@ class GroupedMLP(nnx.Module):
         ffn: int,
         *,
         recipe: str = "mxfp8",
+        fuse_fc1_epilogue: bool = True,
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
         kernel_init: nnx.Initializer = default_kernel_init,
@@ -47,6 +49,9 @@ class GroupedMLP(nnx.Module):
         hidden = checks.positive_int("hidden", hidden)
         ffn = checks.positive_int("ffn", ffn)
         self.recipe = Recipe.parse(recipe).value
+        if not isinstance(fuse_fc1_epilogue, bool):
+            raise TypeError(f"fuse_fc1_epilogue must be a bool, got {fuse_fc1_epilogue!r}")
+        self.fuse_fc1_epilogue = fuse_fc1_epilogue
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
@@ -63,4 +68,5 @@ class GroupedMLP(nnx.Module):
             group_sizes,
             probs,
             recipe=self.recipe,
+            fuse_fc1_epilogue=self.fuse_fc1_epilogue,
         )

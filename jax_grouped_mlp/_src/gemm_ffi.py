@@ -322,7 +322,7 @@ def grouped_gemm_w8_cuda(
 
 
 # ---- FC1 with the fused epilogue (csrc/grouped_gemm_fc1.cc) ----
-# Compiled, not yet run on a GPU: not used by mlp.py until tests/test_grouped_gemm_fc1_gpu.py passes.
+# GPU-tested on the H200; mlp.py uses it through primitives.fc1_fused (fuse_fc1_epilogue).
 
 GROUPED_GEMM_FC1_TARGET = "jgm_grouped_gemm_fc1"
 
@@ -376,7 +376,7 @@ def grouped_gemm_fc1_cuda(
     """FC1 with the fused epilogue: ``(h, a_row, a_col)`` from one kernel.
 
     ``h = grouped GEMM(x, w1)`` (bf16 ``[M, N]``, bitwise what :func:`grouped_gemm_bf16_cuda`
-    writes), and with ``a = mlp._srelu_scaled(h, probs)`` (``bf16(probs * relu(h)**2)``,
+    writes), and with ``a = primitives.srelu_scaled(h, probs)`` (``bf16(probs * relu(h)**2)``,
     float32 math): ``a_row`` the rowwise MXFP8 values of ``a`` in bf16 and ``a_col`` the
     group-aware columnwise :class:`MXFP8Tensor`, i.e. bit for bit
     ``mxfp8.fake_quantize_pair(a, group_sizes, keep_col_fp8=True)``.
@@ -384,16 +384,15 @@ def grouped_gemm_fc1_cuda(
     ``x`` bf16 ``[M, K]``, ``w1`` bf16 ``[G, K, N]``, ``group_sizes`` int ``[G]``, ``probs``
     float ``[M]`` (cast to float32). N and K multiples of 8. G == 0 or K == 0 (static)
     is computed here in JAX (the kernel needs non-empty TMA dimensions).
-    STATUS: compiled, not yet run on a GPU.
     """
     m, n, k, g, probs, gs = _fc1_operands(x, w1, group_sizes, probs)
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     if g == 0 or k == 0:
-        from jax_grouped_mlp._src.mlp import _srelu_scaled
+        from jax_grouped_mlp._src.primitives import srelu_scaled
 
         h = jnp.zeros((m, n), jnp.bfloat16)
-        a_row, a_col = mxfp8.fake_quantize_pair(_srelu_scaled(h, probs), gs, keep_col_fp8=True)
+        a_row, a_col = mxfp8.fake_quantize_pair(srelu_scaled(h, probs), gs, keep_col_fp8=True)
         return h, a_row, a_col
     index = _variant_index(grouped_gemm_fc1_variants(), n, variant, lambda v: True, "the FC1 epilogue")
     nb = mxfp8.grouped_scale_rows(m, g)
@@ -405,3 +404,23 @@ def grouped_gemm_fc1_cuda(
     )
     h, a_row, col, col_scale = jax.ffi.ffi_call(GROUPED_GEMM_FC1_TARGET, out)(x, w1, gs, probs, variant=index)
     return h, a_row, MXFP8Tensor(col, col_scale, axis=0, group_sizes=gs)
+
+
+def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array):
+    """``primitives`` "fc1_fused" on CUDA (same signature as the reference).
+
+    The FC1-epilogue kernel when both operands are (or dequantize to) bf16 and the shape
+    fits :func:`grouped_gemm_supported`; otherwise the unfused composition of the other
+    CUDA implementations (decided at trace time).
+    """
+    from jax_grouped_mlp._src import primitives
+
+    a, b = _as_bf16(lhs), _as_bf16(rhs)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    m, k = a.shape
+    g, _, n = b.shape
+    if jnp.dtype(a.dtype) == bf16 and jnp.dtype(b.dtype) == bf16 and grouped_gemm_supported(m, n, k, g):
+        return grouped_gemm_fc1_cuda(a, b, group_sizes, probs)
+    h = primitives.grouped_gemm(lhs, rhs, group_sizes, jnp.bfloat16)
+    a_row, a_col = primitives.fake_quantize_pair(primitives.srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
+    return h, a_row, a_col

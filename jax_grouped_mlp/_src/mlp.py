@@ -50,17 +50,11 @@ def _tag(op: Operand, name: str) -> Operand:
     return checkpoint_name(op, name)
 
 
-def _srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
-    """``probs * relu(h)**2`` in float32, rounded to bf16 (what a GEMM epilogue writes)."""
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return (probs[:, None] * (r * r)).astype(jnp.bfloat16)
-
-
 def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe):
     """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
     h = primitives.grouped_gemm(x_row, recipe.weight(w1, 1), group_sizes, jnp.bfloat16)
     h = checkpoint_name(h, ACTIVATION_INPUT)
-    a = _srelu_scaled(h, probs)
+    a = primitives.srelu_scaled(h, probs)
     return h, a
 
 
@@ -68,21 +62,40 @@ def _fc2(a_row, w2, group_sizes, recipe: Recipe, out_dtype):
     return primitives.grouped_gemm(a_row, recipe.weight(w2, 1), group_sizes, out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe):
-    _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe)
-    return _fc2(recipe.row(a, 1), w2, group_sizes, recipe, x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
+    if _fused(recipe, fuse, x):
+        _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, probs)
+    else:
+        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe)
+        a_row = recipe.row(a, 1)
+    return _fc2(a_row, w2, group_sizes, recipe, x.dtype)
 
 
-def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe):
+def _fused(recipe: Recipe, fuse: bool, x: jax.Array) -> bool:
+    """Whether FC1 runs as one kernel with its epilogue: the MXFP8 recipe, static shapes.
+
+    A symbolic token count (shape-polymorphic export) takes the unfused path, whose
+    forward needs no group-aware quantization (which wants a static row count).
+    """
+    return fuse and recipe is Recipe.MXFP8 and all(isinstance(d, int) for d in x.shape)
+
+
+def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
     x_row, x_col = recipe.row_and_col(x, group_sizes, keep_col=True)
-    h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
-    a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
+    if _fused(recipe, fuse, x):
+        # One kernel: h and both MXFP8 copies of a. a is not computed from the tagged
+        # h here, so recomputing "fc2_input" reruns this kernel (hence the flag).
+        h, a_row, a_col = primitives.fc1_fused(x_row, recipe.weight(w1, 1), group_sizes, probs)
+        h = checkpoint_name(h, ACTIVATION_INPUT)
+    else:
+        h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
+        a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
     y = _fc2(a_row, w2, group_sizes, recipe, x.dtype)
     return y, (_tag(x_col, FC1_INPUT), h, _tag(a_col, FC2_INPUT), w1, w2, group_sizes, probs)
 
 
-def _mlp_bwd(recipe: Recipe, res, dy):
+def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
     # da in bf16: what the dgrad kernel writes (the bf16 rounding is far below the
@@ -110,6 +123,7 @@ def grouped_mlp(
     probs: jax.Array | None = None,
     *,
     recipe: str = "mxfp8",
+    fuse_fc1_epilogue: bool = True,
 ) -> jax.Array:
     """The squared-ReLU expert MLP over tokens sorted by expert, as one differentiable op.
 
@@ -125,6 +139,13 @@ def grouped_mlp(
         sync). Sizes that sum past ``M`` are cut at ``M``; negative sizes count as 0.
       probs: ``[M]`` or ``[M, 1]`` routing weights, or None for all ones.
       recipe: ``"mxfp8"`` (both GEMMs in MXFP8, forward and backward) or ``"bf16"``.
+      fuse_fc1_epilogue: with ``"mxfp8"`` on CUDA, FC1's kernel also writes ``a``'s
+        two MXFP8 copies (FC2's operand and the "fc2_input" residual), so no separate
+        pass reads ``h`` again. Same numbers either way. Set it to False when the
+        remat policy recomputes "fc2_input" (``offload_policy(fc2_input="recompute")``):
+        then "fc2_input" is rebuilt from "activation_input" by one cheap pass, whereas
+        with the fused kernel recomputing it reruns FC1 (its GEMM and the quantization
+        of ``x`` and ``w1``).
 
     Returns:
       ``[M, H]`` in ``x.dtype``. Rows at or past ``sum(group_sizes)`` are zero, and
@@ -149,9 +170,11 @@ def grouped_mlp(
     if probs is not None:
         probs = as_array("probs", probs)
     check_mlp_args(x, w1, w2, group_sizes, probs)
+    if not isinstance(fuse_fc1_epilogue, bool):
+        raise TypeError(f"fuse_fc1_epilogue must be a bool, got {fuse_fc1_epilogue!r}")
     m = x.shape[0]
     if probs is None:
         p = jnp.ones((m,), jnp.float32)
     else:
         p = probs.reshape(m).astype(jnp.float32)
-    return _mlp(x, w1, w2, group_sizes.astype(jnp.int32), p, recipe_)
+    return _mlp(x, w1, w2, group_sizes.astype(jnp.int32), p, recipe_, fuse_fc1_epilogue)

@@ -41,7 +41,9 @@ def offload_policy(
     Each residual is ``"offload"`` (copied to pinned host memory after the forward
     pass and back before the backward pass), ``"device"`` (kept in device memory) or
     ``"recompute"`` (rebuilt in the backward pass: "fc2_input" from
-    "activation_input", which is cheap; the others by rerunning what produced them).
+    "activation_input", which is cheap, when :func:`grouped_mlp` runs with
+    ``fuse_fc1_epilogue=False``; with the default fused FC1 epilogue, and for the
+    other residuals, by rerunning what produced them).
     Everything offloads by default. Weights are never offloaded.
 
     Values the policy does not name are recomputed, as with any

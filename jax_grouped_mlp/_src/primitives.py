@@ -25,7 +25,8 @@ from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
 OpName = Literal[
-    "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_wgrad"
+    "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_wgrad",
+    "fc1_fused",
 ]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
@@ -91,6 +92,18 @@ def _ref_fake_quantize_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp
     return mxfp8.fake_quantize_pair(x, group_sizes, keep_col_fp8)
 
 
+def srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
+    """``probs * relu(h)**2`` in float32 from the bf16 ``h``, rounded to bf16 (what the FC1 epilogue writes)."""
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    return (probs[:, None] * (r * r)).astype(jnp.bfloat16)
+
+
+def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
+    h = _ref_grouped_gemm(lhs, rhs, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16))
+    a_row, a_col = _ref_fake_quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
+    return h, a_row, a_col
+
+
 _REFERENCE: dict[str, Callable] = {
     "quantize": _ref_quantize,
     "fake_quantize": _ref_fake_quantize,
@@ -98,6 +111,7 @@ _REFERENCE: dict[str, Callable] = {
     "fake_quantize_pair": _ref_fake_quantize_pair,
     "grouped_gemm": _ref_grouped_gemm,
     "grouped_wgrad": _ref_grouped_wgrad,
+    "fc1_fused": _ref_fc1_fused,
 }
 
 
@@ -148,6 +162,19 @@ def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype)
     return _dispatch("grouped_wgrad", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))
 
 
+def fc1_fused(
+    lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array
+) -> tuple[jax.Array, jax.Array, MXFP8Tensor]:
+    """FC1 and everything the MLP derives from its output, from one kernel on CUDA.
+
+    ``h = grouped_gemm(lhs, rhs)`` in bf16, ``a = srelu_scaled(h, probs)``, and ``a``'s
+    two MXFP8 copies: ``(h, a_row, a_col)`` with ``a_row`` the rowwise values in bf16
+    (FC2's operand) and ``a_col`` the group-aware columnwise :class:`MXFP8Tensor`
+    (FC2's weight-gradient operand), bit for bit the unfused composition.
+    """
+    return _dispatch("fc1_fused", lhs, rhs, group_sizes, probs)
+
+
 def _register_available_kernels() -> None:
     """Plugs in whatever the CUDA extension provides (nothing when it is not built)."""
     from jax_grouped_mlp._src import ffi, gemm_ffi
@@ -164,6 +191,8 @@ def _register_available_kernels() -> None:
         register_cuda_impl("grouped_gemm", gemm_ffi.grouped_gemm_cuda)
     if gemm_ffi.grouped_wgrad_variants():
         register_cuda_impl("grouped_wgrad", gemm_ffi.grouped_wgrad_cuda)
+    if gemm_ffi.grouped_gemm_fc1_variants():
+        register_cuda_impl("fc1_fused", gemm_ffi.fc1_fused_cuda)
 
 
 _register_available_kernels()

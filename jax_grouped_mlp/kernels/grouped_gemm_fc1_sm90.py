@@ -1,6 +1,6 @@
 """Hopper grouped GEMM with the FC1 epilogue: ``h``, and ``a = probs * relu(h)**2`` as MXFP8.
 
-STATUS: compiled for sm_90a, NOT YET RUN ON A GPU (tests/test_grouped_gemm_fc1_gpu.py).
+STATUS: GPU-tested on the H200 (tests/test_grouped_gemm_fc1_gpu.py, tools/sanitize_small.py).
 
 ``h[m] = A[m] @ B[group(m)]`` exactly as :class:`GroupedGemmSm90` writes it (same
 mainloop, same bf16 rounding, same stores), plus, from the same shared-memory subtiles:
@@ -13,7 +13,7 @@ mainloop, same bf16 rounding, same stores), plus, from the same shared-memory su
 
 with ``a = bf16(probs[:, None] * relu(f32(h))**2)`` (float32 math from the bf16 ``h``,
 :func:`ptx.srelu_scaled_bf16x2`), i.e. bit for bit
-``mxfp8.fake_quantize_pair(mlp._srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)``.
+``mxfp8.fake_quantize_pair(primitives.srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)``.
 Rows past ``sum(group_sizes)``: ``h`` zero, ``a_row`` the row quantization of
 ``bf16(probs * 0)``, ``a_col`` data zero; unused scale rows are zero (the handler clears
 ``a_scale`` before the launch; the kernel writes only used blocks).

@@ -337,7 +337,7 @@ def srelu_scaled_bf16x2(h: Uint32, p: Float32, *, loc=None, ip=None) -> Uint32:
     """``bf16(p * relu(x)**2)`` for both bf16 halves ``x`` of ``h`` (the FC1 epilogue).
 
     float32 math from the bf16 input, one ``mul.rn`` per product (never fused, no flush
-    to zero), one bf16 rounding: ``mlp._srelu_scaled``'s arithmetic,
+    to zero), one bf16 rounding: ``primitives.srelu_scaled``'s arithmetic,
     ``(probs * (r * r)).astype(bf16)`` with ``r = maximum(f32(h), 0)``. ``max.NaN``
     keeps a NaN input NaN, as ``jnp.maximum`` does.
     """
