@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import gemm_ffi
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import MLP_SHAPES, RESULTS, bar_plot, device_description, time_call, write_json  # noqa: E402
@@ -45,8 +44,6 @@ def _candidates() -> dict:
     c = {
         "grouped_mlp_mxfp8": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
         "grouped_mlp_mxfp8_unfused_fc1": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8", fuse_fc1_epilogue=False),
-        # Every weight fake-quantize as a pass of its own (none beside a GEMM kernel).
-        "grouped_mlp_mxfp8_weights_after": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
         "ragged_dot_bf16": ragged_dot_mlp,
     }
@@ -80,8 +77,7 @@ def bench_shape(name: str, iters: int, seed: int) -> dict:
     for cname, mlp in _candidates().items():
         step = _step(mlp)
         try:
-            with gemm_ffi.beside_config(enabled=cname != "grouped_mlp_mxfp8_weights_after"):
-                compiled = step.lower(*args).compile()
+            compiled = step.lower(*args).compile()
             mem = compiled.memory_analysis()
             temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
             sec = time_call(compiled, *args, iters=iters, warmup=1, samples=3)

@@ -95,15 +95,6 @@ ffi::Error FakeQuantizeInstantiate(int32_t variant) { return LoadModule(variant)
 
 ffi::Error FakeQuantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
                         ffi::Result<ffi::AnyBuffer> out, int32_t variant) {
-  return FakeQuantizeOn(stream, x, group_sizes, out, variant);
-}
-
-}  // namespace
-
-ffi::Error FakeQuantizeLoad(int32_t variant) { return LoadModule(variant); }
-
-ffi::Error FakeQuantizeOn(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t variant) {
   int64_t m = 0, k = 0, g = 0;
   if (auto e = Validate(x, group_sizes, out, &m, &k, &g); e.failure()) return e;
   if (auto e = LoadModule(variant); e.failure()) return e;  // no-op after instantiate
@@ -123,8 +114,6 @@ ffi::Error FakeQuantizeOn(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 #undef JGM_LAUNCH
   return LaunchResult(kName, ret);
 }
-
-namespace {
 
 ffi::Error FakeQuantizePairInstantiate(int32_t variant) { return LoadPairModule(variant); }
 

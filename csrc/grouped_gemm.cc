@@ -99,10 +99,9 @@ ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group
 
 ffi::Error GroupedGemmInstantiate(int32_t variant) { return LoadModule(variant); }
 
-// The GEMM on `stream` with `reserve` SMs left out of the persistent grid.
-ffi::Error GemmOn(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                  ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out, int32_t variant,
-                  int32_t reserve) {
+ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                       ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                       int32_t variant) {
   int64_t m = 0, n = 0, k = 0, g = 0;
   if (auto e = LoadModule(variant); e.failure()) return e;  // no-op after instantiate
   const bool k_major = RhsKMajor(variant);
@@ -117,7 +116,6 @@ ffi::Error GemmOn(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   }
   int32_t num_sms = 0;
   if (auto e = NumSms(kName, stream, &num_sms); e.failure()) return e;
-  num_sms = PersistentCtas(num_sms, reserve);
   const int32_t mi = static_cast<int32_t>(m), ni = static_cast<int32_t>(n),
                 ki = static_cast<int32_t>(k), gi = static_cast<int32_t>(g);
   int32_t ret = 0;
@@ -139,29 +137,6 @@ ffi::Error GemmOn(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   return LaunchResult(kName, ret);
 }
 
-ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                       ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                       int32_t variant) {
-  return GemmOn(stream, lhs, rhs, group_sizes, out, variant, 0);
-}
-
-ffi::Error GroupedGemmBesideInstantiate(int32_t variant, int32_t side_variant, int32_t) {
-  if (auto e = LoadModule(variant); e.failure()) return e;
-  return FakeQuantizeLoad(side_variant);
-}
-
-// The GEMM, and beside it (RunBeside) the fake-quantize `side_variant` of side_x.
-ffi::Error GroupedGemmBeside(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                             ffi::AnyBuffer group_sizes, ffi::AnyBuffer side_x,
-                             ffi::AnyBuffer side_group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer> side_out, int32_t variant,
-                             int32_t side_variant, int32_t reserve_sms) {
-  return RunBeside(
-      kName, stream,
-      [&](cudaStream_t s) { return GemmOn(s, lhs, rhs, group_sizes, out, variant, reserve_sms); },
-      [&](cudaStream_t s) { return FakeQuantizeOn(s, side_x, side_group_sizes, side_out, side_variant); });
-}
-
 }  // namespace
 }  // namespace jgm
 
@@ -178,29 +153,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()  // group_sizes  s32 [G]
         .Ret<xla::ffi::AnyBuffer>()  // out          bf16 [M, N]
         .Attr<int32_t>("variant"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmGroupedGemmBesideInstantiate, jgm::GroupedGemmBesideInstantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<int32_t>("variant")
-                                  .Attr<int32_t>("side_variant")
-                                  .Attr<int32_t>("reserve_sms"));
-
-// jgm_grouped_gemm_beside: the same GEMM with a weight fake-quantize on a side stream.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JgmGroupedGemmBeside, jgm::GroupedGemmBeside,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()  // lhs               bf16 [M, K]
-        .Arg<xla::ffi::AnyBuffer>()  // rhs               bf16 [G, K, N] or [G, N, K]
-        .Arg<xla::ffi::AnyBuffer>()  // group_sizes       s32 [G]
-        .Arg<xla::ffi::AnyBuffer>()  // side_x            bf16 [R, C] (a weight, flattened)
-        .Arg<xla::ffi::AnyBuffer>()  // side_group_sizes  s32 [G'] (col mode: rows per weight)
-        .Ret<xla::ffi::AnyBuffer>()  // out               bf16 [M, N]
-        .Ret<xla::ffi::AnyBuffer>()  // side_out          bf16 [R, C]
-        .Attr<int32_t>("variant")
-        .Attr<int32_t>("side_variant")   // index into JGM_FAKE_QUANTIZE_VARIANTS
-        .Attr<int32_t>("reserve_sms"));  // SMs the GEMM leaves to the side kernel
-
 // Not marked kCmdBufferCompatible: on the H200 the exported DSL launch wrapper failed
 // inside XLA's CUDA-graph capture ("operation not permitted when stream is capturing"),
 // so XLA must run these custom calls outside command buffers until that is fixed.

@@ -109,11 +109,11 @@ ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group
 
 ffi::Error GroupedGemmFc1Instantiate(int32_t variant) { return LoadModule(variant); }
 
-// FC1 on `stream` with `reserve` SMs left out of the persistent grid.
-ffi::Error Fc1On(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                 ffi::AnyBuffer group_sizes, ffi::AnyBuffer probs, ffi::Result<ffi::AnyBuffer> h,
-                 ffi::Result<ffi::AnyBuffer> a_row, ffi::Result<ffi::AnyBuffer> a_col,
-                 ffi::Result<ffi::AnyBuffer> a_col_scale, int32_t variant, int32_t reserve) {
+ffi::Error GroupedGemmFc1(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                          ffi::AnyBuffer group_sizes, ffi::AnyBuffer probs,
+                          ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a_row,
+                          ffi::Result<ffi::AnyBuffer> a_col,
+                          ffi::Result<ffi::AnyBuffer> a_col_scale, int32_t variant) {
   int64_t m = 0, n = 0, k = 0, g = 0, nb = 0;
   if (auto e = LoadModule(variant); e.failure()) return e;  // no-op after instantiate
   if (auto e = Validate(lhs, rhs, group_sizes, probs, h, a_row, a_col, a_col_scale, &m, &n, &k,
@@ -139,7 +139,6 @@ ffi::Error Fc1On(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   }
   int32_t num_sms = 0;
   if (auto e = NumSms(kName, stream, &num_sms); e.failure()) return e;
-  num_sms = PersistentCtas(num_sms, reserve);
   const int32_t mi = static_cast<int32_t>(m), ni = static_cast<int32_t>(n),
                 ki = static_cast<int32_t>(k), gi = static_cast<int32_t>(g),
                 nbi = static_cast<int32_t>(nb);
@@ -165,37 +164,6 @@ ffi::Error Fc1On(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   return LaunchResult(kName, ret);
 }
 
-ffi::Error GroupedGemmFc1(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                          ffi::AnyBuffer group_sizes, ffi::AnyBuffer probs,
-                          ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a_row,
-                          ffi::Result<ffi::AnyBuffer> a_col,
-                          ffi::Result<ffi::AnyBuffer> a_col_scale, int32_t variant) {
-  return Fc1On(stream, lhs, rhs, group_sizes, probs, h, a_row, a_col, a_col_scale, variant, 0);
-}
-
-ffi::Error GroupedGemmFc1BesideInstantiate(int32_t variant, int32_t side_variant, int32_t) {
-  if (auto e = LoadModule(variant); e.failure()) return e;
-  return FakeQuantizeLoad(side_variant);
-}
-
-// FC1, and beside it (RunBeside) the fake-quantize `side_variant` of side_x.
-ffi::Error GroupedGemmFc1Beside(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                                ffi::AnyBuffer group_sizes, ffi::AnyBuffer probs,
-                                ffi::AnyBuffer side_x, ffi::AnyBuffer side_group_sizes,
-                                ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a_row,
-                                ffi::Result<ffi::AnyBuffer> a_col,
-                                ffi::Result<ffi::AnyBuffer> a_col_scale,
-                                ffi::Result<ffi::AnyBuffer> side_out, int32_t variant,
-                                int32_t side_variant, int32_t reserve_sms) {
-  return RunBeside(
-      kName, stream,
-      [&](cudaStream_t s) {
-        return Fc1On(s, lhs, rhs, group_sizes, probs, h, a_row, a_col, a_col_scale, variant,
-                     reserve_sms);
-      },
-      [&](cudaStream_t s) { return FakeQuantizeOn(s, side_x, side_group_sizes, side_out, side_variant); });
-}
-
 }  // namespace
 }  // namespace jgm
 
@@ -217,31 +185,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()  // a_col        f8e4m3fn [M, N]
         .Ret<xla::ffi::AnyBuffer>()  // a_col_scale  f8e8m0fnu [ceil(M/32) + G, N]
         .Attr<int32_t>("variant"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmGroupedGemmFc1BesideInstantiate,
-                              jgm::GroupedGemmFc1BesideInstantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<int32_t>("variant")
-                                  .Attr<int32_t>("side_variant")
-                                  .Attr<int32_t>("reserve_sms"));
-
-// jgm_grouped_gemm_fc1_beside: FC1 with a weight fake-quantize on a side stream
-// (side operands as in grouped_gemm.cc's jgm_grouped_gemm_beside).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JgmGroupedGemmFc1Beside, jgm::GroupedGemmFc1Beside,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()  // lhs               bf16 [M, K]
-        .Arg<xla::ffi::AnyBuffer>()  // rhs               bf16 [G, K, N]
-        .Arg<xla::ffi::AnyBuffer>()  // group_sizes       s32 [G]
-        .Arg<xla::ffi::AnyBuffer>()  // probs             f32 [M]
-        .Arg<xla::ffi::AnyBuffer>()  // side_x            bf16 [R, C]
-        .Arg<xla::ffi::AnyBuffer>()  // side_group_sizes  s32 [G']
-        .Ret<xla::ffi::AnyBuffer>()  // h                 bf16 [M, N]
-        .Ret<xla::ffi::AnyBuffer>()  // a_row             bf16 [M, N]
-        .Ret<xla::ffi::AnyBuffer>()  // a_col             f8e4m3fn [M, N]
-        .Ret<xla::ffi::AnyBuffer>()  // a_col_scale       f8e8m0fnu [ceil(M/32) + G, N]
-        .Ret<xla::ffi::AnyBuffer>()  // side_out          bf16 [R, C]
-        .Attr<int32_t>("variant")
-        .Attr<int32_t>("side_variant")
-        .Attr<int32_t>("reserve_sms"));

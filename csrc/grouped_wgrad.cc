@@ -86,10 +86,9 @@ ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group
 
 ffi::Error GroupedWgradInstantiate(int32_t variant) { return LoadModule(variant); }
 
-// The weight gradient on `stream` with `reserve` SMs left out of the persistent grid.
-ffi::Error WgradOn(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                   ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out, int32_t variant,
-                   int32_t reserve) {
+ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                        ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                        int32_t variant) {
   int64_t m = 0, n = 0, k = 0, g = 0;
   if (auto e = LoadModule(variant); e.failure()) return e;  // no-op after instantiate
   if (auto e = Validate(lhs, rhs, group_sizes, out, OutType(variant), &m, &n, &k, &g);
@@ -103,7 +102,6 @@ ffi::Error WgradOn(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   }
   int32_t num_sms = 0;
   if (auto e = NumSms(kName, stream, &num_sms); e.failure()) return e;
-  num_sms = PersistentCtas(num_sms, reserve);
   const int32_t mi = static_cast<int32_t>(m), ni = static_cast<int32_t>(n),
                 ki = static_cast<int32_t>(k), gi = static_cast<int32_t>(g);
   int32_t ret = 0;
@@ -124,29 +122,6 @@ ffi::Error WgradOn(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   return LaunchResult(kName, ret);
 }
 
-ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                        ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                        int32_t variant) {
-  return WgradOn(stream, lhs, rhs, group_sizes, out, variant, 0);
-}
-
-ffi::Error GroupedWgradBesideInstantiate(int32_t variant, int32_t side_variant, int32_t) {
-  if (auto e = LoadModule(variant); e.failure()) return e;
-  return FakeQuantizeLoad(side_variant);
-}
-
-// The weight gradient, and beside it (RunBeside) the fake-quantize `side_variant` of side_x.
-ffi::Error GroupedWgradBeside(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                              ffi::AnyBuffer group_sizes, ffi::AnyBuffer side_x,
-                              ffi::AnyBuffer side_group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> side_out, int32_t variant,
-                              int32_t side_variant, int32_t reserve_sms) {
-  return RunBeside(
-      kName, stream,
-      [&](cudaStream_t s) { return WgradOn(s, lhs, rhs, group_sizes, out, variant, reserve_sms); },
-      [&](cudaStream_t s) { return FakeQuantizeOn(s, side_x, side_group_sizes, side_out, side_variant); });
-}
-
 }  // namespace
 }  // namespace jgm
 
@@ -163,26 +138,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()  // group_sizes  s32 [G]
         .Ret<xla::ffi::AnyBuffer>()  // out          bf16 or f32 [G, K, N]
         .Attr<int32_t>("variant"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmGroupedWgradBesideInstantiate, jgm::GroupedWgradBesideInstantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<int32_t>("variant")
-                                  .Attr<int32_t>("side_variant")
-                                  .Attr<int32_t>("reserve_sms"));
-
-// jgm_grouped_wgrad_beside: the weight gradient with a weight fake-quantize on a side
-// stream (side operands as in grouped_gemm.cc's jgm_grouped_gemm_beside).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JgmGroupedWgradBeside, jgm::GroupedWgradBeside,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()  // lhs               bf16 [M, K]
-        .Arg<xla::ffi::AnyBuffer>()  // rhs               bf16 [M, N]
-        .Arg<xla::ffi::AnyBuffer>()  // group_sizes       s32 [G]
-        .Arg<xla::ffi::AnyBuffer>()  // side_x            bf16 [R, C]
-        .Arg<xla::ffi::AnyBuffer>()  // side_group_sizes  s32 [G']
-        .Ret<xla::ffi::AnyBuffer>()  // out               [G, K, N]
-        .Ret<xla::ffi::AnyBuffer>()  // side_out          bf16 [R, C]
-        .Attr<int32_t>("variant")
-        .Attr<int32_t>("side_variant")
-        .Attr<int32_t>("reserve_sms"));

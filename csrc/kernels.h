@@ -129,11 +129,6 @@ inline ffi::Error VariantOutOfRange(const char* name, int32_t variant, int count
                                      std::to_string(count) + ")");
 }
 
-// The persistent grid after leaving `reserve` SMs to a kernel run beside it (at least 1 CTA).
-inline int32_t PersistentCtas(int32_t num_sms, int32_t reserve) {
-  return num_sms - reserve > 0 ? num_sms - reserve : 1;
-}
-
 inline ffi::Error LaunchResult(const char* name, int32_t ret) {
   if (ret != 0) {
     return ffi::Error::Internal(std::string(name) + ": kernel launch failed: " +
@@ -146,71 +141,6 @@ inline ffi::Error LaunchResult(const char* name, int32_t ret) {
   }
   return ffi::Error::Success();
 }
-
-// A second stream per device for memory-bound work run beside a compute-bound
-// persistent kernel (RunBeside). Created on first use, kept for the process.
-struct SideStream {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr;  // recorded on the caller's stream: the inputs are ready
-  cudaEvent_t join = nullptr;  // recorded on the side stream: the side work is done
-  std::mutex mu;               // one fork/launch/join sequence at a time
-};
-
-inline ffi::Error GetSideStream(const char* name, cudaStream_t stream, SideStream** out) {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mu;
-  static SideStream* per_device[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaStreamGetDevice(stream, &device);
-  if (err == cudaSuccess && (device < 0 || device >= kMaxDevices)) err = cudaErrorInvalidDevice;
-  if (err == cudaSuccess) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (per_device[device] == nullptr) {
-      int current = 0;
-      err = cudaGetDevice(&current);
-      if (err == cudaSuccess) err = cudaSetDevice(device);
-      auto* fresh = new SideStream();  // process lifetime (never destroyed)
-      if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&fresh->stream, cudaStreamNonBlocking);
-      if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fresh->fork, cudaEventDisableTiming);
-      if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fresh->join, cudaEventDisableTiming);
-      cudaSetDevice(current);
-      if (err == cudaSuccess) per_device[device] = fresh;
-    }
-    *out = per_device[device];
-  }
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string(name) + ": creating the side stream failed: " +
-                                cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
-// Runs main_fn(stream) and side_fn(side stream) at the same time; work queued on
-// `stream` afterwards starts only when both are done. The side stream first waits
-// for everything queued on `stream` so far (the inputs of both). main_fn launches
-// first, so a persistent kernel that leaves SMs free (PersistentCtas) keeps its SMs,
-// and the side kernel's CTAs run on the free ones.
-template <typename MainFn, typename SideFn>
-ffi::Error RunBeside(const char* name, cudaStream_t stream, MainFn main_fn, SideFn side_fn) {
-  SideStream* side = nullptr;
-  if (auto e = GetSideStream(name, stream, &side); e.failure()) return e;
-  std::lock_guard<std::mutex> lock(side->mu);
-  cudaError_t err = cudaEventRecord(side->fork, stream);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(side->stream, side->fork, 0);
-  if (err != cudaSuccess) return LaunchResult(name, static_cast<int32_t>(err));
-  ffi::Error main_err = main_fn(stream);
-  ffi::Error side_err = side_fn(side->stream);
-  err = cudaEventRecord(side->join, side->stream);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, side->join, 0);
-  if (main_err.failure()) return main_err;
-  if (side_err.failure()) return side_err;
-  return LaunchResult(name, static_cast<int32_t>(err));
-}
-
-// The fake-quantize launch (fake_quantize_mxfp8.cc), for side work: validates, loads
-// the module, launches variant `variant` of JGM_FAKE_QUANTIZE_VARIANTS on `stream`.
-ffi::Error FakeQuantizeOn(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t variant);
-ffi::Error FakeQuantizeLoad(int32_t variant);
 
 }  // namespace jgm
 
@@ -256,10 +186,3 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1);
-// The same GEMMs with a weight fake-quantize run beside them (RunBeside).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmBesideInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmBeside);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradBesideInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradBeside);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1BesideInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1Beside);

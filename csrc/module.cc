@@ -34,10 +34,6 @@ PYBIND11_MODULE(_kernels, m) {
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
     add("jgm_grouped_gemm_w8", JgmGroupedGemmW8Instantiate, JgmGroupedGemmW8);
     add("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1Instantiate, JgmGroupedGemmFc1);
-    add("jgm_grouped_gemm_beside", JgmGroupedGemmBesideInstantiate, JgmGroupedGemmBeside);
-    add("jgm_grouped_wgrad_beside", JgmGroupedWgradBesideInstantiate, JgmGroupedWgradBeside);
-    add("jgm_grouped_gemm_fc1_beside", JgmGroupedGemmFc1BesideInstantiate,
-        JgmGroupedGemmFc1Beside);
     return d;
   });
   auto names = [](const char* const* list, int count) {

@@ -58,22 +58,15 @@ def test_kernels_are_in_the_compiled_program(gpu, rng, fuse):
     """Every GEMM of forward + backward is ours: no XLA dot, cuBLAS or Triton GEMM is left."""
     args = jax.device_put(make_inputs(rng, m=256, h=128, f=128, g=4), gpu)
     hlo = _loss_and_grads(None, fuse).lower(*args).compile().as_text()
-    def n(target):
-        return hlo.count(f'custom_call_target="{target}"')
-
-    gemm, wgrad = gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET
     # x, a, dy, dh: both MXFP8 copies from one pass each (no quantize + dequantize);
     # fused, FC1's kernel writes a's copies itself.
-    assert n(ffi.FAKE_QUANTIZE_PAIR_TARGET) == 4 - fuse
-    assert n(gemm_ffi.GROUPED_GEMM_FC1_TARGET + "_beside") == fuse
+    assert hlo.count(f'custom_call_target="{ffi.FAKE_QUANTIZE_PAIR_TARGET}"') == 4 - fuse
+    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_GEMM_FC1_TARGET}"') == fuse
     # The two kept FP8 residuals, dequantized for the weight gradients by our kernel.
-    assert n(ffi.DEQUANTIZE_TARGET) == 2
-    # Weights: w1 for FC1 in a pass of its own; w2 (both uses) and w1 for the dgrad
-    # quantized beside FC1, dW2 and the FC2 dgrad.
-    assert n(ffi.FAKE_QUANTIZE_TARGET) == 1
-    assert n(gemm + "_beside") == 2 - fuse  # (FC1,) FC2 dgrad
-    assert n(gemm) == 2  # FC2, FC1 dgrad
-    assert n(wgrad + "_beside") == 1 and n(wgrad) == 1
+    assert hlo.count(f'custom_call_target="{ffi.DEQUANTIZE_TARGET}"') == 2
+    # FC1 (unless fused), FC2, 2 dgrads
+    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_GEMM_TARGET}"') == 4 - fuse
+    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}"') == 2
     assert not re.search(r"\bdot\(", hlo), "an XLA dot survived"
     assert "cublas" not in hlo and "triton_gemm" not in hlo
 
@@ -89,22 +82,6 @@ def test_fused_fc1_epilogue_changes_no_bit(gpu, rng, case):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     # dprobs: a row reduction XLA may order differently per program.
     np.testing.assert_allclose(np.asarray(fused[-1]), np.asarray(unfused[-1]), rtol=1e-5, atol=1e-6)
-
-
-def test_weight_quantization_beside_the_gemms_changes_no_bit(gpu, rng):
-    """Three weight fake-quantizes run beside GEMM kernels on a second stream; the step
-    is bitwise what it is with all of them run after their GEMMs on one stream."""
-    args = jax.device_put(make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[200, 0, 57, 190]), gpu)
-    fn = _loss_and_grads(None)
-    with gemm_ffi.beside_config(enabled=True):
-        beside = fn.lower(*args).compile()
-    with gemm_ffi.beside_config(enabled=False):
-        after = fn.lower(*args).compile()
-    assert "_beside" in beside.as_text() and "_beside" not in after.as_text()
-    got, want = jax.tree.leaves(beside(*args)), jax.tree.leaves(after(*args))
-    for a, b in zip(got[:-1], want[:-1]):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    np.testing.assert_allclose(np.asarray(got[-1]), np.asarray(want[-1]), rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_are_bitwise_reproducible(gpu, rng):
@@ -138,7 +115,7 @@ def test_float32_master_weights_get_float32_gradients(gpu, rng):
     args = (x, w1, w2, gs, probs, dy)
     fn = _loss_and_grads(None)
     hlo = fn.lower(*jax.device_put(args, gpu)).compile().as_text()
-    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}') == 2  # plain or _beside
+    assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}"') == 2
     _, (_, dw1, dw2, _) = fn(*jax.device_put(args, gpu))
     _, (_, cw1, cw2, _) = fn(*jax.device_put(args, jax.devices("cpu")[0]))
     for got, want in ((dw1, cw1), (dw2, cw2)):

@@ -264,42 +264,29 @@ def dequantize_cuda(t: MXFP8Tensor) -> jax.Array:
     return mxfp8.dequantize(t, jnp.bfloat16)
 
 
-def weight_fake_quantize_plan(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, np.int32] | None:
-    """How the fake-quantize kernel does ``x`` along ``axis`` (one of the last two), or None.
+def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:
+    """``primitives`` "fake_quantize" on CUDA for either of the last two axes, else the reference.
 
     ``x [*lead, A, B]`` is viewed as ``[prod(lead) * A, B]``: blocks along B are its
-    rows' blocks (mode "row"), blocks along A its group-aware columns with one group of
-    A rows per leading index (mode "col", as in :func:`mxfp8.quantize_via_both`).
-    Returns ``(flat x, group_sizes, variant attribute)`` for ``jgm_fake_quantize_mxfp8``
-    (output: the flat view), or None when the kernel does not take ``x`` (not bf16,
-    symbolic or unsupported shape, no kernels): then the reference must do it.
+    rows' blocks, blocks along A its group-aware columns with one group of A rows per
+    leading index (as in :func:`mxfp8.quantize_via_both`).
     """
+    def reference() -> jax.Array:
+        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+
     static = all(isinstance(d, int) for d in x.shape)
     nd = x.ndim
     if nd < 2 or axis % nd < nd - 2 or not static or not fake_quantize_variants():
-        return None
+        return reference()
     a, b = x.shape[-2:]
     flat = x.reshape(-1, b)
     n = flat.shape[0] // a if a else 0
     if not quantize_supported(flat, n) or a == 0:
-        return None
+        return reference()
     if axis % nd == nd - 1:
-        return flat, jnp.zeros((0,), jnp.int32), _mode_variant(fake_quantize_variants(), "row")
-    return flat, jnp.full((n,), a, jnp.int32), _mode_variant(fake_quantize_variants(), "col")
-
-
-def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:
-    """``primitives`` "fake_quantize" on CUDA for either of the last two axes, else the reference.
-
-    See :func:`weight_fake_quantize_plan` for how ``x`` is laid out for the kernel.
-    """
-    plan = weight_fake_quantize_plan(x, axis)
-    if plan is None:
-        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
-    flat, group_sizes, variant = plan
-    out = jax.ffi.ffi_call(FAKE_QUANTIZE_TARGET, jax.ShapeDtypeStruct(flat.shape, jnp.bfloat16))(
-        flat, group_sizes, variant=variant
-    )
+        out = fake_quantize_mxfp8_cuda(flat, jnp.zeros((0,), jnp.int32), mode="row")
+    else:
+        out = fake_quantize_mxfp8_cuda(flat, jnp.full((n,), a, jnp.int32), mode="col")
     return out.reshape(x.shape)
 
 

@@ -17,8 +17,6 @@ on ``dequantize(rhs)``.
 
 from __future__ import annotations
 
-import contextlib
-
 import re
 
 import jax
@@ -85,60 +83,6 @@ def _variant_index(names: tuple[str, ...], n: int, variant: str | None, fits, wh
     return np.int32(names.index(variant))
 
 
-# How a weight fake-quantize handed to a GEMM as ``side`` work runs (read at trace
-# time): beside the GEMM kernel on a second stream, with the GEMM leaving
-# ``reserve_sms`` SMs free for it, or (``enabled=False``) after it on the same stream.
-# benchmarks/bench_beside.py sweeps both on the GPU.
-_BESIDE = {"enabled": True, "reserve_sms": 32}
-
-
-@contextlib.contextmanager
-def beside_config(*, enabled: bool | None = None, reserve_sms: int | None = None):
-    """Temporarily changes how side work runs, for functions *traced* inside the block.
-
-    For benchmarks and tests; the numbers never change, only the timing.
-    """
-    old = dict(_BESIDE)
-    if enabled is not None:
-        _BESIDE["enabled"] = bool(enabled)
-    if reserve_sms is not None:
-        if not isinstance(reserve_sms, int) or reserve_sms < 0:
-            raise ValueError(f"reserve_sms must be an int >= 0, got {reserve_sms!r}")
-        _BESIDE["reserve_sms"] = reserve_sms
-    try:
-        yield
-    finally:
-        _BESIDE.update(old)
-
-
-def _with_side(outs, side: jax.Array | None, side_axis: int):
-    """``outs``, or ``(outs, fake_quantize(side, side_axis))`` computed after them."""
-    return outs if side is None else (outs, ffi.fake_quantize_cuda(side, axis=side_axis))
-
-
-def _call(target: str, out_types, operands: tuple, variant: np.int32, side: jax.Array | None, side_axis: int):
-    """``target``'s outputs; with ``side`` also ``(outs, fake_quantize(side, side_axis))``.
-
-    The fake-quantize runs beside the kernel (target ``target + "_beside"``: the kernel
-    leaves ``reserve_sms`` SMs to it, on a second stream; csrc/kernels.h ``RunBeside``)
-    when its kernel takes ``side``, and after it otherwise (or when disabled by
-    :func:`beside_config`). Same numbers
-    either way: the side work is independent and the GEMM's tiles do not depend on
-    the grid size.
-    """
-    plan = None if side is None or not _BESIDE["enabled"] else ffi.weight_fake_quantize_plan(side, side_axis)
-    if plan is None:
-        return _with_side(jax.ffi.ffi_call(target, out_types)(*operands, variant=variant), side, side_axis)
-    flat, side_sizes, side_variant = plan
-    single = not isinstance(out_types, tuple)
-    types = (out_types,) if single else out_types
-    *outs, side_out = jax.ffi.ffi_call(target + "_beside", (*types, jax.ShapeDtypeStruct(flat.shape, jnp.bfloat16)))(
-        *operands, flat, side_sizes, variant=variant, side_variant=side_variant,
-        reserve_sms=np.int32(_BESIDE["reserve_sms"]),
-    )
-    return (outs[0] if single else tuple(outs)), side_out.reshape(side.shape)
-
-
 def grouped_gemm_bf16_cuda(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -146,15 +90,11 @@ def grouped_gemm_bf16_cuda(
     *,
     variant: str | None = None,
     transpose_rhs: bool = False,
-    side: jax.Array | None = None,
-    side_axis: int = 1,
-):
+) -> jax.Array:
     """The kernel on bf16 operands: ``lhs [M, K]``, ``rhs [G, K, N]`` -> bf16 ``[M, N]``.
 
     ``transpose_rhs``: ``rhs`` is ``[G, N, K]`` and ``out[m] = lhs[m] @ rhs[g]^T`` (a
     "_bk" variant reads it K-major as stored: no transpose pass).
-    ``side``: a weight fake-quantized along ``side_axis`` beside the GEMM; then the
-    result is ``(out, side fake-quantized)`` (see :func:`_call`).
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
@@ -177,7 +117,7 @@ def grouped_gemm_bf16_cuda(
         grouped_gemm_variants(), n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}"
     )
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    return _call(GROUPED_GEMM_TARGET, out, (lhs, rhs, group_sizes.astype(jnp.int32)), index, side, side_axis)
+    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes.astype(jnp.int32), variant=index)
 
 
 def _as_bf16(x) -> jax.Array:
@@ -186,9 +126,7 @@ def _as_bf16(x) -> jax.Array:
     return x
 
 
-def grouped_gemm_cuda(
-    lhs, rhs, group_sizes: jax.Array, side=None, *, out_dtype, transpose_rhs: bool = False, side_axis: int = 1
-):
+def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False) -> jax.Array:
     """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
 
     Takes MXFP8 or bf16 operands; falls back to the platform-independent reference
@@ -207,9 +145,10 @@ def grouped_gemm_cuda(
         or jnp.dtype(b.dtype) != bf16
         or not grouped_gemm_supported(m, n, k, g)
     ):
-        out = primitives._REFERENCE["grouped_gemm"](lhs, rhs, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
-        return _with_side(out, side, side_axis)
-    return grouped_gemm_bf16_cuda(a, b, group_sizes, transpose_rhs=transpose_rhs, side=side, side_axis=side_axis)
+        return primitives._REFERENCE["grouped_gemm"](
+            lhs, rhs, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs
+        )
+    return grouped_gemm_bf16_cuda(a, b, group_sizes, transpose_rhs=transpose_rhs)
 
 
 def _wgrad_out_dtype(variant: str) -> jnp.dtype:
@@ -223,17 +162,13 @@ def grouped_wgrad_bf16_cuda(
     *,
     out_dtype=jnp.bfloat16,
     variant: str | None = None,
-    side: jax.Array | None = None,
-    side_axis: int = 1,
-):
+) -> jax.Array:
     """The weight-gradient kernel: ``out[g] = lhs_g^T @ rhs_g`` -> ``[G, K, N]`` in ``out_dtype``.
 
     ``lhs [M, K]`` and ``rhs [M, N]`` bf16; ``out_dtype`` bfloat16 or float32 (one
     rounding of the fp32 sums either way). fp32 accumulation in a fixed order (bitwise
     reproducible), empty groups give zeros, rows past ``sum(group_sizes)`` (clamped
     to ``M``) do not contribute.
-    ``side``: a weight fake-quantized along ``side_axis`` beside the kernel; then the
-    result is ``(out, side fake-quantized)``.
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
@@ -259,10 +194,10 @@ def grouped_wgrad_bf16_cuda(
         grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
     )
     out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return _call(GROUPED_WGRAD_TARGET, out, (lhs, rhs, group_sizes.astype(jnp.int32)), index, side, side_axis)
+    return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(lhs, rhs, group_sizes.astype(jnp.int32), variant=index)
 
 
-def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, side=None, *, out_dtype, side_axis: int = 1):
+def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
     """``primitives`` "grouped_wgrad" on CUDA (same signature as the reference).
 
     MXFP8 operands (group-aware blocks along M) are dequantized to bf16 first (exact).
@@ -281,13 +216,9 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, side=None, *, out_dtype
         or jnp.dtype(b.dtype) != bf16
         or not grouped_gemm_supported(m, n, k, group_sizes.shape[0])
     ):
-        out = primitives._REFERENCE["grouped_wgrad"](lhs, rhs, group_sizes, out_dtype=out_dtype)
-        return _with_side(out, side, side_axis)
+        return primitives._REFERENCE["grouped_wgrad"](lhs, rhs, group_sizes, out_dtype=out_dtype)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
-    got = grouped_wgrad_bf16_cuda(a, b, group_sizes, out_dtype=kernel_dtype, side=side, side_axis=side_axis)
-    if side is None:
-        return got.astype(out_dtype)
-    return got[0].astype(out_dtype), got[1]
+    return grouped_wgrad_bf16_cuda(a, b, group_sizes, out_dtype=kernel_dtype).astype(out_dtype)
 
 
 # ---- MXFP8 weights converted inside the kernel (csrc/grouped_gemm_w8.cc) ----
@@ -441,9 +372,7 @@ def grouped_gemm_fc1_cuda(
     probs: jax.Array,
     *,
     variant: str | None = None,
-    side: jax.Array | None = None,
-    side_axis: int = 1,
-):
+) -> tuple[jax.Array, jax.Array, MXFP8Tensor]:
     """FC1 with the fused epilogue: ``(h, a_row, a_col)`` from one kernel.
 
     ``h = grouped GEMM(x, w1)`` (bf16 ``[M, N]``, bitwise what :func:`grouped_gemm_bf16_cuda`
@@ -455,8 +384,6 @@ def grouped_gemm_fc1_cuda(
     ``x`` bf16 ``[M, K]``, ``w1`` bf16 ``[G, K, N]``, ``group_sizes`` int ``[G]``, ``probs``
     float ``[M]`` (cast to float32). N and K multiples of 8. G == 0 or K == 0 (static)
     is computed here in JAX (the kernel needs non-empty TMA dimensions).
-    ``side``: a weight fake-quantized along ``side_axis`` beside the kernel; then the
-    result is ``((h, a_row, a_col), side fake-quantized)``.
     """
     m, n, k, g, probs, gs = _fc1_operands(x, w1, group_sizes, probs)
     if not ffi.available():
@@ -466,7 +393,7 @@ def grouped_gemm_fc1_cuda(
 
         h = jnp.zeros((m, n), jnp.bfloat16)
         a_row, a_col = mxfp8.fake_quantize_pair(srelu_scaled(h, probs), gs, keep_col_fp8=True)
-        return _with_side((h, a_row, a_col), side, side_axis)
+        return h, a_row, a_col
     index = _variant_index(grouped_gemm_fc1_variants(), n, variant, lambda v: True, "the FC1 epilogue")
     nb = mxfp8.grouped_scale_rows(m, g)
     out = (
@@ -475,13 +402,11 @@ def grouped_gemm_fc1_cuda(
         jax.ShapeDtypeStruct((m, n), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((nb, n), jnp.float8_e8m0fnu),
     )
-    got = _call(GROUPED_GEMM_FC1_TARGET, out, (x, w1, gs, probs), index, side, side_axis)
-    (h, a_row, col, col_scale), side_out = (got, None) if side is None else got
-    result = (h, a_row, MXFP8Tensor(col, col_scale, axis=0, group_sizes=gs))
-    return result if side is None else (result, side_out)
+    h, a_row, col, col_scale = jax.ffi.ffi_call(GROUPED_GEMM_FC1_TARGET, out)(x, w1, gs, probs, variant=index)
+    return h, a_row, MXFP8Tensor(col, col_scale, axis=0, group_sizes=gs)
 
 
-def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array, side=None, *, side_axis: int = 1):
+def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array):
     """``primitives`` "fc1_fused" on CUDA (same signature as the reference).
 
     The FC1-epilogue kernel when both operands are (or dequantize to) bf16 and the shape
@@ -495,7 +420,7 @@ def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array, side=None
     m, k = a.shape
     g, _, n = b.shape
     if jnp.dtype(a.dtype) == bf16 and jnp.dtype(b.dtype) == bf16 and grouped_gemm_supported(m, n, k, g):
-        return grouped_gemm_fc1_cuda(a, b, group_sizes, probs, side=side, side_axis=side_axis)
+        return grouped_gemm_fc1_cuda(a, b, group_sizes, probs)
     h = primitives.grouped_gemm(lhs, rhs, group_sizes, jnp.bfloat16)
     a_row, a_col = primitives.fake_quantize_pair(primitives.srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
-    return _with_side((h, a_row, a_col), side, side_axis)
+    return h, a_row, a_col

@@ -50,16 +50,26 @@ def _tag(op: Operand, name: str) -> Operand:
     return checkpoint_name(op, name)
 
 
-def _beside(recipe: Recipe, op, *args, weight: jax.Array, axis: int, **kw):
-    """``(op(*args, **kw), recipe.weight(weight, axis))``.
+def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe):
+    """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
+    h = primitives.grouped_gemm(x_row, recipe.weight(w1, 1), group_sizes, jnp.bfloat16)
+    h = checkpoint_name(h, ACTIVATION_INPUT)
+    a = primitives.srelu_scaled(h, probs)
+    return h, a
 
-    With MXFP8 the weight's fake-quantize is handed to ``op`` as its ``side`` work: on
-    CUDA it runs beside ``op``'s GEMM kernel, on the SMs the GEMM leaves free, instead
-    of as a memory-bound pass of its own. Same numbers either way.
-    """
-    if recipe is Recipe.MXFP8:
-        return op(*args, side=weight, side_axis=axis, **kw)
-    return op(*args, **kw), recipe.weight(weight, axis)
+
+def _fc2(a_row, w2, group_sizes, recipe: Recipe, out_dtype):
+    return primitives.grouped_gemm(a_row, recipe.weight(w2, 1), group_sizes, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
+    if _fused(recipe, fuse, x):
+        _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, probs)
+    else:
+        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe)
+        a_row = recipe.row(a, 1)
+    return _fc2(a_row, w2, group_sizes, recipe, x.dtype)
 
 
 def _fused(recipe: Recipe, fuse: bool, x: jax.Array) -> bool:
@@ -71,59 +81,33 @@ def _fused(recipe: Recipe, fuse: bool, x: jax.Array) -> bool:
     return fuse and recipe is Recipe.MXFP8 and all(isinstance(d, int) for d in x.shape)
 
 
-def _forward(x_row, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool, out_dtype, *, keep_col: bool):
-    """FC1, the scaled srelu and FC2: ``(y, h, a_col)``; ``h`` tagged, ``a_col`` None unless ``keep_col``.
-
-    FC1's kernel also quantizes ``w2`` for FC2 (:func:`_beside`). Fused (see
-    :func:`grouped_mlp`'s ``fuse_fc1_epilogue``), FC1's kernel writes both MXFP8 copies
-    of ``a`` as well; ``a`` is then not computed from the tagged ``h``, so recomputing
-    "fc2_input" reruns that kernel. Unfused, ``a`` comes from the tagged ``h``.
-    """
-    w1q = recipe.weight(w1, 1)
-    if _fused(recipe, fuse, x_row):
-        (h, a_row, a_col), w2q = _beside(recipe, primitives.fc1_fused, x_row, w1q, group_sizes, probs, weight=w2, axis=1)
-        h = checkpoint_name(h, ACTIVATION_INPUT)
-    else:
-        h, w2q = _beside(recipe, primitives.grouped_gemm, x_row, w1q, group_sizes, jnp.bfloat16, weight=w2, axis=1)
-        h = checkpoint_name(h, ACTIVATION_INPUT)
-        a = primitives.srelu_scaled(h, probs)
-        if keep_col:
-            a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
-        else:
-            a_row, a_col = recipe.row(a, 1), None
-    y = primitives.grouped_gemm(a_row, w2q, group_sizes, out_dtype)
-    return y, h, (a_col if keep_col else None)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
-    y, _, _ = _forward(recipe.row(x, 1), w1, w2, group_sizes, probs, recipe, fuse, x.dtype, keep_col=False)
-    return y
-
-
 def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
     x_row, x_col = recipe.row_and_col(x, group_sizes, keep_col=True)
-    y, h, a_col = _forward(x_row, w1, w2, group_sizes, probs, recipe, fuse, x.dtype, keep_col=True)
+    if _fused(recipe, fuse, x):
+        # One kernel: h and both MXFP8 copies of a. a is not computed from the tagged
+        # h here, so recomputing "fc2_input" reruns this kernel (hence the flag).
+        h, a_row, a_col = primitives.fc1_fused(x_row, recipe.weight(w1, 1), group_sizes, probs)
+        h = checkpoint_name(h, ACTIVATION_INPUT)
+    else:
+        h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
+        a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
+    y = _fc2(a_row, w2, group_sizes, recipe, x.dtype)
     return y, (_tag(x_col, FC1_INPUT), h, _tag(a_col, FC2_INPUT), w1, w2, group_sizes, probs)
 
 
 def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
-    # dW2 first: its kernel also quantizes w2 for the dgrad below, which in turn
-    # quantizes w1 for the FC1 dgrad (_beside).
-    dw2, w2q = _beside(recipe, primitives.grouped_wgrad, a_col, dy_col, group_sizes, w2.dtype, weight=w2, axis=2)
     # da in bf16: what the dgrad kernel writes (the bf16 rounding is far below the
     # MXFP8 operands' own error; the same on every platform).
-    da, w1q = _beside(
-        recipe, primitives.grouped_gemm, dy_row, w2q, group_sizes, jnp.bfloat16, transpose_rhs=True, weight=w1, axis=2
-    )
+    da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.bfloat16, transpose_rhs=True)
     da = da.astype(jnp.float32)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     dprobs = jnp.sum(da * (r * r), axis=1)
     dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
     dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
-    dx = primitives.grouped_gemm(dh_row, w1q, group_sizes, dy.dtype, transpose_rhs=True)
+    dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
+    dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
     return dx, dw1, dw2, None, dprobs.astype(probs.dtype)
 

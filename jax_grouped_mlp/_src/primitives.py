@@ -43,13 +43,6 @@ def cuda_impl(name: OpName) -> Callable | None:
     return _CUDA_IMPLS.get(name)
 
 
-def _dispatch_side(name: OpName, args: tuple, side: jax.Array | None, side_axis: int, **static):
-    """``_dispatch`` with an optional ``side`` weight (fake-quantized along ``side_axis``)."""
-    if side is None:
-        return _dispatch(name, *args, **static)
-    return _dispatch(name, *args, side, side_axis=side_axis, **static)
-
-
 def _dispatch(name: OpName, *args, **static):
     ref = _REFERENCE[name]
     cuda = _CUDA_IMPLS.get(name)
@@ -68,24 +61,19 @@ def _as_bf16(x: Operand) -> jax.Array:
     return x.astype(jnp.bfloat16)
 
 
-def _ref_side(side: jax.Array | None, side_axis: int):
-    return None if side is None else _ref_fake_quantize(side, axis=side_axis)
-
-
 def _ref_grouped_gemm(
-    lhs: Operand, rhs: Operand, group_sizes: jax.Array, side=None, *, out_dtype, transpose_rhs: bool = False,
-    side_axis: int = 1,
-):
+    lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False
+) -> jax.Array:
     b = _as_bf16(rhs)
     if transpose_rhs:
         b = jnp.swapaxes(b, 1, 2)
-    out = reference.ragged_matmul(_as_bf16(lhs), b, group_sizes, out_dtype=out_dtype)
-    return out if side is None else (out, _ref_side(side, side_axis))
+    return reference.ragged_matmul(_as_bf16(lhs), b, group_sizes, out_dtype=out_dtype)
 
 
-def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, side=None, *, out_dtype, side_axis: int = 1):
-    out = reference.ragged_transpose_matmul(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=out_dtype)
-    return out if side is None else (out, _ref_side(side, side_axis))
+def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    return reference.ragged_transpose_matmul(
+        _as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=out_dtype
+    )
 
 
 def _ref_quantize(x: jax.Array, *, axis: int) -> MXFP8Tensor:
@@ -110,10 +98,10 @@ def srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
     return (probs[:, None] * (r * r)).astype(jnp.bfloat16)
 
 
-def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array, side=None, *, side_axis: int = 1):
+def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
     h = _ref_grouped_gemm(lhs, rhs, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16))
     a_row, a_col = _ref_fake_quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
-    return (h, a_row, a_col) if side is None else ((h, a_row, a_col), _ref_side(side, side_axis))
+    return h, a_row, a_col
 
 
 _REFERENCE: dict[str, Callable] = {
@@ -156,42 +144,27 @@ def fake_quantize_pair(
     return _dispatch("fake_quantize_pair", x, group_sizes, keep_col_fp8=keep_col_fp8)
 
 
-_SIDE_DOC = """
-    ``side``: a ``[G', A, B]`` weight to fake-quantize along ``side_axis`` (1 or 2) at
-    the same time; the result is then ``(result, fake_quantize(side, side_axis))``. On
-    CUDA the fake-quantize kernel runs beside the GEMM, on the SMs the GEMM leaves
-    free: a memory-bound pass hidden under a compute-bound one. Same numbers as two
-    separate calls.
-"""
-
-
 def grouped_gemm(
-    lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype, *, transpose_rhs: bool = False,
-    side: jax.Array | None = None, side_axis: int = 1,
-):
+    lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype, *, transpose_rhs: bool = False
+) -> jax.Array:
     """``out[m] = lhs[m] @ rhs[group(m)]``: ``lhs [M, K]`` (blocks along K), ``rhs [G, K, N]`` (blocks along K).
 
     ``transpose_rhs``: ``rhs`` is ``[G, N, K]`` (still blocked along K) and is used
     transposed: the dgrad GEMM with a weight as stored, without a transpose pass.
     """
-    return _dispatch_side(
-        "grouped_gemm", (lhs, rhs, group_sizes), side, side_axis,
-        out_dtype=jnp.dtype(out_dtype), transpose_rhs=transpose_rhs,
+    return _dispatch(
+        "grouped_gemm", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype), transpose_rhs=transpose_rhs
     )
 
 
-def grouped_wgrad(
-    lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype, *, side: jax.Array | None = None,
-    side_axis: int = 1,
-):
+def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:
     """``out[g] = lhs_g^T @ rhs_g``: both ``[M, *]`` in group-aware blocks along M; ``[G, K, N]``."""
-    return _dispatch_side("grouped_wgrad", (lhs, rhs, group_sizes), side, side_axis, out_dtype=jnp.dtype(out_dtype))
+    return _dispatch("grouped_wgrad", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))
 
 
 def fc1_fused(
-    lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array, *, side: jax.Array | None = None,
-    side_axis: int = 1,
-):
+    lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array
+) -> tuple[jax.Array, jax.Array, MXFP8Tensor]:
     """FC1 and everything the MLP derives from its output, from one kernel on CUDA.
 
     ``h = grouped_gemm(lhs, rhs)`` in bf16, ``a = srelu_scaled(h, probs)``, and ``a``'s
@@ -199,11 +172,7 @@ def fc1_fused(
     (FC2's operand) and ``a_col`` the group-aware columnwise :class:`MXFP8Tensor`
     (FC2's weight-gradient operand), bit for bit the unfused composition.
     """
-    return _dispatch_side("fc1_fused", (lhs, rhs, group_sizes, probs), side, side_axis)
-
-
-for _fn in (grouped_gemm, grouped_wgrad, fc1_fused):
-    _fn.__doc__ += _SIDE_DOC
+    return _dispatch("fc1_fused", lhs, rhs, group_sizes, probs)
 
 
 def _register_available_kernels() -> None:
