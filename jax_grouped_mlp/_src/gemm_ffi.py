@@ -457,14 +457,13 @@ def _dgrad_operands(dy_row, w2, group_sizes, h, probs):
     return m, n, k, g, probs.astype(jnp.float32), group_sizes.astype(jnp.int32)
 
 
-def _rows_in_groups(group_sizes: jax.Array, m: int) -> jax.Array:
-    """``[M]`` bool: row < sum(group_sizes) with the kernels' clamping (negative -> 0, running
-    sum cut at M), without int32 overflow whatever the sizes."""
-    sizes = jnp.clip(group_sizes, 0, m)
+def _clamped_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
+    """``[G]`` int32 group ends with the kernels' clamping (negative -> 0, running sum cut at
+    M), without int32 overflow whatever the sizes (a saturating running sum)."""
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
     if sizes.shape[0] == 0:
-        return jnp.zeros((m,), bool)
-    total = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)[-1]  # saturating sum
-    return jnp.arange(m, dtype=jnp.int32) < total
+        return sizes
+    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
 
 
 def grouped_gemm_dgrad_cuda(
@@ -498,12 +497,15 @@ def grouped_gemm_dgrad_cuda(
     if g == 0 or k == 0:
         # da = 0 exactly; the groups' rows get the reference's bf16(0 * 2p * r) (signed
         # zeros, NaN for non-finite h or probs), rows past the groups zeros, as the kernel.
-        valid = _rows_in_groups(gs, m)
+        ends = _clamped_group_ends(gs, m)
+        total = ends[-1] if g else jnp.int32(0)
+        valid = jnp.arange(m, dtype=jnp.int32) < total
+        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32)) if g else gs  # as the kernel clamps them
         r = jnp.maximum(h.astype(jnp.float32), 0.0)
         da = jnp.zeros((m, n), jnp.float32)
         dprobs = jnp.where(valid, jnp.sum(da * (r * r), axis=1), 0.0)
         dh = jnp.where(valid[:, None], (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16), 0)
-        dh_row, dh_col = mxfp8.fake_quantize_pair(dh.astype(jnp.bfloat16), gs, keep_col_fp8=False)
+        dh_row, dh_col = mxfp8.fake_quantize_pair(dh.astype(jnp.bfloat16), sizes, keep_col_fp8=False)
         return dh_row, dh_col, dprobs
     names = grouped_gemm_dgrad_variants()
     index = _variant_index(names, n, variant, lambda v: True, "the dgrad epilogue")
