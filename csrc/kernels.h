@@ -167,6 +167,9 @@ extern const int kNumGroupedGemmW8Variants;
 // Names of the compiled grouped GEMM variants with the FC1 epilogue, by `variant`.
 extern const char* const kGroupedGemmFc1Variants[];
 extern const int kNumGroupedGemmFc1Variants;
+// Names of the compiled grouped GEMM variants with the FC2-dgrad epilogue, by `variant`.
+extern const char* const kGroupedGemmDgradVariants[];
+extern const int kNumGroupedGemmDgradVariants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
@@ -186,3 +189,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmDgradInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmDgrad);

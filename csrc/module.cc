@@ -34,6 +34,7 @@ PYBIND11_MODULE(_kernels, m) {
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
     add("jgm_grouped_gemm_w8", JgmGroupedGemmW8Instantiate, JgmGroupedGemmW8);
     add("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1Instantiate, JgmGroupedGemmFc1);
+    add("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgradInstantiate, JgmGroupedGemmDgrad);
     return d;
   });
   auto names = [](const char* const* list, int count) {
@@ -54,5 +55,7 @@ PYBIND11_MODULE(_kernels, m) {
       names(jgm::kGroupedGemmW8Variants, jgm::kNumGroupedGemmW8Variants);
   m.attr("GROUPED_GEMM_FC1_VARIANTS") =
       names(jgm::kGroupedGemmFc1Variants, jgm::kNumGroupedGemmFc1Variants);
+  m.attr("GROUPED_GEMM_DGRAD_VARIANTS") =
+      names(jgm::kGroupedGemmDgradVariants, jgm::kNumGroupedGemmDgradVariants);
   m.attr("ARCH") = "sm_90a";
 }

@@ -32,7 +32,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 BUILD = ROOT / "build"
 SOURCES = ["quantize_mxfp8.cc", "fake_quantize_mxfp8.cc", "dequantize_mxfp8.cc", "grouped_gemm.cc",
-           "grouped_wgrad.cc", "grouped_gemm_w8.cc", "grouped_gemm_fc1.cc", "module.cc"]
+           "grouped_wgrad.cc", "grouped_gemm_w8.cc", "grouped_gemm_fc1.cc", "grouped_gemm_dgrad.cc",
+           "module.cc"]
 
 
 def _missing() -> list[str]:

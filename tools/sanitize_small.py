@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs every grouped GEMM (bf16, MXFP8-weight and FC1-epilogue), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
+"""Runs every grouped GEMM (bf16, MXFP8-weight, FC1- and dgrad-epilogue), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
 
@@ -47,6 +47,14 @@ def main() -> int:
         h, a_row, a_col = gemm_ffi.grouped_gemm_fc1_cuda(a, w, gs, probs, variant=v)
         for t in (h, a_row, ffi.dequantize_grouped_mxfp8_cuda(a_col)):
             bad += int(not np.isfinite(np.asarray(t, np.float32)).all())
+    # FC2-dgrad epilogue (dh_row, dh_col, dprobs): a as dy [M, K], w2 = w as stored [G, N, K]
+    # (N = 136, K = 200), h with negatives.
+    h = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    w2 = jnp.swapaxes(w, 1, 2)
+    for v in gemm_ffi.grouped_gemm_dgrad_variants():
+        dh_row, dh_col, dprobs = gemm_ffi.grouped_gemm_dgrad_cuda(a, w2, gs, h, probs, variant=v)
+        for t in (dh_row, dh_col, dprobs):
+            bad += int(not np.isfinite(np.asarray(t, np.float32)).all())
     for v in gemm_ffi.grouped_wgrad_variants():
         out = gemm_ffi.grouped_wgrad_bf16_cuda(a, dy, gs, variant=v, out_dtype=gemm_ffi._wgrad_out_dtype(v))
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
@@ -61,6 +69,7 @@ def main() -> int:
     jax.block_until_ready(out)
     n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_gemm_w8_variants())
     n += len(gemm_ffi.grouped_wgrad_variants()) + len(gemm_ffi.grouped_gemm_fc1_variants()) + 5
+    n += len(gemm_ffi.grouped_gemm_dgrad_variants())
     print(f"ran {n} variants, {bad} with non-finite output")
     return int(bad > 0)
 

@@ -424,3 +424,124 @@ def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array):
     h = primitives.grouped_gemm(lhs, rhs, group_sizes, jnp.bfloat16)
     a_row, a_col = primitives.fake_quantize_pair(primitives.srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
     return h, a_row, a_col
+
+
+# ---- FC2 dgrad with the fused dSReLU epilogue (csrc/grouped_gemm_dgrad.cc) ----
+# Compiled, not yet run on a GPU: not used by mlp.py until tests/test_grouped_gemm_dgrad_gpu.py passes.
+
+GROUPED_GEMM_DGRAD_TARGET = "jgm_grouped_gemm_dgrad"
+
+
+def grouped_gemm_dgrad_variants() -> tuple[str, ...]:
+    """Names of the compiled dgrad-epilogue GEMM configurations (empty without the extension)."""
+    return ffi.variants("GROUPED_GEMM_DGRAD_VARIANTS")
+
+
+def _dgrad_operands(dy_row, w2, group_sizes, h, probs):
+    """Validates :func:`grouped_gemm_dgrad_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
+    if jnp.ndim(dy_row) != 2:
+        raise ValueError(f"dy_row must be [M, K], got dy_row.shape={jnp.shape(dy_row)}")
+    if jnp.ndim(w2) != 3:
+        raise ValueError(f"w2 must be [G, N, K] (the FC2 weight [G, F, H] as stored), got w2.shape={jnp.shape(w2)}")
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(dy_row.dtype) != bf16:
+        raise TypeError(f"dy_row must be bf16, got dy_row.dtype={dy_row.dtype}")
+    if jnp.dtype(w2.dtype) != bf16:
+        raise TypeError(f"w2 must be bf16, got w2.dtype={w2.dtype}")
+    m, k = dy_row.shape
+    g, n, k2 = w2.shape
+    if k != k2:
+        raise ValueError(
+            f"contraction mismatch: dy_row.shape={dy_row.shape} vs w2.shape={w2.shape} (w2 is [G, N, K])"
+        )
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
+            f"group_sizes.dtype={group_sizes.dtype}"
+        )
+    if jnp.ndim(h) != 2 or tuple(jnp.shape(h)) != (m, n):
+        raise ValueError(f"h must be [M, N] = [{m}, {n}], got h.shape={jnp.shape(h)}")
+    if jnp.dtype(h.dtype) != bf16:
+        raise TypeError(f"h must be bf16, got h.dtype={h.dtype}")
+    probs = jnp.asarray(probs)
+    if probs.shape != (m,):
+        raise ValueError(f"probs must be [M] = [{m}], got probs.shape={probs.shape}")
+    if not jnp.issubdtype(probs.dtype, jnp.floating) or jnp.dtype(probs.dtype).itemsize > 4:
+        raise TypeError(f"probs must be float32 (or a narrower float), got probs.dtype={probs.dtype}")
+    if not grouped_gemm_supported(m, n, k, g):
+        raise ValueError(
+            f"grouped_gemm_dgrad needs N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
+        )
+    return m, n, k, g, probs.astype(jnp.float32), group_sizes.astype(jnp.int32)
+
+
+def _clamped_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
+    """``[G]`` int32 group ends with the kernels' clamping (negative -> 0, running sum cut at
+    M), without int32 overflow whatever the sizes (a saturating running sum)."""
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
+    if sizes.shape[0] == 0:
+        return sizes
+    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+
+
+def grouped_gemm_dgrad_cuda(
+    dy_row: jax.Array,
+    w2: jax.Array,
+    group_sizes: jax.Array,
+    h: jax.Array,
+    probs: jax.Array,
+    *,
+    variant: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """FC2 dgrad with the fused dSReLU epilogue: ``(dh_row, dh_col, dprobs)`` from one kernel.
+
+    With ``da = grouped_gemm_bf16_cuda(dy_row, w2, group_sizes, transpose_rhs=True)`` (bf16,
+    the same tile width's accumulation order; never written to memory), ``r = relu(f32(h))``:
+    ``dh = bf16((f32(da) * (2 * probs)) * r)`` (``mlp._mlp_bwd``'s order), ``(dh_row, dh_col)
+    = mxfp8.fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)`` bit for bit (both bf16
+    ``[M, N]``), and ``dprobs = sum_n f32(da) * (r * r)`` (float32 ``[M]``, summed in a fixed
+    order: reproducible bit for bit, not bitwise ``jnp.sum``'s). Rows past
+    ``sum(group_sizes)`` (clamped to M): ``dh_row``, ``dh_col`` and ``dprobs`` are +0.
+
+    ``dy_row`` bf16 ``[M, K]`` (MXFP8 values of ``dy`` in bf16), ``w2`` bf16 ``[G, N, K]`` (the
+    FC2 weight ``[G, F, H]`` as stored, K = H), ``group_sizes`` int ``[G]``, ``h`` bf16
+    ``[M, N]`` (the ``activation_input`` residual), ``probs`` float ``[M]`` (cast to float32).
+    N and K multiples of 8. G == 0 or K == 0 (static) is computed here in JAX.
+    STATUS: compiled, not yet run on a GPU.
+    """
+    m, n, k, g, probs, gs = _dgrad_operands(dy_row, w2, group_sizes, h, probs)
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    if g == 0 or k == 0:
+        # da = 0 exactly; the groups' rows get the reference's bf16(0 * 2p * r) (signed
+        # zeros, NaN for non-finite h or probs), rows past the groups zeros, as the kernel.
+        ends = _clamped_group_ends(gs, m)
+        total = ends[-1] if g else jnp.int32(0)
+        valid = jnp.arange(m, dtype=jnp.int32) < total
+        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32)) if g else gs  # as the kernel clamps them
+        r = jnp.maximum(h.astype(jnp.float32), 0.0)
+        da = jnp.zeros((m, n), jnp.float32)
+        dprobs = jnp.where(valid, jnp.sum(da * (r * r), axis=1), 0.0)
+        dh = jnp.where(valid[:, None], (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16), 0)
+        dh_row, dh_col = mxfp8.fake_quantize_pair(dh.astype(jnp.bfloat16), sizes, keep_col_fp8=False)
+        return dh_row, dh_col, dprobs
+    names = grouped_gemm_dgrad_variants()
+    index = _variant_index(names, n, variant, lambda v: True, "the dgrad epilogue")
+    nt = -(-n // tile_n(names[index]))
+    if nt * m >= _MAX:
+        raise ValueError(f"grouped_gemm_dgrad: the dprobs partials [{nt}, {m}] need < 2^31 elements")
+    out = (
+        jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((nt, m), jnp.float32),
+    )
+    dh_row, dh_col, dpart = jax.ffi.ffi_call(GROUPED_GEMM_DGRAD_TARGET, out)(
+        dy_row, w2, gs, h, probs, variant=index
+    )
+    # The column tiles' partial sums, added in tile order (elementwise adds: no reduction
+    # whose order XLA could choose).
+    dprobs = jnp.zeros((m,), jnp.float32) if nt == 0 else dpart[0]
+    for t in range(1, nt):
+        dprobs = dprobs + dpart[t]
+    return dh_row, dh_col, dprobs

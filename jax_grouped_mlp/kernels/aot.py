@@ -172,6 +172,33 @@ def _grouped_gemm_fc1_args():
             cutlass.Int32(132), make_fake_stream())
 
 
+def _grouped_gemm_dgrad_variants():
+    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
+
+    # Keep in the order of JGM_GROUPED_GEMM_DGRAD_VARIANTS in csrc/grouped_gemm_dgrad.cc.
+    return tuple(GroupedGemmConfig(tile_n=n, b_k_major=True, dgrad_epilogue=True) for n in (256, 192))
+
+
+def _grouped_gemm_dgrad_args():
+    """Fake (dy [M, K], w2 (N, K, G) K-contiguous, h [M, N] bf16, dh_row [M, N] bf16, dh_col
+    [M, N] bf16, dpart [NT, M] f32, probs [M] f32, group_sizes, num_ctas, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def t(dtype, shape, order, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
+                                        use_32bit_stride=True)
+
+    m, g, nt = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
+    return (t(cutlass.BFloat16, (m, k), (1, 0)), t(cutlass.BFloat16, (n, k, g), (1, 0, 2)),
+            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.BFloat16, (m, n), (1, 0)),
+            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Float32, (nt, m), (1, 0), align=4),
+            t(cutlass.Float32, (m,), (0,), align=4), t(cutlass.Int32, (g,), (0,), align=4),
+            cutlass.Int32(132), make_fake_stream())
+
+
 def _fake_quantize_variants():
     from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeConfig
 
@@ -296,6 +323,11 @@ def variants():
 
     for cfg in _grouped_gemm_fc1_variants():
         yield cfg.name, GroupedGemmFc1Sm90(cfg), _grouped_gemm_fc1_args()
+
+    from jax_grouped_mlp.kernels.grouped_gemm_dgrad_sm90 import GroupedGemmDgradSm90
+
+    for cfg in _grouped_gemm_dgrad_variants():
+        yield cfg.name, GroupedGemmDgradSm90(cfg), _grouped_gemm_dgrad_args()
 
 
 def main(argv=None) -> int:

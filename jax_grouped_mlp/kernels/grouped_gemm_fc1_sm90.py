@@ -63,7 +63,125 @@ BLOCK = 32  # MXFP8 block
 VEC = 8  # elements per thread vector (16 bytes of bf16)
 
 
-class GroupedGemmFc1Sm90(GroupedGemmSm90):
+class Mxfp8EpiloguePasses:
+    """The row and column MXFP8 passes over a staged 128 x 32 epilogue subtile, shared by
+    the FC1 (:class:`GroupedGemmFc1Sm90`) and FC2-dgrad (``GroupedGemmDgradSm90``)
+    epilogues. Mixed into a :class:`GroupedGemmSm90` subclass (uses its ``out_dtype`` and
+    ``epi_tile``)."""
+
+    def _col_read_copies(self, sC: cute.Tensor, ctid):
+        """The column pass's view of the staged subtile: 16-byte reads, thread ``ctid`` =
+        row ``ctid % 64`` (and + 64) x 8 columns ``8 * (ctid // 64)``; a warp is 32
+        consecutive rows of one 8-column vector. Returns ``(tCR_sC, tCR_cC)``."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((64, EPI_N // VEC), order=(0, 1)), cute.make_layout((1, VEC))
+        )
+        thr = tiled.get_slice(ctid)
+        return thr.partition_S(sC), thr.partition_D(cute.make_identity_tensor(self.epi_tile))
+
+    def _load_words(self, src: cute.Tensor):
+        """8 bf16 of the staged subtile (one 16-byte shared-memory read) -> 4 packed words."""
+        rv = cute.make_rmem_tensor((VEC,), BFloat16)
+        cute.autovec_copy(src, rv)
+        rw = cute.recast_tensor(rv, Uint32)
+        return [rw[w] for w in range(VEC // 2)]
+
+    @cute.jit
+    def _row_pass(self, tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid):
+        """Rowwise MXFP8 values for this thread's two 8-column vectors (rows ``r``, ``r + 64``).
+
+        The values are ``a = srelu_scaled(staged, p_row[i])`` (FC1) or, with ``p_row=None``,
+        the staged bf16 values themselves (the dgrad kernel stages ``dh``)."""
+        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
+            r, c = tSG_cC[(0, i, 0)]
+            hw = self._load_words(tSG_s[(None, i, 0)])
+            aw = hw
+            if cutlass.const_expr(p_row is not None):
+                aw = [ptx.srelu_scaled_bf16x2(hw[w], p_row[i]) for w in range(VEC // 2)]
+            am = ptx.max_u16x2(ptx.max_u16x2(ptx.abs_bf16x2(aw[0]), ptx.abs_bf16x2(aw[1])),
+                               ptx.max_u16x2(ptx.abs_bf16x2(aw[2]), ptx.abs_bf16x2(aw[3])))
+            am = cutlass.max(am & Uint32(0xFFFF), am >> 16)
+            am = am & (Uint32(0) - Uint32(c < cols_valid))  # columns past N: not in any block
+            # The 4 threads of a row are 4 consecutive lanes; every lane shuffles.
+            am = cutlass.max(am, Uint32(cute.arch.shuffle_sync_bfly(am, offset=1)))
+            am = cutlass.max(am, Uint32(cute.arch.shuffle_sync_bfly(am, offset=2)))
+            e = ptx.e8m0_rceil(am)
+            rs = ptx.e8m0_reciprocal(e)
+            vs = ptx.e8m0_value(e)
+            o = cute.make_rmem_tensor((1, VEC), BFloat16)
+            ow = cute.recast_tensor(o, Uint32)
+            for q in cutlass.range_constexpr(VEC // 4):
+                lo, hi = ptx.fake_quant_bf16x4(aw[2 * q], aw[2 * q + 1], rs, rs, rs, rs, vs, vs, vs, vs)
+                ow[2 * q] = lo
+                ow[2 * q + 1] = hi
+            if r < rows_valid:
+                if c < cols_valid:
+                    cute.autovec_copy(o, g_row[(None, (row0 + r, (gcol0 + c) // VEC))])
+
+    @cute.jit
+    def _col_pass(self, tCR_s, tCR_cC, g_col, g_scale, p_col, row0, gcol0, rows_valid, cols_valid, in_group,
+                  blk0, lane, col_bf16: cutlass.Constexpr = False):
+        """Group-aware columnwise MXFP8 of this warp's 32-row block(s) of 8 columns.
+
+        Values as in :meth:`_row_pass` (``p_col=None``: the staged values). ``col_bf16=False``
+        (FC1): E4M3 data into ``g_col`` and the E8M0 scales into ``g_scale`` at block row
+        ``blk0 + r // 32``; ``col_bf16=True`` (dgrad): the dequantized MXFP8 values in bf16
+        into ``g_col`` (``fake_quantize_pair(..., keep_col_fp8=False)``'s column copy), no
+        scales (``g_scale``, ``blk0`` unused). Rows past the groups: zeros either way."""
+        data_mask = Uint32(0) - Uint32(in_group)  # rows past the groups: data 0, no scales
+        for i in cutlass.range_constexpr(cute.size(tCR_cC, mode=[1])):
+            r, c = tCR_cC[(0, i, 0)]
+            hw = self._load_words(tCR_s[(None, i, 0)])
+            row_mask = Uint32(0) - Uint32(r < rows_valid)  # rows past the tile's group: zero
+            if cutlass.const_expr(p_col is None):
+                aw = [hw[w] & row_mask for w in range(VEC // 2)]
+            else:
+                aw = [ptx.srelu_scaled_bf16x2(hw[w], p_col[i]) & row_mask for w in range(VEC // 2)]
+            cm = [ptx.abs_bf16x2(aw[w]) for w in range(VEC // 2)]
+            for w in cutlass.range_constexpr(VEC // 2):
+                for s in cutlass.range_constexpr(5):  # the warp's 32 rows: one block
+                    cm[w] = ptx.max_u16x2(cm[w], Uint32(cute.arch.shuffle_sync_bfly(cm[w], offset=1 << s)))
+            if cutlass.const_expr(col_bf16):
+                # Four columns at a time (fewer live scale values than the FP8 path's order).
+                ob = cute.make_rmem_tensor((1, VEC), BFloat16)
+                obw = cute.recast_tensor(ob, Uint32)
+                for q in cutlass.range_constexpr(VEC // 4):
+                    eq = [ptx.e8m0_rceil((cm[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF))
+                          for j in range(4 * q, 4 * q + 4)]
+                    lo, hi = ptx.fake_quant_bf16x4(aw[2 * q], aw[2 * q + 1], *[ptx.e8m0_reciprocal(e) for e in eq],
+                                                   *[ptx.e8m0_value(e) for e in eq])
+                    obw[2 * q] = data_mask & lo
+                    obw[2 * q + 1] = data_mask & hi
+                if r < rows_valid:
+                    if c < cols_valid:
+                        cute.autovec_copy(ob, g_col[(None, (row0 + r, (gcol0 + c) // VEC))])
+            else:
+                ecol = []
+                rcol = []
+                for j in cutlass.range_constexpr(VEC):
+                    ej = ptx.e8m0_rceil((cm[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF))
+                    ecol.append(ej)
+                    rcol.append(ptx.e8m0_reciprocal(ej))
+                oc = cute.make_rmem_tensor((1, VEC), Uint8)
+                ocw = cute.recast_tensor(oc, Uint32)
+                for q in cutlass.range_constexpr(VEC // 4):
+                    ocw[q] = data_mask & ptx.encode_e4m3x4(aw[2 * q], aw[2 * q + 1], *rcol[4 * q: 4 * q + 4])
+                if r < rows_valid:
+                    if c < cols_valid:
+                        cute.autovec_copy(oc, g_col[(None, (row0 + r, (gcol0 + c) // VEC))])
+                blk = r // BLOCK  # the tile's block (0..3); the warp's rows are one block
+                if in_group:
+                    if lane == 0:
+                        if blk * BLOCK < rows_valid:
+                            if c < cols_valid:
+                                os_ = cute.make_rmem_tensor((1, VEC), Uint8)
+                                for j in cutlass.range_constexpr(VEC):
+                                    os_[j] = Uint8(ecol[j])
+                                cute.autovec_copy(os_, g_scale[(None, (blk0 + blk, (gcol0 + c) // VEC))])
+
+
+class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
     """The bf16 grouped GEMM with the FC1 epilogue; see the module docstring."""
 
     def __init__(self, config: GroupedGemmConfig):
@@ -115,88 +233,6 @@ class GroupedGemmFc1Sm90(GroupedGemmSm90):
         return seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0
 
     # ---- the epilogue ----
-
-    def _col_read_copies(self, sC: cute.Tensor, ctid):
-        """The column pass's view of the staged subtile: 16-byte reads, thread ``ctid`` =
-        row ``ctid % 64`` (and + 64) x 8 columns ``8 * (ctid // 64)``; a warp is 32
-        consecutive rows of one 8-column vector. Returns ``(tCR_sC, tCR_cC)``."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((64, EPI_N // VEC), order=(0, 1)), cute.make_layout((1, VEC))
-        )
-        thr = tiled.get_slice(ctid)
-        return thr.partition_S(sC), thr.partition_D(cute.make_identity_tensor(self.epi_tile))
-
-    def _load_words(self, src: cute.Tensor):
-        """8 bf16 of the staged subtile (one 16-byte shared-memory read) -> 4 packed words."""
-        rv = cute.make_rmem_tensor((VEC,), BFloat16)
-        cute.autovec_copy(src, rv)
-        rw = cute.recast_tensor(rv, Uint32)
-        return [rw[w] for w in range(VEC // 2)]
-
-    @cute.jit
-    def _row_pass(self, tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid):
-        """Rowwise MXFP8 values of ``a`` for this thread's two 8-column vectors (rows ``r``, ``r + 64``)."""
-        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
-            r, c = tSG_cC[(0, i, 0)]
-            hw = self._load_words(tSG_s[(None, i, 0)])
-            aw = [ptx.srelu_scaled_bf16x2(hw[w], p_row[i]) for w in range(VEC // 2)]
-            am = ptx.max_u16x2(ptx.max_u16x2(ptx.abs_bf16x2(aw[0]), ptx.abs_bf16x2(aw[1])),
-                               ptx.max_u16x2(ptx.abs_bf16x2(aw[2]), ptx.abs_bf16x2(aw[3])))
-            am = cutlass.max(am & Uint32(0xFFFF), am >> 16)
-            am = am & (Uint32(0) - Uint32(c < cols_valid))  # columns past N: not in any block
-            # The 4 threads of a row are 4 consecutive lanes; every lane shuffles.
-            am = cutlass.max(am, Uint32(cute.arch.shuffle_sync_bfly(am, offset=1)))
-            am = cutlass.max(am, Uint32(cute.arch.shuffle_sync_bfly(am, offset=2)))
-            e = ptx.e8m0_rceil(am)
-            rs = ptx.e8m0_reciprocal(e)
-            vs = ptx.e8m0_value(e)
-            o = cute.make_rmem_tensor((1, VEC), BFloat16)
-            ow = cute.recast_tensor(o, Uint32)
-            for q in cutlass.range_constexpr(VEC // 4):
-                lo, hi = ptx.fake_quant_bf16x4(aw[2 * q], aw[2 * q + 1], rs, rs, rs, rs, vs, vs, vs, vs)
-                ow[2 * q] = lo
-                ow[2 * q + 1] = hi
-            if r < rows_valid:
-                if c < cols_valid:
-                    cute.autovec_copy(o, g_row[(None, (row0 + r, (gcol0 + c) // VEC))])
-
-    @cute.jit
-    def _col_pass(self, tCR_s, tCR_cC, g_col, g_scale, p_col, row0, gcol0, rows_valid, cols_valid, in_group,
-                  blk0, lane):
-        """Group-aware columnwise MXFP8 of ``a``: this warp's 32-row block(s) of 8 columns."""
-        data_mask = Uint32(0) - Uint32(in_group)  # rows past the groups: data 0, no scales
-        for i in cutlass.range_constexpr(cute.size(tCR_cC, mode=[1])):
-            r, c = tCR_cC[(0, i, 0)]
-            hw = self._load_words(tCR_s[(None, i, 0)])
-            row_mask = Uint32(0) - Uint32(r < rows_valid)  # rows past the tile's group: zero
-            aw = [ptx.srelu_scaled_bf16x2(hw[w], p_col[i]) & row_mask for w in range(VEC // 2)]
-            cm = [ptx.abs_bf16x2(aw[w]) for w in range(VEC // 2)]
-            for w in cutlass.range_constexpr(VEC // 2):
-                for s in cutlass.range_constexpr(5):  # the warp's 32 rows: one block
-                    cm[w] = ptx.max_u16x2(cm[w], Uint32(cute.arch.shuffle_sync_bfly(cm[w], offset=1 << s)))
-            ecol = []
-            rcol = []
-            for j in cutlass.range_constexpr(VEC):
-                ej = ptx.e8m0_rceil((cm[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF))
-                ecol.append(ej)
-                rcol.append(ptx.e8m0_reciprocal(ej))
-            oc = cute.make_rmem_tensor((1, VEC), Uint8)
-            ocw = cute.recast_tensor(oc, Uint32)
-            for q in cutlass.range_constexpr(VEC // 4):
-                ocw[q] = data_mask & ptx.encode_e4m3x4(aw[2 * q], aw[2 * q + 1], *rcol[4 * q: 4 * q + 4])
-            if r < rows_valid:
-                if c < cols_valid:
-                    cute.autovec_copy(oc, g_col[(None, (row0 + r, (gcol0 + c) // VEC))])
-            blk = r // BLOCK  # the tile's block (0..3); the warp's rows are one block
-            if in_group:
-                if lane == 0:
-                    if blk * BLOCK < rows_valid:
-                        if c < cols_valid:
-                            os_ = cute.make_rmem_tensor((1, VEC), Uint8)
-                            for j in cutlass.range_constexpr(VEC):
-                                os_[j] = Uint8(ecol[j])
-                            cute.autovec_copy(os_, g_scale[(None, (blk0 + blk, (gcol0 + c) // VEC))])
 
     @cute.jit
     def _store_tile_fc1(

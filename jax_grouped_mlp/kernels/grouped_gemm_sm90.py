@@ -84,6 +84,11 @@ class GroupedGemmConfig:
     fc1_epilogue: the FC1 epilogue (:mod:`grouped_gemm_fc1_sm90`): besides ``h`` the
       kernel writes ``a = bf16(probs * relu(h)**2)`` as MXFP8, rowwise values in bf16
       and the group-aware columnwise FP8 copy (bf16 ``[G, K, N]`` weights only).
+    dgrad_epilogue: the FC2-dgrad epilogue (:mod:`grouped_gemm_dgrad_sm90`): the
+      kernel never writes its bf16 output ``da``; it writes ``dh = bf16(da * 2 probs *
+      relu(h))`` as MXFP8 values in bf16 (rowwise and group-aware columnwise) and the
+      per-tile partial sums of ``dprobs`` (bf16 K-major ``[G, N, K]`` weights only; name
+      ``_bk_dsrelu``).
     converter_warps: (b_fp8 only) warps converting B: 3 (warp group 0 beside the TMA
       producer, 384 threads) or 7 (plus a fourth warp group, 512 threads; name ``_c7``).
     The CTA tile has 128 rows: two consumer warp groups of 64.
@@ -98,6 +103,7 @@ class GroupedGemmConfig:
     b_fp8: bool = False
     fc1_epilogue: bool = False
     converter_warps: int = 3
+    dgrad_epilogue: bool = False
 
     tile_m = 128
 
@@ -112,6 +118,8 @@ class GroupedGemmConfig:
             raise ValueError(f"panel_m must be >= 1, got {self.panel_m=}")
         if self.fc1_epilogue and (self.b_k_major or self.b_fp8):
             raise ValueError(f"fc1_epilogue is fprop with bf16 [G, K, N] weights only, got {self}")
+        if self.dgrad_epilogue and (not self.b_k_major or self.b_fp8 or self.fc1_epilogue):
+            raise ValueError(f"dgrad_epilogue needs bf16 K-major [G, N, K] weights (b_k_major=True), got {self}")
         if self.num_stages < 2:
             raise ValueError(f"{self} leaves room for {self.num_stages} stages; need >= 2")
 
@@ -139,6 +147,7 @@ class GroupedGemmConfig:
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
         s += f"_c{self.converter_warps}" if self.b_fp8 and self.converter_warps != 3 else ""
         s += "_bk" if self.b_k_major else ""
+        s += "_dsrelu" if self.dgrad_epilogue else ""
         return s + ("_fc1" if self.fc1_epilogue else "")
 
 
@@ -220,11 +229,13 @@ class GroupedGemmSm90:
         return a_smem, b_smem
 
     @cute.jit
-    def _prepare(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor):
+    def _prepare(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, store_out: cutlass.Constexpr = True):
         """Trace-time setup for operands ``a`` (rows x K), ``b`` (N x K) and ``out``.
 
         Sets the MMA, the output layout and the shared-storage struct; returns the six
         TMA atoms/coordinate tensors (a, b, out) and the three shared-memory layouts.
+        ``store_out=False`` (an epilogue that never writes ``out`` with TMA; ``out`` only
+        gives the staging dtype and layout): no TMA atom for ``out``, four returned.
         """
         a_smem, b_smem = self._mma_and_operand_layouts(a, b, out)
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -242,12 +253,15 @@ class GroupedGemmSm90:
 
         self.out_layout = utils.LayoutEnum.from_tensor(out)
         epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, self.out_layout, self.epi_tile, self.epi_stages)
-        tma_atom_out, tma_out = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-            out,
-            cute.slice_(epi_smem, (None, None, 0)),
-            self.epi_tile,
-        )
+        tma_out_pair = ()
+        if cutlass.const_expr(store_out):
+            tma_atom_out, tma_out = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                out,
+                cute.slice_(epi_smem, (None, None, 0)),
+                self.epi_tile,
+            )
+            tma_out_pair = (tma_atom_out, tma_out)
 
         @cute.struct
         class SharedStorage:
@@ -257,7 +271,7 @@ class GroupedGemmSm90:
             sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
 
         self.shared_storage = SharedStorage
-        return (tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_out, tma_out), (a_smem, b_smem, epi_smem)
+        return (tma_atom_a, tma_a, tma_atom_b, tma_b) + tma_out_pair, (a_smem, b_smem, epi_smem)
 
     @cute.jit
     def _kernel_start(self, tma_atoms):

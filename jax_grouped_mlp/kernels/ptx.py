@@ -365,6 +365,57 @@ def srelu_scaled_bf16x2(h: Uint32, p: Float32, *, loc=None, ip=None) -> Uint32:
     )
 
 
+@dsl_user_op
+def dsrelu_scaled_bf16x2(
+    da: Uint32, h: Uint32, p2: Float32, acc: Float32, *, loc=None, ip=None
+) -> tuple[Uint32, Float32]:
+    """The FC2-dgrad epilogue on two columns: ``(bf16x2 dh, acc')`` from bf16 pairs ``da``, ``h``.
+
+    With ``r = max(f32(h), 0)`` (``max.NaN``: a NaN ``h`` stays NaN, as ``jnp.maximum``)
+    and ``d = f32(da)``, per element: ``dh = bf16((d * p2) * r)`` (``p2 = 2 * probs``, exact
+    in float32), ``mlp._mlp_bwd``'s ``(da * (2.0 * probs)) * r`` with one ``mul.rn`` per
+    product (never fused, no flush to zero) and one bf16 rounding; and the ``dprobs`` terms
+    ``t = d * (r * r)`` added in order, ``acc' = (acc + t0) + t1`` (``add.rn``: the sum's
+    order is fixed, so the result is reproducible bit for bit).
+    """
+    ops = [Uint32(x).ir_value(loc=loc, ip=ip) for x in (da, h)]
+    ops += [Float32(x).ir_value(loc=loc, ip=ip) for x in (p2, acc)]
+    res = _asm(
+        llvm.StructType.get_literal([T.i32(), T.f32()]),
+        ops,
+        "{\n"
+        ".reg .b32 x0, x1, y0, y1;\n"
+        ".reg .f32 d0, d1, r0, r1, o0, o1, q0, q1, s;\n"
+        "shl.b32 x0, $2, 16;\n"
+        "and.b32 x1, $2, 0xFFFF0000;\n"
+        "shl.b32 y0, $3, 16;\n"
+        "and.b32 y1, $3, 0xFFFF0000;\n"
+        "mov.b32 d0, x0;\n"
+        "mov.b32 d1, x1;\n"
+        "mov.b32 r0, y0;\n"
+        "mov.b32 r1, y1;\n"
+        "max.NaN.f32 r0, r0, 0f00000000;\n"
+        "max.NaN.f32 r1, r1, 0f00000000;\n"
+        "mul.rn.f32 o0, d0, $4;\n"
+        "mul.rn.f32 o1, d1, $4;\n"
+        "mul.rn.f32 o0, o0, r0;\n"
+        "mul.rn.f32 o1, o1, r1;\n"
+        "cvt.rn.bf16x2.f32 $0, o1, o0;\n"
+        "mul.rn.f32 q0, r0, r0;\n"
+        "mul.rn.f32 q1, r1, r1;\n"
+        "mul.rn.f32 q0, d0, q0;\n"
+        "mul.rn.f32 q1, d1, q1;\n"
+        "add.rn.f32 s, $5, q0;\n"
+        "add.rn.f32 $1, s, q1;\n"
+        "}",
+        "=r,=f,r,r,f,f",
+    )
+    return (
+        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+        Float32(llvm.extractvalue(T.f32(), res, [1], loc=loc, ip=ip)),
+    )
+
+
 # ---- the w8 GEMM's fast E4M3 -> bf16 decode (integer bit placement + one bf16x2 multiply) ----
 #
 # An E4M3 byte ``s EEEE mmm`` placed as the bf16 ``s 0000EEEE mmm0000`` is exactly

@@ -1,0 +1,269 @@
+"""Hopper grouped GEMM with the FC2-dgrad (dSReLU) epilogue: ``dh`` as MXFP8 and ``dprobs`` partials.
+
+STATUS: compiled for sm_90a, NOT YET RUN ON A GPU (tests/test_grouped_gemm_dgrad_gpu.py).
+
+``da[m] = dy[m] @ w2[group(m)]^T`` exactly as the plain K-major (``_bk``) kernel computes
+it (same mainloop, same tile width, same fp32 -> bf16 rounding), but ``da`` never goes to
+global memory. From each staged 128 x 32 subtile of bf16 ``da`` the epilogue writes
+
+  dh_row   [M, N] bf16   ``dequantize(quantize_mxfp8(dh, axis=1))`` (32-blocks along N)
+  dh_col   [M, N] bf16   ``dequantize(quantize_mxfp8_grouped(dh, group_sizes))`` (32-row
+                          blocks restarting at each group's start), i.e. together
+                          ``mxfp8.fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)``
+  dpart    [cdiv(N, tile_n), M] float32   per column tile, per row: ``sum da * relu(h)**2``
+                          over the tile's columns (the binding sums the tiles in order)
+
+with, in float32 from the bf16 ``da`` and the bf16 residual ``h`` (``[M, N]``, read from
+global memory): ``r = max(h, 0)``, ``dh = bf16((da * (2 * probs)) * r)`` (``mlp._mlp_bwd``'s
+operation order, so ``dh`` is bitwise the reference's), ``dprobs`` terms ``da * (r * r)``
+(:func:`ptx.dsrelu_scaled_bf16x2`). Rows past ``sum(group_sizes)``: ``dh_row``, ``dh_col``
+and the partials are +0 (nothing of ``h`` or ``probs`` is read there). Every output
+element is written, so the handler clears nothing.
+
+Operands: dy ``[M, K]`` bf16, w2 ``[G, N, K]`` bf16 (K contiguous, the ``_bk`` layout: the
+FC2 weight ``[G, F, H]`` as stored, K = H, N = F), h ``[M, N]`` bf16, probs ``[M]``
+float32, group_sizes ``[G]`` int32. Scheduler, producer, pipeline and register split are
+the bf16 kernel's; no TMA store (``out`` is only the staging layout).
+
+Epilogue, per 128 x 32 subtile, after the stmatrix staging of ``da`` and the epilogue
+barrier (256 consumer threads):
+  * dSReLU pass (the partial-store mapping: thread = 8 columns of rows ``r``, ``r + 64``):
+    16-byte shared-memory reads of ``da``, 16-byte global loads of ``h`` (predicated: the
+    tile's valid rows, columns < N, in-group tiles only), ``dh`` written back in place
+    (each thread rewrites exactly the 16 bytes it read); the subtile's ``dprobs`` terms
+    summed per row (order below) into the row's running sum in registers;
+  * the row pass of :class:`Mxfp8EpiloguePasses` on the staged ``dh`` (same mapping, the
+    thread's own bytes: no barrier needed in between);
+  * a barrier (every thread's ``dh`` is in shared memory);
+  * the column pass on the staged ``dh`` (transposed mapping; a warp = one 32-row block of
+    8 columns), bf16 output mode.
+The next subtile stages into the other buffer; a buffer is rewritten two subtiles later,
+after both barriers of the subtile in between, so all its readers are done.
+``dprobs`` order (fixed, so reproducible bit for bit; no atomics): per subtile, each thread
+sums its 8 columns in order, the row's 4 lanes combine theirs with 2 butterfly shuffles
+(``(s0 + s1) + (s2 + s3)`` on every lane), and that is added to the row's running sum;
+after the tile's subtiles the lane with column 0 stores it.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Uint32
+
+from jax_grouped_mlp.kernels import ptx
+from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import VEC, Mxfp8EpiloguePasses
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
+
+
+class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
+    """The bf16 K-major grouped GEMM with the FC2-dgrad epilogue; see the module docstring."""
+
+    def __init__(self, config: GroupedGemmConfig):
+        if not config.dgrad_epilogue:
+            raise ValueError(f"GroupedGemmDgradSm90 needs dgrad_epilogue=True (K-major bf16 B), got {config}")
+        super().__init__(config)
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (M, K) bf16, K contiguous: dy
+        b: cute.Tensor,  # (N, K, G) bf16, K contiguous (JAX's [G, N, K]): w2
+        h: cute.Tensor,  # (M, N) bf16: the activation_input residual
+        dh_row: cute.Tensor,  # (M, N) bf16: rowwise MXFP8 values of dh
+        dh_col: cute.Tensor,  # (M, N) bf16: group-aware columnwise MXFP8 values of dh
+        dpart: cute.Tensor,  # (cdiv(N, tile_n), M) float32: dprobs partials
+        probs: cute.Tensor,  # (M,) float32
+        group_sizes: cute.Tensor,  # (G,) int32
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        # h stands in for the (never written) da: same dtype, shape and layout.
+        tma, smem_layouts = self._prepare(a, b, h, store_out=False)
+        v = (1, VEC)
+        self.kernel_dgrad(
+            *tma, h, cute.zipped_divide(h, v), cute.zipped_divide(dh_row, v), cute.zipped_divide(dh_col, v),
+            dpart, probs, group_sizes, self.tiled_mma, *smem_layouts,
+        ).launch(
+            grid=(num_ctas, 1, 1),
+            block=(self.threads, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---- the epilogue ----
+
+    @cute.jit
+    def _load_probs2(self, mProbs: cute.Tensor, coords, row0: Int32, rows_valid: Int32, in_group):
+        """``2 * probs`` of this thread's two rows (exact); 0 past the valid rows and in tail tiles."""
+        ps = []
+        for i in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+            r, _ = coords[(0, i, 0)]
+            p = Float32(0.0)
+            if in_group:
+                if r < rows_valid:
+                    p = Float32(mProbs[row0 + r]) * Float32(2.0)
+            ps.append(p)
+        return ps
+
+    @cute.jit
+    def _dsrelu_pass(self, tSG_s, tSG_cC, g_h, p2, dp, row0, gcol0, rows_valid, cols_valid, in_group):
+        """``dh`` from the staged ``da`` and ``h`` (global), written back over ``da``; returns
+        the rows' ``dprobs`` sums ``dp`` with this subtile's 8 columns added."""
+        dp_out = []
+        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
+            r, c = tSG_cC[(0, i, 0)]
+            hv = cute.make_rmem_tensor((1, VEC), BFloat16)
+            hvw = cute.recast_tensor(hv, Uint32)
+            for w in cutlass.range_constexpr(VEC // 2):
+                hvw[w] = Uint32(0)
+            if in_group:
+                if r < rows_valid:
+                    if c < cols_valid:
+                        cute.autovec_copy(g_h[(None, (row0 + r, (gcol0 + c) // VEC))], hv)
+            dw = self._load_words(tSG_s[(None, i, 0)])
+            o = cute.make_rmem_tensor((1, VEC), BFloat16)
+            ow = cute.recast_tensor(o, Uint32)
+            # dprobs: this thread's 8 columns in order, then the row's 4 lanes (butterfly:
+            # every lane gets the same (s0 + s1) + (s2 + s3)), added to the row's sum.
+            # Reducing per subtile (not once per tile) keeps ptxas from deferring the
+            # products to the end of the tile, which spilled their inputs (n256).
+            s = Float32(0.0)
+            for w in cutlass.range_constexpr(VEC // 2):
+                d, s = ptx.dsrelu_scaled_bf16x2(dw[w], hvw[w], p2[i], s)
+                ow[w] = d
+            s = s + Float32(cute.arch.shuffle_sync_bfly(s, offset=1))
+            s = s + Float32(cute.arch.shuffle_sync_bfly(s, offset=2))
+            acc = dp[i] + s
+            cute.autovec_copy(o, tSG_s[(None, i, 0)])
+            dp_out.append(acc)
+        return dp_out
+
+    @cute.jit
+    def _store_tile_dgrad(
+        self, epi, s2g, col_read, g_h, g_row, g_col, mPart: cute.Tensor, p2, row0: Int32, col0: Int32,
+        n_tile: Int32, rows_valid: Int32, n: Int32, in_group, epi_count: Int32, lane,
+    ):
+        """The tile's epilogue (see the module docstring). Returns the new subtile count."""
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, _ = epi
+        _, _, tSG_sC, tSG_cC = s2g
+        tCR_sC, tCR_cC = col_read
+        size_tRS_rD = cute.size(tRS_rD)
+        epi_num = self.tile_n // EPI_N
+        dp = [Float32(0.0) for _ in range(cute.size(tSG_cC, mode=[1]))]
+        for e in cutlass.range_constexpr(epi_num):
+            for v in cutlass.range_constexpr(size_tRS_rD):
+                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))  # da, rounded as the plain kernel does
+            buf = (epi_count + e) % self.epi_stages
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            self.epi_barrier.arrive_and_wait()
+            gcol0 = col0 + e * EPI_N
+            cols_valid = n - gcol0
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            dp = self._dsrelu_pass(tSG_s, tSG_cC, g_h, p2, dp, row0, gcol0, rows_valid, cols_valid, in_group)
+            self._row_pass(tSG_s, tSG_cC, g_row, None, row0, gcol0, rows_valid, cols_valid)
+            # Every thread's dh is in shared memory before the column pass reads across threads.
+            self.epi_barrier.arrive_and_wait()
+            self._col_pass(
+                tCR_sC[(None, None, None, buf)], tCR_cC, g_col, None, None, row0, gcol0, rows_valid, cols_valid,
+                in_group, None, lane, col_bf16=True,
+            )
+        # dprobs partials (every lane of a row holds the row's sum): the lane with column 0 stores.
+        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
+            r, c = tSG_cC[(0, i, 0)]
+            if c == 0:
+                if r < rows_valid:
+                    mPart[(n_tile, row0 + r)] = dp[i]
+        return epi_count + epi_num
+
+    @cute.jit
+    def _mma_consumer_dgrad(
+        self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
+        mH: cute.Tensor, g_h, g_row, g_col, mPart: cute.Tensor, mProbs: cute.Tensor, group_sizes: cute.Tensor,
+        ctid, bidx, gdim, k_tiles, seg0_rows, seg0_tiles,
+    ):
+        """:meth:`_mma_consumer` (same mainloop and cursor) with the dgrad epilogue."""
+        m = mH.shape[0]
+        n = mH.shape[1]
+        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
+        num_groups = group_sizes.shape[0]
+        lane = ctid % 32
+        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
+
+        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)  # (its TMA-store pipeline stays unused)
+        epi_count = Int32(0)
+        s2g = self._partial_store_copies(sC, ctid)
+        col_read = self._col_read_copies(sC, ctid)
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        t = Int32(bidx)
+        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
+        )
+        while seg <= num_groups:
+            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+            acc.fill(0.0)
+            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                mainloop.consumer_wait(read)
+                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                read.advance()
+                for k in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+
+            row0 = seg_row0 + row_off
+            col0 = n_tile * self.tile_n
+            in_group = seg < num_groups
+            p2 = self._load_probs2(mProbs, s2g[3], row0, rows_valid, in_group)
+            epi_count = self._store_tile_dgrad(
+                epi, s2g, col_read, g_h, g_row, g_col, mPart, p2, row0, col0, n_tile, rows_valid, n, in_group,
+                epi_count, lane,
+            )
+
+            t = t + gdim
+            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
+            )
+
+    @cute.kernel
+    def kernel_dgrad(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,  # TMA coordinate tensor (M, K)
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,  # TMA coordinate tensor (N, K, G)
+        mH: cute.Tensor,  # (M, N) bf16
+        g_h: cute.Tensor,  # ((1, 8), (M, N / 8)) bf16
+        g_row: cute.Tensor,  # ((1, 8), (M, N / 8)) bf16
+        g_col: cute.Tensor,  # ((1, 8), (M, N / 8)) bf16
+        mPart: cute.Tensor,  # (cdiv(N, tile_n), M) float32
+        mProbs: cute.Tensor,  # (M,) float32
+        group_sizes: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b))
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+            tma_atom_a, mA, tma_atom_b, mB, mH, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        )
+        if warp_group != 0:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._mma_consumer_dgrad(
+                tiled_mma, mainloop, sA, sB, sC, mH, g_h, g_row, g_col, mPart, mProbs, group_sizes,
+                tidx - 128, bidx, gdim, k_tiles, seg0_rows, seg0_tiles,
+            )
