@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,18 +75,56 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse):
         *args
     ).mlir_module()
     assert "stablehlo.dot_general" not in text
-    assert text.count(gemm_ffi.GROUPED_GEMM_TARGET) >= 3  # FC1, FC2, FC2 dgrad, FC1 dgrad
-    assert text.count(gemm_ffi.GROUPED_WGRAD_TARGET) >= 2  # dW1, dW2
-    if recipe == "mxfp8":  # the weights, quantized along K for fprop and along N for dgrad
-        assert text.count(ffi.FAKE_QUANTIZE_TARGET) >= 4
-        # x, a, dy, dh: both copies from one pass each; no separate quantize pass left.
-        # Fused, FC1's kernel writes a's two copies itself (no pass over a).
-        fused = gemm_ffi.GROUPED_GEMM_FC1_TARGET in text
-        assert fused == (fuse and bool(gemm_ffi.grouped_gemm_fc1_variants()))
-        assert text.count(ffi.FAKE_QUANTIZE_PAIR_TARGET) >= (3 if fused else 4)
-        assert ffi.QUANTIZE_TARGET + '"' not in text
-    else:
-        assert gemm_ffi.GROUPED_GEMM_FC1_TARGET not in text
+    calls = collections.Counter(re.findall(r"custom_call @(jgm_\w+)\(", text))
+    gemm, wgrad = gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET
+    if recipe == "bf16":  # FC1, FC2, 2 dgrads; 2 wgrads; nothing else
+        assert calls == {gemm: 4, wgrad: 2}
+        return
+    fused_fc1 = fuse and bool(gemm_ffi.grouped_gemm_fc1_variants())
+    fused_dgrad = bool(gemm_ffi.grouped_gemm_dgrad_variants())
+    want = {
+        # x, a, dy, dh: both MXFP8 copies from one pass each, except a's (FC1's kernel,
+        # when fused) and dh's (the FC2 dgrad's kernel); no quantize + dequantize.
+        ffi.FAKE_QUANTIZE_PAIR_TARGET: 4 - fused_fc1 - fused_dgrad,
+        ffi.DEQUANTIZE_TARGET: 2,  # the kept FP8 residuals x and a, for the wgrads
+        ffi.FAKE_QUANTIZE_TARGET: 4,  # w1 and w2, along K (fprop) and along N (dgrad)
+        gemm: 4 - fused_fc1 - fused_dgrad,  # FC1, FC2, FC2 dgrad, FC1 dgrad
+        gemm_ffi.GROUPED_GEMM_FC1_TARGET: int(fused_fc1),
+        gemm_ffi.GROUPED_GEMM_DGRAD_TARGET: int(fused_dgrad),
+        wgrad: 2,
+    }
+    assert calls == {k: v for k, v in want.items() if v}
+
+
+@pytest.mark.parametrize("rows_per_group,transpose", [(64, False), (64, True), (2048, False)])
+def test_mxfp8_weights_converted_in_the_kernel_for_small_groups(rows_per_group, transpose):
+    """grouped_gemm with an MXFP8 weight lowers (for CUDA) to the in-kernel conversion when
+    the groups are small, else to a dequantize pass + the bf16 kernel."""
+    if not ffi.available():
+        pytest.skip("the CUDA extension is not built")
+    from jax_grouped_mlp._src import gemm_ffi, mxfp8
+
+    g, k, n = 4, 128, 192
+    m = g * rows_per_group
+    w_shape = (g, n, k) if transpose else (g, k, n)
+
+    def f(a, w, gs):
+        wq = mxfp8.quantize_mxfp8(w, axis=2 if transpose else 1)
+        return primitives.grouped_gemm(a, wq, gs, jnp.bfloat16, transpose_rhs=transpose)
+
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16),
+            jax.ShapeDtypeStruct((g,), jnp.int32))
+    text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=jax_grouped_mlp_checks())(*args).mlir_module()
+    calls = collections.Counter(re.findall(r"custom_call @(jgm_\w+)\(", text))
+    small = rows_per_group <= gemm_ffi.W8_MAX_ROWS_PER_GROUP
+    assert calls[gemm_ffi.GROUPED_GEMM_W8_TARGET] == int(small)
+    assert calls[gemm_ffi.GROUPED_GEMM_TARGET] == int(not small)
+
+
+def jax_grouped_mlp_checks():
+    import jax_grouped_mlp as jgm
+
+    return jgm.export_disabled_checks()
 
 
 def test_shape_polymorphic_export_for_cpu_and_cuda(rng):

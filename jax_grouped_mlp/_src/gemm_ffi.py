@@ -126,16 +126,47 @@ def _as_bf16(x) -> jax.Array:
     return x
 
 
+# Rows per group at or below which MXFP8 weights are converted inside the GEMM kernel
+# (grouped_gemm_w8_cuda) rather than dequantized by a pass of their own first. The
+# kernel converts each weight tile once per 128-row tile that uses it, so it pays
+# when the weights are large against the rows. H200 (benchmarks/results/
+# gemm_w8_h200.json): at 384 rows per group the in-kernel conversion is 1.34x faster
+# than dequantize + GEMM; at 8192 it is 1.35x slower.
+W8_MAX_ROWS_PER_GROUP = 1024
+
+
+def _w8_pays(lhs: jax.Array, rhs, transpose_rhs: bool, out_dtype) -> bool:
+    """Whether :func:`grouped_gemm_cuda` takes the in-kernel weight conversion for ``rhs``."""
+    if not isinstance(rhs, MXFP8Tensor) or rhs.is_grouped or not grouped_gemm_w8_variants():
+        return False
+    if jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(lhs.dtype) != jnp.dtype(jnp.bfloat16):
+        return False
+    if rhs.data.ndim != 3 or lhs.ndim != 2 or rhs.axis != (2 if transpose_rhs else 1):
+        return False
+    if jnp.dtype(rhs.data.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        return False
+    m, k = lhs.shape
+    g, n = rhs.data.shape[0], rhs.data.shape[1 if transpose_rhs else 2]
+    if not grouped_gemm_w8_supported(m, n, k, g) or g == 0:
+        return False
+    return m <= W8_MAX_ROWS_PER_GROUP * g
+
+
 def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False) -> jax.Array:
     """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
 
-    Takes MXFP8 or bf16 operands; falls back to the platform-independent reference
+    Takes MXFP8 or bf16 operands. MXFP8 weights are converted inside the kernel when
+    the groups are small (:data:`W8_MAX_ROWS_PER_GROUP`), else dequantized first. Falls
+    back to the platform-independent reference
     (``primitives``' own, decided at trace time) when the output is not bf16, an operand
     is neither MXFP8 nor bf16, or the shape is outside :func:`grouped_gemm_supported`.
     """
     from jax_grouped_mlp._src import primitives  # the reference, whatever its operand rules
 
-    a, b = _as_bf16(lhs), _as_bf16(rhs)
+    a = _as_bf16(lhs)
+    if _w8_pays(a, rhs, transpose_rhs, out_dtype):
+        return grouped_gemm_w8_cuda(a, rhs, group_sizes, transpose_rhs=transpose_rhs)
+    b = _as_bf16(rhs)
     bf16 = jnp.dtype(jnp.bfloat16)
     m, k = a.shape
     g, n = b.shape[0], b.shape[1 if transpose_rhs else 2]
@@ -427,7 +458,7 @@ def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array):
 
 
 # ---- FC2 dgrad with the fused dSReLU epilogue (csrc/grouped_gemm_dgrad.cc) ----
-# Compiled, not yet run on a GPU: not used by mlp.py until tests/test_grouped_gemm_dgrad_gpu.py passes.
+# mlp.py uses it through primitives.dgrad_fused.
 
 GROUPED_GEMM_DGRAD_TARGET = "jgm_grouped_gemm_dgrad"
 
@@ -508,7 +539,6 @@ def grouped_gemm_dgrad_cuda(
     FC2 weight ``[G, F, H]`` as stored, K = H), ``group_sizes`` int ``[G]``, ``h`` bf16
     ``[M, N]`` (the ``activation_input`` residual), ``probs`` float ``[M]`` (cast to float32).
     N and K multiples of 8. G == 0 or K == 0 (static) is computed here in JAX.
-    STATUS: compiled, not yet run on a GPU.
     """
     m, n, k, g, probs, gs = _dgrad_operands(dy_row, w2, group_sizes, h, probs)
     if not ffi.available():
@@ -544,4 +574,30 @@ def grouped_gemm_dgrad_cuda(
     dprobs = jnp.zeros((m,), jnp.float32) if nt == 0 else dpart[0]
     for t in range(1, nt):
         dprobs = dprobs + dpart[t]
+    return dh_row, dh_col, dprobs
+
+
+def dgrad_fused_cuda(dy_row, w2, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
+    """``primitives`` "dgrad_fused" on CUDA (same signature as the reference).
+
+    The dgrad-epilogue kernel when the operands are (or dequantize to) bf16 and the shape
+    fits :func:`grouped_gemm_supported`; otherwise the reference composition over the
+    other CUDA implementations (decided at trace time).
+    """
+    from jax_grouped_mlp._src import primitives
+
+    a, b = _as_bf16(dy_row), _as_bf16(w2)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    m, k = a.shape
+    g, n, _ = b.shape
+    if (
+        jnp.dtype(a.dtype) == bf16 and jnp.dtype(b.dtype) == bf16 and jnp.dtype(h.dtype) == bf16
+        and grouped_gemm_supported(m, n, k, g)
+    ):
+        return grouped_gemm_dgrad_cuda(a, b, group_sizes, h, probs)
+    da = primitives.grouped_gemm(dy_row, w2, group_sizes, jnp.bfloat16, transpose_rhs=True).astype(jnp.float32)
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    dprobs = jnp.sum(da * (r * r), axis=1)
+    dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
+    dh_row, dh_col = primitives.fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
     return dh_row, dh_col, dprobs

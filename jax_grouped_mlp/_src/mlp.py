@@ -21,6 +21,10 @@ Backward::
     dw2 = col(a)^T @ col(dy)            per group
     dw1 = col(x)^T @ col(dh)            per group
 
+With MXFP8 on CUDA, FC1's kernel also writes both MXFP8 copies of ``a``
+(``fuse_fc1_epilogue``), and the FC2 dgrad's kernel computes ``dprobs`` and ``dh``
+and writes both MXFP8 copies of ``dh`` (``da`` never reaches memory).
+
 Quantization is treated as the identity in the gradient (straight-through), as in
 TransformerEngine.
 """
@@ -98,14 +102,19 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
 def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
-    # da in bf16: what the dgrad kernel writes (the bf16 rounding is far below the
-    # MXFP8 operands' own error; the same on every platform).
-    da = primitives.grouped_gemm(dy_row, recipe.weight(w2, 2), group_sizes, jnp.bfloat16, transpose_rhs=True)
-    da = da.astype(jnp.float32)
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    dprobs = jnp.sum(da * (r * r), axis=1)
-    dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
-    dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
+    w2q = recipe.weight(w2, 2)
+    if recipe is Recipe.MXFP8:
+        # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
+        dh_row, dh_col, dprobs = primitives.dgrad_fused(dy_row, w2q, group_sizes, h, probs)
+    else:
+        # da in bf16, as the dgrad kernel rounds it (far below the MXFP8 operands' own
+        # error; the same on every platform).
+        da = primitives.grouped_gemm(dy_row, w2q, group_sizes, jnp.bfloat16, transpose_rhs=True)
+        da = da.astype(jnp.float32)
+        r = jnp.maximum(h.astype(jnp.float32), 0.0)
+        dprobs = jnp.sum(da * (r * r), axis=1)
+        dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
+        dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)

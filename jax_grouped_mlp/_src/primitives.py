@@ -26,7 +26,7 @@ from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 Operand = Union[MXFP8Tensor, jax.Array]
 OpName = Literal[
     "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_wgrad",
-    "fc1_fused",
+    "fc1_fused", "dgrad_fused",
 ]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
@@ -104,6 +104,18 @@ def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: ja
     return h, a_row, a_col
 
 
+def _ref_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
+    # da in bf16: what the dgrad kernel rounds to (far below the MXFP8 operands' own
+    # error; the same on every platform).
+    da = _ref_grouped_gemm(dy_row, w2, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16), transpose_rhs=True)
+    da = da.astype(jnp.float32)
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    dprobs = jnp.sum(da * (r * r), axis=1)
+    dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
+    dh_row, dh_col = _ref_fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
+    return dh_row, dh_col, dprobs
+
+
 _REFERENCE: dict[str, Callable] = {
     "quantize": _ref_quantize,
     "fake_quantize": _ref_fake_quantize,
@@ -112,6 +124,7 @@ _REFERENCE: dict[str, Callable] = {
     "grouped_gemm": _ref_grouped_gemm,
     "grouped_wgrad": _ref_grouped_wgrad,
     "fc1_fused": _ref_fc1_fused,
+    "dgrad_fused": _ref_dgrad_fused,
 }
 
 
@@ -175,6 +188,22 @@ def fc1_fused(
     return _dispatch("fc1_fused", lhs, rhs, group_sizes, probs)
 
 
+def dgrad_fused(
+    dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The FC2 dgrad and everything the backward derives from it, from one kernel on CUDA.
+
+    ``da = grouped_gemm(dy_row, w2, transpose_rhs=True)`` (``w2 [G, F, H]`` as stored;
+    bf16), ``r = relu(h)``, ``dprobs = sum_f da * r**2`` (float32 ``[M]``) and
+    ``dh = bf16(da * 2 * probs * r)`` as its two MXFP8 copies in bf16: ``(dh_row, dh_col,
+    dprobs)``, ``dh_row`` blocked along F (the FC1 dgrad's operand) and ``dh_col`` in
+    group-aware 32-row blocks (dW1's operand). The kernel sums ``dprobs`` in its own
+    fixed order (reproducible, not bitwise ``jnp.sum``'s); rows past the groups are
+    zero.
+    """
+    return _dispatch("dgrad_fused", dy_row, w2, group_sizes, h, probs)
+
+
 def _register_available_kernels() -> None:
     """Plugs in whatever the CUDA extension provides (nothing when it is not built)."""
     from jax_grouped_mlp._src import ffi, gemm_ffi
@@ -193,6 +222,8 @@ def _register_available_kernels() -> None:
         register_cuda_impl("grouped_wgrad", gemm_ffi.grouped_wgrad_cuda)
     if gemm_ffi.grouped_gemm_fc1_variants():
         register_cuda_impl("fc1_fused", gemm_ffi.fc1_fused_cuda)
+    if gemm_ffi.grouped_gemm_dgrad_variants():
+        register_cuda_impl("dgrad_fused", gemm_ffi.dgrad_fused_cuda)
 
 
 _register_available_kernels()
