@@ -1,6 +1,6 @@
 """Hopper grouped GEMM with the FC2-dgrad (dSReLU) epilogue: ``dh`` as MXFP8 and ``dprobs`` partials.
 
-STATUS: compiled for sm_90a, NOT YET RUN ON A GPU (tests/test_grouped_gemm_dgrad_gpu.py).
+STATUS: GPU-tested on the H200 (tests/test_grouped_gemm_dgrad_gpu.py, tools/sanitize_small.py); used by the MXFP8 backward.
 
 ``da[m] = dy[m] @ w2[group(m)]^T`` exactly as the plain K-major (``_bk``) kernel computes
 it (same mainloop, same tile width, same fp32 -> bf16 rounding), but ``da`` never goes to
