@@ -32,12 +32,13 @@ from jax_grouped_mlp.flax import MoEBlock
 
 
 class Model(nnx.Module):
-    def __init__(self, vocab, hidden, ffn, num_experts, top_k, layers, *, recipe, policy, rngs):
+    def __init__(self, vocab, hidden, ffn, num_experts, top_k, layers, *, recipe, policy, fuse_fc1_epilogue, rngs):
         self.embed = nnx.Embed(vocab, hidden, rngs=rngs)
         self.norms = nnx.List([nnx.RMSNorm(hidden, rngs=rngs) for _ in range(layers)])
         routing = jgm.RoutingConfig(top_k=top_k)
         self.blocks = nnx.List([
-            MoEBlock(num_experts, hidden, ffn, routing=routing, recipe=recipe, rngs=rngs)
+            MoEBlock(num_experts, hidden, ffn, routing=routing, recipe=recipe,
+                     fuse_fc1_epilogue=fuse_fc1_epilogue, rngs=rngs)
             for _ in range(layers)
         ])  # fmt: skip
         self.out_norm = nnx.RMSNorm(hidden, rngs=rngs)
@@ -138,7 +139,8 @@ def main(argv=None) -> dict:
     # 2. Model, data, optimizer.
     rngs = nnx.Rngs(args.seed)
     model = Model(args.vocab, args.hidden, args.ffn, args.experts, args.top_k, args.layers,
-                  recipe=args.recipe, policy=plan.policy, rngs=rngs)  # fmt: skip
+                  recipe=args.recipe, policy=plan.policy, fuse_fc1_epilogue=plan.fuse_fc1_epilogue,
+                  rngs=rngs)  # fmt: skip
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
     # A step that offloads returns arrays placed with an explicit memory kind; place
     # the inputs the same way up front, or the second step compiles again.

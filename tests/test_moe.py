@@ -306,3 +306,25 @@ def test_no_tokens(rng):
     w2 = jnp.asarray(rng.standard_normal((e, f, h)), jnp.bfloat16)
     y = moe_block(jnp.zeros((0, h), jnp.bfloat16), router, w1, w2, routing=RoutingConfig(top_k=2))
     assert y.shape == (0, h)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_fuse_fc1_epilogue_reaches_the_mlp(rng, monkeypatch, fuse):
+    """moe_block and the Flax MoEBlock pass fuse_fc1_epilogue on to grouped_mlp (the flag
+    that makes recomputing fc2_input cheap), with the same result either way."""
+    from jax_grouped_mlp._src import primitives
+
+    calls = []
+    real = primitives.fc1_fused
+    monkeypatch.setattr(primitives, "fc1_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = RoutingConfig(2)
+    x, router, w1, w2, _ = make_moe(rng, config, t=24)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(router, jnp.float32),
+            jnp.asarray(w1, jnp.bfloat16), jnp.asarray(w2, jnp.bfloat16))
+    y = jax.grad(lambda *a: jnp.sum(moe_block(*a, routing=config, fuse_fc1_epilogue=fuse).astype(jnp.float32)))(*args)
+    assert bool(calls) == fuse
+    calls.clear()
+    block = MoEBlock(4, w1.shape[1], w1.shape[2], routing=config, fuse_fc1_epilogue=fuse, rngs=nnx.Rngs(0))
+    block(args[0])
+    assert bool(calls) == fuse
+    assert np.isfinite(np.asarray(y, np.float32)).all()

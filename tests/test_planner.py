@@ -245,3 +245,14 @@ def test_planned_policy_gradients_match_no_offload():
     got = jax.jit(jax.grad(_stack_loss(plan.policy), argnums=(0, 1)))(w1, w2, x, sizes)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_plan_says_when_to_unfuse_fc1():
+    """A plan that recomputes fc2_input asks for the unfused FC1 (whose recompute it costs)."""
+    import dataclasses
+
+    plan = _nano_plan()
+    assert plan.fuse_fc1_epilogue  # everything on the device
+    for c in plan.candidates:
+        sub = dataclasses.replace(plan, placement=dict(c.placement))
+        assert sub.fuse_fc1_epilogue == (c.placement["fc2_input"] != "recompute")

@@ -49,6 +49,7 @@ class MoEBlock(nnx.Module):
         use_score_bias: bool = False,
         recipe: str = "mxfp8",
         parallel: ExpertParallel | None = None,
+        fuse_fc1_epilogue: bool = True,
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
         kernel_init: nnx.Initializer = default_kernel_init,
@@ -68,8 +69,8 @@ class MoEBlock(nnx.Module):
                     f"expert_axis={parallel.expert_axis!r} ({parallel.expert_size})"
                 )
         self.experts = GroupedMLP(
-            num_experts, hidden, ffn, recipe=recipe, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=kernel_init, rngs=rngs,
+            num_experts, hidden, ffn, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue, dtype=dtype,
+            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
         )
         self.routing = routing
         self.parallel = parallel
@@ -93,4 +94,5 @@ class MoEBlock(nnx.Module):
             score_bias=None if self.score_bias is None else self.score_bias[...],
             recipe=self.recipe,
             parallel=self.parallel,
+            fuse_fc1_epilogue=self.experts.fuse_fc1_epilogue,
         )

@@ -98,6 +98,7 @@ def moe_block(
     score_bias: jax.Array | None = None,
     recipe: str = "mxfp8",
     parallel: ExpertParallel | None = None,
+    fuse_fc1_epilogue: bool = True,
 ) -> jax.Array:
     """A mixture-of-experts layer of squared-ReLU experts; drop-free unless a capacity is set.
 
@@ -111,6 +112,8 @@ def moe_block(
       recipe: ``grouped_mlp``'s recipe, ``"mxfp8"`` or ``"bf16"``.
       parallel: expert parallelism over a mesh (:class:`ExpertParallel`, which also
         holds the optional ``capacity_factor``), or None for one device.
+      fuse_fc1_epilogue: ``grouped_mlp``'s; False when the remat policy recomputes
+        "fc2_input" (``OffloadPlan.fuse_fc1_epilogue`` says which).
 
     Returns:
       ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)``, summed in float32.
@@ -129,9 +132,14 @@ def moe_block(
     if score_bias is not None:
         score_bias = jax.lax.stop_gradient(score_bias)
     if parallel is None:
-        y = _moe_local(x2, router_kernel, score_bias, w1, w2, None, routing=routing, recipe=recipe)
+        y = _moe_local(
+            x2, router_kernel, score_bias, w1, w2, None, routing=routing, recipe=recipe, fuse=fuse_fc1_epilogue
+        )
     else:
-        y = _moe_sharded(x2, router_kernel, score_bias, w1, w2, routing=routing, recipe=recipe, parallel=parallel)
+        y = _moe_sharded(
+            x2, router_kernel, score_bias, w1, w2, routing=routing, recipe=recipe, parallel=parallel,
+            fuse=fuse_fc1_epilogue,
+        )
     return y.reshape(*lead_shape, x.shape[-1])
 
 
@@ -185,16 +193,16 @@ def _route_pairs(x, router_kernel, score_bias, num_valid, routing):
     return expert_ids.reshape(-1), weights.reshape(-1)
 
 
-def _moe_local(x, router_kernel, score_bias, w1, w2, num_valid, *, routing, recipe):
+def _moe_local(x, router_kernel, score_bias, w1, w2, num_valid, *, routing, recipe, fuse=True):
     t, k, e = x.shape[0], routing.top_k, w1.shape[0]
     expert_ids, weights = _route_pairs(x, router_kernel, score_bias, num_valid, routing)
     perm = routing_lib.sort_by_expert(expert_ids, e)
     xs = x[perm.order // k]
-    ys = grouped_mlp(xs, w1, w2, perm.group_sizes, weights[perm.order], recipe=recipe)
+    ys = grouped_mlp(xs, w1, w2, perm.group_sizes, weights[perm.order], recipe=recipe, fuse_fc1_epilogue=fuse)
     return _combine(ys, perm.inverse, t, k, x.dtype)
 
 
-def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, parallel):
+def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, parallel, fuse=True):
     mesh, token_axes = parallel.mesh, parallel.token_axes
     t = x.shape[0]
     shards = parallel.token_shards
@@ -205,6 +213,7 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, paral
     body = _ExpertParallelBody(
         routing=routing,
         recipe=recipe,
+        fuse=fuse,
         axis=parallel.expert_axis,
         data_axes=parallel.data_axes,
         num_tokens=t,
@@ -240,6 +249,7 @@ class _ExpertParallelBody:
 
     routing: RoutingConfig
     recipe: str
+    fuse: bool
     axis: str
     data_axes: tuple[str, ...]
     num_tokens: int
@@ -296,7 +306,8 @@ class _ExpertParallelBody:
         local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
         local = routing_lib.sort_by_expert(local_ids, e_local)
         y_local = grouped_mlp(
-            x_in[local.order], w1, w2, local.group_sizes, p_in[local.order], recipe=self.recipe
+            x_in[local.order], w1, w2, local.group_sizes, p_in[local.order], recipe=self.recipe,
+            fuse_fc1_epilogue=self.fuse,
         )
         y_in = y_local[local.inverse]
 

@@ -257,6 +257,16 @@ class OffloadPlan:
         """The ``jax.checkpoint`` policy of the chosen placement (:func:`offload_policy`)."""
         return offload_policy(**self.placement)
 
+    @property
+    def fuse_fc1_epilogue(self) -> bool:
+        """The ``fuse_fc1_epilogue`` to run the layers with under :attr:`policy`.
+
+        False when the plan recomputes "fc2_input": the plan costs that recompute as
+        the cheap rebuild from "activation_input", which only the unfused FC1 gives
+        (the fused kernel's output is recomputed by rerunning FC1).
+        """
+        return self.placement[FC2_INPUT] != "recompute"
+
     def candidate(self, **placement: str) -> Candidate:
         """The candidate with these placements, e.g. ``candidate(fc1_input="offload", ...)``."""
         for c in self.candidates:
