@@ -74,6 +74,27 @@ def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
     return min(names, key=cost)
 
 
+def _checked_group_sizes(group_sizes, g: int) -> jax.Array:
+    """``group_sizes`` as int32 ``[G]``, or a TypeError naming it."""
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
+            f"group_sizes.dtype={group_sizes.dtype}"
+        )
+    return group_sizes.astype(jnp.int32)
+
+
+def _checked_probs(probs, m: int) -> jax.Array:
+    """``probs`` as float32 ``[M]``, or an error naming it."""
+    probs = jnp.asarray(probs)
+    if probs.shape != (m,):
+        raise ValueError(f"probs must be [M] = [{m}], got probs.shape={probs.shape}")
+    if not jnp.issubdtype(probs.dtype, jnp.floating) or jnp.dtype(probs.dtype).itemsize > 4:
+        raise TypeError(f"probs must be float32 (or a narrower float), got probs.dtype={probs.dtype}")
+    return probs.astype(jnp.float32)
+
+
 def _variant_index(names: tuple[str, ...], n: int, variant: str | None, fits, what: str) -> np.int32:
     """The ``variant`` attribute: ``variant`` (checked) or :func:`default_variant` among those that ``fits``."""
     if variant is None:
@@ -110,14 +131,12 @@ def grouped_gemm_bf16_cuda(
         raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
-    group_sizes = jnp.asarray(group_sizes)
-    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be integer [{g}], got {group_sizes.shape=} {group_sizes.dtype=}")
+    group_sizes = _checked_group_sizes(group_sizes, g)
     index = _variant_index(
         grouped_gemm_variants(), n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}"
     )
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes.astype(jnp.int32), variant=index)
+    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=index)
 
 
 def _as_bf16(x) -> jax.Array:
@@ -312,18 +331,13 @@ def _w8_operands(lhs, rhs, group_sizes, transpose_rhs: bool):
         raise ValueError(
             f"grouped_gemm_w8 needs N, K multiples of 16 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
         )
-    group_sizes = jnp.asarray(group_sizes)
-    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(
-            f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
-            f"group_sizes.dtype={group_sizes.dtype}"
-        )
+    group_sizes = _checked_group_sizes(group_sizes, g)
     scale = rhs.scale
     if jnp.dtype(scale.dtype) != jnp.dtype(jnp.uint8):
         scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
     if transpose_rhs:
         scale = jnp.swapaxes(scale, 1, 2)  # [G, N, KB] -> [G, KB, N]: 1/32 of the data bytes
-    return m, n, k, g, rhs.data, scale, group_sizes.astype(jnp.int32)
+    return m, n, k, g, rhs.data, scale, group_sizes
 
 
 def grouped_gemm_w8_cuda(
@@ -380,22 +394,13 @@ def _fc1_operands(x, w1, group_sizes, probs):
     g, k2, n = w1.shape
     if k != k2:
         raise ValueError(f"contraction mismatch: x.shape={x.shape} vs w1.shape={w1.shape} (w1 is [G, K, N])")
-    group_sizes = jnp.asarray(group_sizes)
-    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(
-            f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
-            f"group_sizes.dtype={group_sizes.dtype}"
-        )
-    probs = jnp.asarray(probs)
-    if probs.shape != (m,):
-        raise ValueError(f"probs must be [M] = [{m}], got probs.shape={probs.shape}")
-    if not jnp.issubdtype(probs.dtype, jnp.floating) or jnp.dtype(probs.dtype).itemsize > 4:
-        raise TypeError(f"probs must be float32 (or a narrower float), got probs.dtype={probs.dtype}")
+    group_sizes = _checked_group_sizes(group_sizes, g)
+    probs = _checked_probs(probs, m)
     if not grouped_gemm_supported(m, n, k, g) or (mxfp8.grouped_scale_rows(m, g) * n >= _MAX):
         raise ValueError(
             f"grouped_gemm_fc1 needs N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
         )
-    return m, n, k, g, probs.astype(jnp.float32), group_sizes.astype(jnp.int32)
+    return m, n, k, g, probs, group_sizes
 
 
 def grouped_gemm_fc1_cuda(
@@ -487,26 +492,17 @@ def _dgrad_operands(dy_row, w2, group_sizes, h, probs):
         raise ValueError(
             f"contraction mismatch: dy_row.shape={dy_row.shape} vs w2.shape={w2.shape} (w2 is [G, N, K])"
         )
-    group_sizes = jnp.asarray(group_sizes)
-    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(
-            f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
-            f"group_sizes.dtype={group_sizes.dtype}"
-        )
+    group_sizes = _checked_group_sizes(group_sizes, g)
     if jnp.ndim(h) != 2 or tuple(jnp.shape(h)) != (m, n):
         raise ValueError(f"h must be [M, N] = [{m}, {n}], got h.shape={jnp.shape(h)}")
     if jnp.dtype(h.dtype) != bf16:
         raise TypeError(f"h must be bf16, got h.dtype={h.dtype}")
-    probs = jnp.asarray(probs)
-    if probs.shape != (m,):
-        raise ValueError(f"probs must be [M] = [{m}], got probs.shape={probs.shape}")
-    if not jnp.issubdtype(probs.dtype, jnp.floating) or jnp.dtype(probs.dtype).itemsize > 4:
-        raise TypeError(f"probs must be float32 (or a narrower float), got probs.dtype={probs.dtype}")
+    probs = _checked_probs(probs, m)
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(
             f"grouped_gemm_dgrad needs N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
         )
-    return m, n, k, g, probs.astype(jnp.float32), group_sizes.astype(jnp.int32)
+    return m, n, k, g, probs, group_sizes
 
 
 def _clamped_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
