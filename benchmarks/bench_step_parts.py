@@ -3,12 +3,14 @@
     PYTHONPATH=. python3 benchmarks/bench_step_parts.py [--shape nano] [--out FILE]
 
 For one shape of ``common.MLP_SHAPES`` it times, each as its own jitted program on
-the same inputs: the six GEMMs of a step (FC1, FC2, the two dgrads with the weight
-as stored, the two wgrads) on bf16 operands, and the MXFP8 conversions the mxfp8
-recipe adds around them: one two-copy pass per activation (x, a, dy, dh: the rowwise
-values in bf16 plus the columnwise copy, kept as FP8 for x and a), the weights'
-one-pass fake quantization, and the dequantization of the two kept FP8 residuals
-before the weight gradients. Rows with a count of 0 are what earlier versions ran
+the same inputs: the six GEMMs of a step (FC1 and the FC2 dgrad as the fused kernels
+the mxfp8 step runs: FC1 with the squared ReLU and both MXFP8 copies of ``a``, the
+FC2 dgrad with dSReLU, ``dprobs`` and both copies of ``dh``; FC2, the FC1 dgrad with
+the weight as stored, the two wgrads) on bf16 operands, and the MXFP8 conversions
+the mxfp8 recipe adds around them: one two-copy pass for x and dy (the rowwise
+values in bf16 plus the columnwise copy, kept as FP8 for x), the weights' one-pass
+fake quantization, and the dequantization of the two kept FP8 residuals before the
+weight gradients. Rows with a count of 0 are what earlier versions ran
 instead (quantize both copies to FP8, then dequantize in XLA), kept for
 comparison. Each part is multiplied by
 how often one step runs it, so the table adds up to an estimate of the step, to set
@@ -53,22 +55,28 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
         t, cuda=ffi.dequantize_cuda, default=lambda t: mxfp8.dequantize(t, jnp.bfloat16)))
     pair = {keep: jax.jit(lambda x, gs, keep=keep: primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep))
             for keep in (False, True)}
+    probs = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    fc1_fused = jax.jit(primitives.fc1_fused)
+    dgrad_fused = jax.jit(primitives.dgrad_fused)
     x_row, x_col = q_both(x, gs)
     a_row, a_col = q_both(a, gs)
     w1_k = q_w[1](w1)
     w1_t = q_w[2](w1)
     return [
-        ("gemm fc1 [M,H]x[G,H,F]", 1, gemm, (x, w1, gs)),
+        # What the mxfp8 step runs (per-step counts; the default fused FC1 epilogue):
+        ("fused fc1: gemm + srelu + pair(a) [M,H]x[G,H,F]", 1, fc1_fused, (x, w1, gs, probs)),
         ("gemm fc2 [M,F]x[G,F,H]", 1, gemm, (a, w2, gs)),
-        ("gemm dgrad fc2 (w2 as stored, K-major)", 1, dgrad, (x, w2, gs)),
+        ("fused dgrad fc2: dgrad + dsrelu + dprobs + pair(dh)", 1, dgrad_fused, (x, w2, gs, a, probs)),
         ("gemm dgrad fc1 (w1 as stored, K-major)", 1, dgrad, (a, w1, gs)),
         ("wgrad dw1 [M,H]^T[M,F]", 1, wgrad, (x, a, gs)),
         ("wgrad dw2 [M,F]^T[M,H]", 1, wgrad, (a, x, gs)),
-        # What the mxfp8 step runs (per-step counts):
         ("fake_quantize_pair + FP8 col [M,H] (x)", 1, pair[True], (x, gs)),
-        ("fake_quantize_pair + FP8 col [M,F] (a)", 1, pair[True], (a, gs)),
         ("fake_quantize_pair bf16 col [M,H] (dy)", 1, pair[False], (x, gs)),
-        ("fake_quantize_pair bf16 col [M,F] (dh)", 1, pair[False], (a, gs)),
+        # What the fused kernels replace (count 0: the unfused parts, for comparison):
+        ("gemm fc1 [M,H]x[G,H,F]", 0, gemm, (x, w1, gs)),
+        ("fake_quantize_pair + FP8 col [M,F] (a)", 0, pair[True], (a, gs)),
+        ("gemm dgrad fc2 (w2 as stored, K-major)", 0, dgrad, (x, w2, gs)),
+        ("fake_quantize_pair bf16 col [M,F] (dh)", 0, pair[False], (a, gs)),
         ("fake_quantize weight along K (fprop)", 2, fq_w[1], (w1,)),
         ("fake_quantize weight along N (dgrad)", 2, fq_w[2], (w1,)),
         ("dequantize grouped col [M,H] (x kept)", 1, deq_kept, (x_col,)),
@@ -100,7 +108,7 @@ def main(argv=None) -> int:
     shape = {"name": "custom" if ns.dims else ns.shape, "groups": g, "rows_per_group": rows, "hidden": h, "ffn": f}
     report = {"command": "python3 " + " ".join(sys.argv), "device": device_description(),
               "shape": shape, "parts": {}}
-    totals = {"gemm": 0.0, "quantize": 0.0, "dequantize": 0.0, "fake_quantize": 0.0}
+    totals = {"gemm": 0.0, "fused": 0.0, "quantize": 0.0, "dequantize": 0.0, "fake_quantize": 0.0}
     print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
     for name, count, fn, args in _parts(m, h, f, g, ns.seed):
         ms = 1e3 * time_call(fn, *args, iters=ns.iters)
