@@ -74,6 +74,27 @@ def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
     return min(names, key=cost)
 
 
+def _checked_bf16_pair(lhs_name: str, lhs, rhs_name: str, rhs, *, k_major: bool, note: str = "") -> tuple[int, int, int, int]:
+    """``(m, n, k, g)`` of bf16 ``lhs [M, K]`` and ``rhs [G, K, N]`` (``k_major``: ``[G, N, K]``),
+    or an error naming the argument."""
+    want = "[G, N, K]" if k_major else "[G, K, N]"
+    if jnp.ndim(lhs) != 2:
+        raise ValueError(f"{lhs_name} must be [M, K], got {lhs_name}.shape={jnp.shape(lhs)}")
+    if jnp.ndim(rhs) != 3:
+        raise ValueError(f"{rhs_name} must be {want}{note}, got {rhs_name}.shape={jnp.shape(rhs)}")
+    bf16 = jnp.dtype(jnp.bfloat16)
+    for name, arr in ((lhs_name, lhs), (rhs_name, rhs)):
+        if jnp.dtype(arr.dtype) != bf16:
+            raise TypeError(f"{name} must be bf16, got {name}.dtype={arr.dtype}")
+    m, k = lhs.shape
+    g, n, k2 = (rhs.shape[0], rhs.shape[1], rhs.shape[2]) if k_major else (rhs.shape[0], rhs.shape[2], rhs.shape[1])
+    if k != k2:
+        raise ValueError(
+            f"contraction mismatch: {lhs_name}.shape={lhs.shape} vs {rhs_name}.shape={rhs.shape} ({rhs_name} is {want})"
+        )
+    return m, n, k, g
+
+
 def _checked_group_sizes(group_sizes, g: int) -> jax.Array:
     """``group_sizes`` as int32 ``[G]``, or a TypeError naming it."""
     group_sizes = jnp.asarray(group_sizes)
@@ -381,19 +402,7 @@ def grouped_gemm_fc1_variants() -> tuple[str, ...]:
 
 def _fc1_operands(x, w1, group_sizes, probs):
     """Validates :func:`grouped_gemm_fc1_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
-    if jnp.ndim(x) != 2:
-        raise ValueError(f"x must be [M, K], got x.shape={jnp.shape(x)}")
-    if jnp.ndim(w1) != 3:
-        raise ValueError(f"w1 must be [G, K, N], got w1.shape={jnp.shape(w1)}")
-    bf16 = jnp.dtype(jnp.bfloat16)
-    if jnp.dtype(x.dtype) != bf16:
-        raise TypeError(f"x must be bf16, got x.dtype={x.dtype}")
-    if jnp.dtype(w1.dtype) != bf16:
-        raise TypeError(f"w1 must be bf16, got w1.dtype={w1.dtype}")
-    m, k = x.shape
-    g, k2, n = w1.shape
-    if k != k2:
-        raise ValueError(f"contraction mismatch: x.shape={x.shape} vs w1.shape={w1.shape} (w1 is [G, K, N])")
+    m, n, k, g = _checked_bf16_pair("x", x, "w1", w1, k_major=False)
     group_sizes = _checked_group_sizes(group_sizes, g)
     probs = _checked_probs(probs, m)
     if not grouped_gemm_supported(m, n, k, g) or (mxfp8.grouped_scale_rows(m, g) * n >= _MAX):
@@ -477,21 +486,8 @@ def grouped_gemm_dgrad_variants() -> tuple[str, ...]:
 
 def _dgrad_operands(dy_row, w2, group_sizes, h, probs):
     """Validates :func:`grouped_gemm_dgrad_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
-    if jnp.ndim(dy_row) != 2:
-        raise ValueError(f"dy_row must be [M, K], got dy_row.shape={jnp.shape(dy_row)}")
-    if jnp.ndim(w2) != 3:
-        raise ValueError(f"w2 must be [G, N, K] (the FC2 weight [G, F, H] as stored), got w2.shape={jnp.shape(w2)}")
+    m, n, k, g = _checked_bf16_pair("dy_row", dy_row, "w2", w2, k_major=True, note=" (the FC2 weight [G, F, H] as stored)")
     bf16 = jnp.dtype(jnp.bfloat16)
-    if jnp.dtype(dy_row.dtype) != bf16:
-        raise TypeError(f"dy_row must be bf16, got dy_row.dtype={dy_row.dtype}")
-    if jnp.dtype(w2.dtype) != bf16:
-        raise TypeError(f"w2 must be bf16, got w2.dtype={w2.dtype}")
-    m, k = dy_row.shape
-    g, n, k2 = w2.shape
-    if k != k2:
-        raise ValueError(
-            f"contraction mismatch: dy_row.shape={dy_row.shape} vs w2.shape={w2.shape} (w2 is [G, N, K])"
-        )
     group_sizes = _checked_group_sizes(group_sizes, g)
     if jnp.ndim(h) != 2 or tuple(jnp.shape(h)) != (m, n):
         raise ValueError(f"h must be [M, N] = [{m}, {n}], got h.shape={jnp.shape(h)}")
@@ -548,11 +544,12 @@ def grouped_gemm_dgrad_cuda(
         total = ends[-1] if g else jnp.int32(0)
         valid = jnp.arange(m, dtype=jnp.int32) < total
         sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32)) if g else gs  # as the kernel clamps them
-        r = jnp.maximum(h.astype(jnp.float32), 0.0)
-        da = jnp.zeros((m, n), jnp.float32)
-        dprobs = jnp.where(valid, jnp.sum(da * (r * r), axis=1), 0.0)
-        dh = jnp.where(valid[:, None], (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16), 0)
-        dh_row, dh_col = mxfp8.fake_quantize_pair(dh.astype(jnp.bfloat16), sizes, keep_col_fp8=False)
+        from jax_grouped_mlp._src.primitives import srelu_scaled_grad
+
+        dh, dprobs = srelu_scaled_grad(jnp.zeros((m, n), jnp.bfloat16), h, probs)
+        dprobs = jnp.where(valid, dprobs, 0.0)
+        dh = jnp.where(valid[:, None], dh, jnp.zeros((), jnp.bfloat16))
+        dh_row, dh_col = mxfp8.fake_quantize_pair(dh, sizes, keep_col_fp8=False)
         return dh_row, dh_col, dprobs
     names = grouped_gemm_dgrad_variants()
     index = _variant_index(names, n, variant, lambda v: True, "the dgrad epilogue")
@@ -593,9 +590,7 @@ def dgrad_fused_cuda(dy_row, w2, group_sizes: jax.Array, h: jax.Array, probs: ja
         and grouped_gemm_supported(m, n, k, g)
     ):
         return grouped_gemm_dgrad_cuda(a, b, group_sizes, h, probs)
-    da = primitives.grouped_gemm(dy_row, w2, group_sizes, jnp.bfloat16, transpose_rhs=True).astype(jnp.float32)
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    dprobs = jnp.sum(da * (r * r), axis=1)
-    dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
+    da = primitives.grouped_gemm(dy_row, w2, group_sizes, jnp.bfloat16, transpose_rhs=True)
+    dh, dprobs = primitives.srelu_scaled_grad(da, h, probs)
     dh_row, dh_col = primitives.fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
     return dh_row, dh_col, dprobs

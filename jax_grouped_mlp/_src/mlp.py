@@ -107,13 +107,8 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
         dh_row, dh_col, dprobs = primitives.dgrad_fused(dy_row, w2q, group_sizes, h, probs)
     else:
-        # da in bf16, as the dgrad kernel rounds it (far below the MXFP8 operands' own
-        # error; the same on every platform).
         da = primitives.grouped_gemm(dy_row, w2q, group_sizes, jnp.bfloat16, transpose_rhs=True)
-        da = da.astype(jnp.float32)
-        r = jnp.maximum(h.astype(jnp.float32), 0.0)
-        dprobs = jnp.sum(da * (r * r), axis=1)
-        dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
+        dh, dprobs = primitives.srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)

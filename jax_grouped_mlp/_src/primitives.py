@@ -104,14 +104,24 @@ def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: ja
     return h, a_row, a_col
 
 
-def _ref_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
-    # da in bf16: what the dgrad kernel rounds to (far below the MXFP8 operands' own
-    # error; the same on every platform).
-    da = _ref_grouped_gemm(dy_row, w2, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16), transpose_rhs=True)
+def srelu_scaled_grad(da: jax.Array, h: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The backward of :func:`srelu_scaled` from bf16 ``da``: ``(dh, dprobs)``.
+
+    ``da`` arrives rounded to bf16, as the dgrad kernel rounds it (far below the MXFP8
+    operands' own error; the same on every platform). float32 math from the bf16
+    ``da`` and ``h``: ``dh = bf16((da * 2 * probs) * relu(h))``, ``dprobs = sum_f da *
+    relu(h)**2`` (float32), in the order the dgrad kernel's epilogue computes them.
+    """
     da = da.astype(jnp.float32)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     dprobs = jnp.sum(da * (r * r), axis=1)
     dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
+    return dh, dprobs
+
+
+def _ref_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
+    da = _ref_grouped_gemm(dy_row, w2, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16), transpose_rhs=True)
+    dh, dprobs = srelu_scaled_grad(da, h, probs)
     dh_row, dh_col = _ref_fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
     return dh_row, dh_col, dprobs
 
