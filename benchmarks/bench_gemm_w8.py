@@ -32,19 +32,10 @@ import numpy as np
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import gemm_report, time_call  # noqa: E402
+from common import GEMM_SHAPES, gemm_entry, gemm_report, time_call  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-SHAPES = {  # name: (groups, rows per group, K, N)
-    "moe8": (8, 8192, 4096, 4096),
-    "moe32": (32, 1024, 4096, 1536),
-    "nano_fc1": (128, 384, 2688, 1856),
-    "nano_fc2": (128, 384, 1856, 2688),
-}
-
-
-def _entry(seconds: float, flops: float) -> dict:
-    return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+SHAPES = GEMM_SHAPES
 
 
 def _bf16_twin(variant: str) -> str:
@@ -70,16 +61,16 @@ def bench_shape(name: str, iters: int, kmajor: bool) -> dict:
     default_bf16 = gemm_ffi.default_variant(n, tuple(v for v in gemm_ffi.grouped_gemm_variants() if not v.endswith("_bk")))
 
     bf16 = jax.jit(lambda a, b, gs: gemm_ffi.grouped_gemm_bf16_cuda(a, b, gs, variant=default_bf16))
-    res["bf16_predequantized"] = _entry(time_call(bf16, a, w_deq, gs, iters=iters), flops)
+    res["bf16_predequantized"] = gemm_entry(time_call(bf16, a, w_deq, gs, iters=iters), flops)
     res["bf16_predequantized"]["variant"] = default_bf16
 
     fq = jax.jit(lambda a, w, gs: gemm_ffi.grouped_gemm_bf16_cuda(a, ffi.fake_quantize_cuda(w, axis=1), gs, variant=default_bf16))
-    res["fake_quantize+bf16"] = _entry(time_call(fq, a, w, gs, iters=iters), flops)
+    res["fake_quantize+bf16"] = gemm_entry(time_call(fq, a, w, gs, iters=iters), flops)
     fq_w = jax.jit(lambda w: ffi.fake_quantize_cuda(w, axis=1))
-    res["fake_quantize_alone"] = _entry(time_call(fq_w, w, iters=iters), flops)
+    res["fake_quantize_alone"] = gemm_entry(time_call(fq_w, w, iters=iters), flops)
 
     xq = jax.jit(lambda a, t, gs: gemm_ffi.grouped_gemm_bf16_cuda(a, mxfp8.dequantize(t, jnp.bfloat16), gs, variant=default_bf16))
-    res["xla_dequantize+bf16"] = _entry(time_call(xq, a, wq, gs, iters=iters), flops)
+    res["xla_dequantize+bf16"] = gemm_entry(time_call(xq, a, wq, gs, iters=iters), flops)
 
     layouts = [(False, wq, w_deq)]
     if kmajor:
@@ -90,7 +81,7 @@ def bench_shape(name: str, iters: int, kmajor: bool) -> dict:
             if variant.endswith("_bk") != bk:
                 continue
             fn = jax.jit(lambda a, t, gs, v=variant, bk=bk: gemm_ffi.grouped_gemm_w8_cuda(a, t, gs, variant=v, transpose_rhs=bk))
-            e = _entry(time_call(fn, a, wl, gs, iters=iters), flops)
+            e = gemm_entry(time_call(fn, a, wl, gs, iters=iters), flops)
             twin = _bf16_twin(variant)
             got = fn(a, wl, gs)
             want = gemm_ffi.grouped_gemm_bf16_cuda(a, wl_deq, gs, variant=twin, transpose_rhs=bk)
@@ -98,7 +89,7 @@ def bench_shape(name: str, iters: int, kmajor: bool) -> dict:
             e["bf16_twin"] = twin
             if bk:
                 tw = jax.jit(lambda a, b, gs, v=twin: gemm_ffi.grouped_gemm_bf16_cuda(a, b, gs, variant=v, transpose_rhs=True))
-                e["bf16_twin_predequantized"] = _entry(time_call(tw, a, wl_deq, gs, iters=iters), flops)
+                e["bf16_twin_predequantized"] = gemm_entry(time_call(tw, a, wl_deq, gs, iters=iters), flops)
             res[("w8_kmajor:" if bk else "w8:") + variant] = e
         del wl, wl_deq
 

@@ -35,22 +35,12 @@ import numpy as np
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import bar_plot, gemm_report, time_call  # noqa: E402
+from common import GEMM_SHAPES, bar_plot, gemm_entry, gemm_report, time_call  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-SHAPES = {  # name: (groups, rows per group, K, N)
-    "moe8": (8, 8192, 4096, 4096),
-    "moe32": (32, 1024, 4096, 1536),
-    "nano_fc1": (128, 384, 2688, 1856),
-    "nano_fc2": (128, 384, 1856, 2688),
-    "nano_fc1_ragged": (128, 384, 2688, 1856),
-}
+SHAPES = {**GEMM_SHAPES, "nano_fc1_ragged": GEMM_SHAPES["nano_fc1"]}
 RAGGED = {"nano_fc1_ragged"}
 BARS = {"moe8": 600.0, "nano_fc1": 450.0}  # TFLOP/s the issue asks for
-
-
-def _entry(seconds: float, flops: float) -> dict:
-    return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
 
 
 def _tokamax_ragged_dot():
@@ -83,12 +73,12 @@ def _fc1_epilogue(a, b, gs, flops: float, iters: int) -> dict:
         return h, row, col
 
     ref = jax.jit(unfused)
-    out["fc1_unfused"] = _entry(time_call(ref, a, b, gs, probs, iters=iters), flops)
+    out["fc1_unfused"] = gemm_entry(time_call(ref, a, b, gs, probs, iters=iters), flops)
     out["fc1_unfused"]["variant"] = variant
     want = jax.tree_util.tree_leaves(ref(a, b, gs, probs))
     for v in gemm_ffi.grouped_gemm_fc1_variants():
         fn = jax.jit(lambda a, b, gs, probs, v=v: gemm_ffi.grouped_gemm_fc1_cuda(a, b, gs, probs, variant=v))
-        e = _entry(time_call(fn, a, b, gs, probs, iters=iters), flops)
+        e = gemm_entry(time_call(fn, a, b, gs, probs, iters=iters), flops)
         got = jax.tree_util.tree_leaves(fn(a, b, gs, probs))
         e["bitwise_equal"] = all(bool(jnp.array_equal(x, y)) for x, y in zip(got, want))
         out[f"fc1_epilogue:{v}"] = e
@@ -117,13 +107,13 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
     want = None
     if not skip_ragged:
         want = ragged(a, b, gs)
-        res["ragged_dot_bf16"] = _entry(time_call(ragged, a, b, gs, iters=ragged_iters, warmup=1), flops)
+        res["ragged_dot_bf16"] = gemm_entry(time_call(ragged, a, b, gs, iters=ragged_iters, warmup=1), flops)
 
     for variant in gemm_ffi.grouped_gemm_variants():
         if variant.endswith("_bk"):  # K-major weight variants (dgrad use): another layout
             continue
         fn = jax.jit(lambda a, b, gs, v=variant: gemm_ffi.grouped_gemm_bf16_cuda(a, b, gs, variant=v))
-        e = _entry(time_call(fn, a, b, gs, iters=iters), flops)
+        e = gemm_entry(time_call(fn, a, b, gs, iters=iters), flops)
         if want is not None:
             got = fn(a, b, gs).astype(jnp.float32)
             e["rel_err_vs_ragged_dot"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -133,7 +123,7 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
     tok = _tokamax_ragged_dot()
     if tok is not None:
         fn = jax.jit(tok)
-        e = _entry(time_call(fn, a, b, gs, iters=iters), flops)
+        e = gemm_entry(time_call(fn, a, b, gs, iters=iters), flops)
         if want is not None:
             got = fn(a, b, gs).astype(jnp.float32)
             e["rel_err_vs_ragged_dot"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -145,12 +135,12 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
     a_vals = jax.jit(lambda a: mxfp8.dequantize(mxfp8.quantize_mxfp8(a, axis=1), jnp.bfloat16))(a)
     bq = jax.jit(lambda b: mxfp8.quantize_mxfp8(b, axis=1))(b)
     via = jax.jit(lambda a, bq, gs: gemm_ffi.grouped_gemm_cuda(a, bq, gs, out_dtype=jnp.bfloat16))
-    res["mxfp8"] = _entry(time_call(via, a_vals, bq, gs, iters=iters), flops)
+    res["mxfp8"] = gemm_entry(time_call(via, a_vals, bq, gs, iters=iters), flops)
     res["mxfp8"]["path"] = "in-kernel weight conversion" if gemm_ffi._w8_pays(a_vals, bq, False, jnp.bfloat16) else "dequantize + bf16 kernel"
     del a_vals, bq
 
     dense = jax.jit(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.bfloat16))
-    res["xla_dense_bf16_same_flops"] = _entry(time_call(dense, a, b[0], iters=iters), flops)
+    res["xla_dense_bf16_same_flops"] = gemm_entry(time_call(dense, a, b[0], iters=iters), flops)
 
     kernels = {kk: v for kk, v in res.items() if kk.startswith("kernel:")}
     best = max(kernels, key=lambda kk: kernels[kk]["tflops"])

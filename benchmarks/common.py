@@ -19,6 +19,20 @@ MLP_SHAPES = {
 }
 
 
+# The grouped-GEMM shapes the issues ask about: name -> (groups, rows per group, K, N).
+GEMM_SHAPES = {
+    "moe8": (8, 8192, 4096, 4096),
+    "moe32": (32, 1024, 4096, 1536),
+    "nano_fc1": (128, 384, 2688, 1856),
+    "nano_fc2": (128, 384, 1856, 2688),
+}
+
+
+def gemm_entry(seconds: float, flops: float) -> dict:
+    """A timing row of the GEMM benchmarks: ms and TFLOP/s."""
+    return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+
+
 def time_call(fn, *args, iters: int, warmup: int = 2, samples: int = 5) -> float:
     """Seconds per call: back-to-back async dispatches, one sync at the end (median of ``samples``)."""
     for _ in range(warmup):
