@@ -69,6 +69,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
 import numpy as np
 
 from benchmarks.common import RESULTS, time_call, write_json
+from benchmarks.xla_dump import dump_flags, find_dump, phase, temp_peak_from_dump
 
 PLACEMENT_NAMES = ("fc1_input", "activation_input", "fc2_input")
 POLICIES = {
@@ -87,6 +88,7 @@ CPU_SHAPE = dict(tokens=2048, hidden=256, ffn=384, experts=8)
 NANO_SHAPE = dict(tokens=49152, hidden=2688, ffn=1856, experts=128)  # 8192 tokens x top-6
 BAR = 0.90  # all_offload keeps >= 90 % less residual memory on the device than all_device
 MB = 1e6
+LOSS_MODULE = "jit_loss"  # XLA's name for the jitted step (make_stack's ``loss``)
 
 
 def default_placement() -> tuple[str, ...]:
@@ -475,14 +477,6 @@ _FORWARDING = frozenset({
 })  # fmt: skip
 
 
-def _phase(op_name: str) -> str:
-    if "transpose(" in op_name:
-        return "backward"
-    if op_name:
-        return "forward"
-    return "?"
-
-
 def temp_peak_report(ba_blob: bytes, module_blob: bytes, text_instrs: dict, top: int = 16) -> dict:
     """What is live in the device temp allocation at its busiest point of the entry schedule.
 
@@ -587,7 +581,7 @@ def temp_peak_report(ba_blob: bytes, module_blob: bytes, text_instrs: dict, top:
     # backward's (transposed) instructions have run; and how far each pass is at the peak.
     phase_pos = collections.defaultdict(list)
     for k, iid in enumerate(order):
-        phase_pos[_phase(text_instrs.get(instrs[iid]["name"], {}).get("op_name", ""))].append(k)
+        phase_pos[phase(text_instrs.get(instrs[iid]["name"], {}).get("op_name", ""))].append(k)
     bwd, fwd = phase_pos["backward"], phase_pos["forward"]
     bwd_start = bwd[len(bwd) // 10] if bwd else None
     done = {
@@ -606,20 +600,20 @@ def temp_peak_report(ba_blob: bytes, module_blob: bytes, text_instrs: dict, top:
         lo, hi, iid = here[0]
         ins = instrs.get(iid, {})
         t = text_instrs.get(ins.get("name", ""), {})
-        phase = _phase(t.get("op_name", ""))
-        by_phase[phase] += key[2]
+        ph = phase(t.get("op_name", ""))
+        by_phase[ph] += key[2]
         by_opcode[ins.get("opcode", "?")] += key[2]
         shape_key = re.sub(r"\{[^{}]*\}", "", t.get("shape", "?"))  # without the layout
         by_shape[shape_key][0] += key[2]
         by_shape[shape_key][1] += 1
-        if phase != "forward" and bwd_start is not None and lo < bwd_start:
+        if ph != "forward" and bwd_start is not None and lo < bwd_start:
             early += key[2]
         rows.append({
             "bytes": int(key[2]),
             "instruction": ins.get("name", ""),
             "opcode": ins.get("opcode", ""),
             "shape": t.get("shape", "")[:120],
-            "phase": phase,
+            "phase": ph,
             "live_from": lo,
             "live_to": hi,
             "op_name": t.get("op_name", "")[-200:],
@@ -681,6 +675,39 @@ def _memory_stats(device) -> dict | None:
     return {k: int(stats[k]) for k in keys if k in stats}
 
 
+def _compiler_options(opts) -> dict:
+    """``--xla-option KEY=VALUE`` pairs as XLA debug options for ``Lowered.compile``."""
+    out: dict = {}
+    for item in getattr(opts, "xla_option", None) or ():
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--xla-option wants KEY=VALUE, got {item!r}")
+        if val.lower() in ("true", "false"):
+            out[key] = val.lower() == "true"
+        else:
+            try:
+                out[key] = int(val)
+            except ValueError:
+                try:
+                    out[key] = float(val)
+                except ValueError:
+                    out[key] = val
+    return out
+
+
+def _temp_peak(compiled, text: str, opts) -> dict | None:
+    """What is live at the temp peak: from XLA's dump of this module when the worker was
+    started with one (exact live ranges), else from the serialized buffer assignment
+    (estimated liveness; XLA:CPU has it, XLA:GPU returns none)."""
+    instrs = parse_hlo(text)["instrs"]
+    dump = find_dump(opts.xla_dump_dir, LOSS_MODULE) if getattr(opts, "xla_dump_dir", None) else None
+    if dump is not None:
+        return temp_peak_from_dump(dump, instrs)
+    blob = compiled.memory_analysis().serialized_buffer_assignment_proto
+    module = compiled.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()
+    return temp_peak_report(blob, module, instrs) if blob else None
+
+
 def measure_policy(label: str, stack, opts) -> dict:
     """Everything measured for one policy (run it in a fresh process for a clean device peak)."""
     import jax
@@ -719,15 +746,13 @@ def measure_policy(label: str, stack, opts) -> dict:
             row["lowered_placement"] = {"lowered_for": "cuda"} | lowered_placement_report(cuda.as_text())
     except Exception as e:
         row["lowered_placement"] = {"error": f"{type(e).__name__}: {e}"}
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=_compiler_options(opts) or None)
     row["compile_s"] = time.perf_counter() - t0
     row["compiled"] = _memory_analysis(compiled)
     text = compiled.as_text()
     row["hlo"] = host_placement_report(text)
     try:
-        blob = compiled.memory_analysis().serialized_buffer_assignment_proto
-        module = compiled.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()
-        row["temp_peak"] = temp_peak_report(blob, module, parse_hlo(text)["instrs"]) if blob else None
+        row["temp_peak"] = _temp_peak(compiled, text, opts)
     except Exception as e:  # diagnostics only: never lose the measurement over them
         row["temp_peak"] = {"error": f"{type(e).__name__}: {e}"}
     if opts.dump_hlo:
@@ -822,6 +847,8 @@ def _child_argv(opts, label: str, out: str) -> list[str]:
         argv.append("--runtime-check")
     if opts.dump_hlo:
         argv += ["--dump-hlo", str(opts.dump_hlo)]
+    for item in opts.xla_option or ():
+        argv += ["--xla-option", item]
     return argv
 
 
@@ -843,9 +870,12 @@ def run_subprocesses(opts, labels: list[str], done=None) -> tuple[dict, list[dic
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1e9"
         for label in labels:
             out = os.path.join(tmp, f"{label}.json")
+            dump = os.path.join(tmp, f"{label}_xla")
+            child_env = env | {"XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {dump_flags(dump, LOSS_MODULE)}".strip()}
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run(_child_argv(opts, label, out), env=env, timeout=opts.child_timeout)
+                argv = _child_argv(opts, label, out) + ["--xla-dump-dir", dump]
+                proc = subprocess.run(argv, env=child_env, timeout=opts.child_timeout)
                 rc = proc.returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
@@ -921,7 +951,20 @@ def summarize(rows: list[dict], link_bw: float) -> dict:
         "all_device_bytes": pk_dev, "all_offload_bytes": pk_off, "drop": peak,
         "passes": None if peak is None else peak >= BAR,
     }  # fmt: skip
+    res_dev, res_off = _residuals_at_peak(by.get("all_device")), _residuals_at_peak(by.get("all_offload"))
+    at_peak = drop(res_off, res_dev)
+    bar["residuals_at_temp_peak"] = {
+        "definition": "residual bytes live where the device temp allocation is fullest: kept on the device "
+                      "plus fetched back from pinned host (XLA's live ranges, from its dump of the step)",
+        "all_device_bytes": res_dev, "all_offload_bytes": res_off, "drop": at_peak,
+        "passes": None if at_peak is None else at_peak >= BAR,
+    }  # fmt: skip
     return bar
+
+
+def _residuals_at_peak(row: dict | None) -> int | None:
+    split = ((row or {}).get("temp_peak") or {}).get("live_at_peak_residual_bytes")
+    return None if split is None else split["kept"] + split["fetched"]
 
 
 def _fmt(v, scale=MB, spec=".1f", none="-"):
@@ -959,8 +1002,11 @@ def print_table(rows: list[dict], link_bw: float) -> None:
 def print_bar(bar: dict) -> None:
     print(f"\nresidual device memory, all_offload vs all_device (bar: >= {bar['threshold']:.0%} less):")
     for key, what in (("traced", "traced residual bytes"), ("compiled_temp", "compiled temp - all_recompute"),
-                      ("device_peak", "device peak - all_recompute")):  # fmt: skip
-        b = bar[key]
+                      ("device_peak", "device peak - all_recompute"),
+                      ("residuals_at_temp_peak", "residuals live at the temp peak")):  # fmt: skip
+        b = bar.get(key)
+        if b is None:
+            continue
         if b["drop"] is None:
             print(f"  {what:<32} n/a ({b.get('note') or 'not available'}; "
                   f"all_device {_fmt(b['all_device_bytes'])} MB, all_offload {_fmt(b['all_offload_bytes'])} MB)")
@@ -1000,9 +1046,13 @@ def print_peaks(rows: list[dict], labels=("all_device", "all_offload"), top: int
               f"{tp['live_at_peak_buffers']} buffers live, MB by phase: {phases}; "
               f"backward/unlabelled buffers made before the backward: "
               f"{tp['live_at_peak_made_before_backward_bytes'] / MB:.1f} MB")  # fmt: skip
-        print(f"  {'MB':>9}  {'phase':<8} {'opcode':<12} {'live':>11}  {'shape':<34} op_name (tail)")
+        split = tp.get("live_at_peak_residual_bytes")
+        if split:
+            print("  residuals live at the peak: " + ", ".join(f"{k} {v / MB:.1f} MB" for k, v in split.items())
+                  + f" (XLA's live ranges; temp allocation {tp['temp_allocation_bytes'] / MB:.1f} MB)")
+        print(f"  {'MB':>9}  {'phase':<8} {'residual':<8} {'opcode':<12} {'live':>11}  {'shape':<34} op_name (tail)")
         for b in tp["live_at_peak_top"][:top]:
-            print(f"  {b['bytes'] / MB:9.1f}  {b['phase']:<8} {b['opcode'][:12]:<12} "
+            print(f"  {b['bytes'] / MB:9.1f}  {b['phase']:<8} {b.get('residual', '-'):<8} {b['opcode'][:12]:<12} "
                   f"{b['live_from']:>5}-{b['live_to']:<5}  {b['shape'][:34]:<34} {b['op_name'][-50:]}")  # fmt: skip
 
 
@@ -1047,10 +1097,14 @@ def main(argv=None) -> dict:
     p.add_argument("--no-autotune-cache", dest="autotune_cache", action="store_false",
                    help="do not share XLA:GPU autotuning results between the policy processes")
     p.add_argument("--dump-hlo", type=pathlib.Path, default=None, help="write <policy>.hlo.txt.gz here")
+    p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA debug option for compiling the step, e.g. xla_gpu_memory_limit_slop_factor=30 "
+                        "(repeatable; passed to Lowered.compile(compiler_options=...))")
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--plot", type=pathlib.Path, default=None, help="PNG: step time and memory per policy")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--xla-dump-dir", default=None, help=argparse.SUPPRESS)  # set by the parent with XLA_FLAGS
     opts = p.parse_args(argv)
 
     if opts.worker:  # child: one policy, results to --worker-out
@@ -1083,6 +1137,7 @@ def main(argv=None) -> dict:
             "memory_kinds": desc.get("memory_kinds"),
             "shape": shape | {"layers": opts.layers, "recipe": opts.recipe, "ragged": opts.ragged},
             "default_offload_policy": dict(zip(PLACEMENT_NAMES, default_placement())),
+            "compiler_options": _compiler_options(opts),
             "timing": {"iters": opts.iters, "warmup": opts.warmup, "samples": opts.samples, "statistic": "median"},
             "link_bandwidth_each_way": link_bw,
             "one_process_per_policy": not opts.inprocess,
