@@ -69,7 +69,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
 import numpy as np
 
 from benchmarks.common import RESULTS, time_call, write_json
-from benchmarks.xla_dump import dump_flags, find_dump, phase, temp_peak_from_dump
+from benchmarks.xla_dump import LiveAtPeak, dump_flags, find_dump, phase, temp_peak_from_dump
 
 PLACEMENT_NAMES = ("fc1_input", "activation_input", "fc2_input")
 POLICIES = {
@@ -588,11 +588,7 @@ def temp_peak_report(ba_blob: bytes, module_blob: bytes, text_instrs: dict, top:
         "forward": sum(k <= peak_pos for k in fwd) / len(fwd) if fwd else None,
         "backward": sum(k <= peak_pos for k in bwd) / len(bwd) if bwd else None,
     }
-    rows = []
-    by_phase: collections.Counter = collections.Counter()
-    by_opcode: collections.Counter = collections.Counter()
-    by_shape: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # shape -> [bytes, count]
-    early = 0  # backward (or unlabelled) buffers made before the backward pass began
+    tally = LiveAtPeak(bwd_start)
     for key, c in count.items():
         if c <= 0:
             continue
@@ -600,25 +596,7 @@ def temp_peak_report(ba_blob: bytes, module_blob: bytes, text_instrs: dict, top:
         lo, hi, iid = here[0]
         ins = instrs.get(iid, {})
         t = text_instrs.get(ins.get("name", ""), {})
-        ph = phase(t.get("op_name", ""))
-        by_phase[ph] += key[2]
-        by_opcode[ins.get("opcode", "?")] += key[2]
-        shape_key = re.sub(r"\{[^{}]*\}", "", t.get("shape", "?"))  # without the layout
-        by_shape[shape_key][0] += key[2]
-        by_shape[shape_key][1] += 1
-        if ph != "forward" and bwd_start is not None and lo < bwd_start:
-            early += key[2]
-        rows.append({
-            "bytes": int(key[2]),
-            "instruction": ins.get("name", ""),
-            "opcode": ins.get("opcode", ""),
-            "shape": t.get("shape", "")[:120],
-            "phase": ph,
-            "live_from": lo,
-            "live_to": hi,
-            "op_name": t.get("op_name", "")[-200:],
-        })  # fmt: skip
-    rows.sort(key=lambda r: -r["bytes"])
+        tally.add(key[2], ins.get("name", ""), ins.get("opcode", ""), t.get("shape", ""), t.get("op_name", ""), lo, hi)
     # Slices of different buffers that overlap in memory cannot both be live: where the
     # estimate says they are, count their union (per allocation) instead of the sum.
     union = 0
@@ -638,15 +616,9 @@ def temp_peak_report(ba_blob: bytes, module_blob: bytes, text_instrs: dict, top:
         "peak_position": peak_pos,
         "peak_at_instruction": at,
         "peak_at_op_name": text_instrs.get(at, {}).get("op_name", "")[-200:],
-        "live_at_peak_buffers": len(rows),
         "backward_starts_at": bwd_start,
         "fraction_of_pass_done_at_peak": done,
-        "live_at_peak_bytes_by_phase": dict(by_phase),
-        "live_at_peak_bytes_by_opcode": dict(by_opcode.most_common(8)),
-        "live_at_peak_made_before_backward_bytes": int(early),
-        "live_at_peak_top": rows[:top],
-        "live_at_peak_by_shape": dict(sorted(by_shape.items(), key=lambda kv: -kv[1][0])[: 3 * top]),
-    }
+    } | tally.report(top)
 
 
 # --------------------------------------------------------------------------- one policy

@@ -102,6 +102,44 @@ def phase(op_name: str) -> str:
     return "forward" if op_name else "?"
 
 
+class LiveAtPeak:
+    """Tallies the buffers live at a temp peak into the report keys both peak readers
+    (this module's and ``bench_offload.temp_peak_report``) share."""
+
+    def __init__(self, bwd_start: int | None):
+        self.bwd_start = bwd_start
+        self.rows: list[dict] = []
+        self.by_phase: collections.Counter = collections.Counter()
+        self.by_opcode: collections.Counter = collections.Counter()
+        self.by_shape: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # shape -> [bytes, count]
+        self.early = 0  # backward (or unlabelled) bytes made before the backward pass began
+
+    def add(self, nbytes: int, name: str, opcode: str, shape: str, op_name: str, lo: int, hi: int, **extra) -> None:
+        ph = phase(op_name)
+        self.by_phase[ph] += nbytes
+        self.by_opcode[opcode or "?"] += nbytes
+        key = re.sub(r"\{[^{}]*\}", "", shape or "?")  # without the layout
+        self.by_shape[key][0] += nbytes
+        self.by_shape[key][1] += 1
+        if ph != "forward" and self.bwd_start is not None and lo < self.bwd_start:
+            self.early += nbytes
+        self.rows.append({
+            "bytes": int(nbytes), "instruction": name, "opcode": opcode, "shape": shape[:120], "phase": ph,
+            **extra, "live_from": lo, "live_to": hi, "op_name": op_name[-200:],
+        })  # fmt: skip
+
+    def report(self, top: int) -> dict:
+        rows = sorted(self.rows, key=lambda r: -r["bytes"])
+        return {
+            "live_at_peak_buffers": len(rows),
+            "live_at_peak_bytes_by_phase": dict(self.by_phase),
+            "live_at_peak_bytes_by_opcode": dict(self.by_opcode.most_common(8)),
+            "live_at_peak_made_before_backward_bytes": int(self.early),
+            "live_at_peak_top": rows[:top],
+            "live_at_peak_by_shape": dict(sorted(self.by_shape.items(), key=lambda kv: -kv[1][0])[: 3 * top]),
+        }
+
+
 def _is_fetch(ins: dict) -> bool:
     """A copy from host memory space S(5) to the device (its device side)."""
     if ins.get("opcode") not in ("copy-start", "copy-done"):
@@ -135,11 +173,11 @@ def temp_peak_from_dump(prefix: pathlib.Path, text_instrs: dict, top: int = 16) 
         lo, hi = ranges[name]
         delta[lo] += v["size"]
         delta[min(hi, len(order)) + 1] -= v["size"]
-    live, peak, peak_pos = 0, -1, 0
+    running, peak, peak_pos = 0, -1, 0
     for k in range(len(order)):
-        live += delta[k]
-        if live > peak:
-            peak, peak_pos = live, k
+        running += delta[k]
+        if running > peak:
+            peak, peak_pos = running, k
 
     def ins_of(value_name: str) -> dict:
         return text_instrs.get(value_name.split("{", 1)[0], {})
@@ -151,44 +189,22 @@ def temp_peak_from_dump(prefix: pathlib.Path, text_instrs: dict, top: int = 16) 
     bwd_start = bwd[len(bwd) // 10] if bwd else None  # XLA hoists a few backward ops to the top
     in_backward = bwd_start is not None and peak_pos >= bwd_start
 
-    rows = []
-    by_phase: collections.Counter = collections.Counter()
-    by_opcode: collections.Counter = collections.Counter()
+    tally = LiveAtPeak(bwd_start)
     by_kind: collections.Counter = collections.Counter()
-    by_shape: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    early = 0
     for name, v in live_vals:
         lo, hi = ranges[name]
         if not lo <= peak_pos <= hi:
             continue
         ins = ins_of(name)
-        ph = phase(ins.get("op_name", ""))
+        op_name = ins.get("op_name", "")
         if _is_fetch(ins):
             kind = "fetched"
-        elif ph == "forward" and in_backward:
+        elif phase(op_name) == "forward" and in_backward:
             kind = "kept"
         else:
             kind = "working"
         by_kind[kind] += v["size"]
-        by_phase[ph] += v["size"]
-        by_opcode[ins.get("opcode", "?")] += v["size"]
-        shape = re.sub(r"\{[^{}]*\}", "", v["shape"])
-        by_shape[shape][0] += v["size"]
-        by_shape[shape][1] += 1
-        if ph != "forward" and bwd_start is not None and lo < bwd_start:
-            early += v["size"]
-        rows.append({
-            "bytes": v["size"],
-            "instruction": name,
-            "opcode": ins.get("opcode", ""),
-            "shape": v["shape"][:120],
-            "phase": ph,
-            "residual": kind,
-            "live_from": lo,
-            "live_to": hi,
-            "op_name": ins.get("op_name", "")[-200:],
-        })  # fmt: skip
-    rows.sort(key=lambda r: -r["bytes"])
+        tally.add(v["size"], name, ins.get("opcode", ""), v["shape"], op_name, lo, hi, residual=kind)
     at = order[peak_pos]
     return out | {
         "estimated_peak_bytes": int(peak),  # exact here: XLA's own live ranges
@@ -196,16 +212,10 @@ def temp_peak_from_dump(prefix: pathlib.Path, text_instrs: dict, top: int = 16) 
         "peak_position": peak_pos,
         "peak_at_instruction": at,
         "peak_at_op_name": text_instrs.get(at, {}).get("op_name", "")[-200:],
-        "live_at_peak_buffers": len(rows),
         "backward_starts_at": bwd_start,
         "fraction_of_pass_done_at_peak": {
             "forward": sum(k <= peak_pos for k in fwd) / len(fwd) if fwd else None,
             "backward": sum(k <= peak_pos for k in bwd) / len(bwd) if bwd else None,
         },
-        "live_at_peak_bytes_by_phase": dict(by_phase),
-        "live_at_peak_bytes_by_opcode": dict(by_opcode.most_common(8)),
         "live_at_peak_residual_bytes": {k: int(by_kind.get(k, 0)) for k in ("kept", "fetched", "working")},
-        "live_at_peak_made_before_backward_bytes": int(early),
-        "live_at_peak_top": rows[:top],
-        "live_at_peak_by_shape": dict(sorted(by_shape.items(), key=lambda kv: -kv[1][0])[: 3 * top]),
-    }
+    } | tally.report(top)
