@@ -44,6 +44,10 @@ from jax_grouped_mlp._src.primitives import Operand
 from jax_grouped_mlp._src.recipes import Recipe
 from jax_grouped_mlp._src.validation import as_array, check_mlp_args
 
+# Pin the backward pass's order (see _mlp_bwd). A module constant, not an argument: it
+# changes memory, never results; benchmarks flip it to measure what it saves.
+ORDER_BACKWARD = True
+
 
 def _tag(op: Operand, name: str) -> Operand:
     """``checkpoint_name`` on the arrays of an operand (never on its group sizes)."""
@@ -113,7 +117,19 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
+    # dx leaves this layer only with both weight gradients done (an optimization
+    # barrier: the same arithmetic). Otherwise XLA's scheduler defers every layer's
+    # weight gradients to the end of the step, and their operands (fc1_input,
+    # fc2_input, dy's and dh's columns) stay live across the other layers' backward
+    # passes (measured on the H200: docs/performance.md, "The backward's order").
+    dx, dw1, dw2 = _after(dx, dw1, dw2)
     return dx, dw1, dw2, None, dprobs.astype(probs.dtype)
+
+
+def _after(*values):
+    """``values``, each usable only once all of them exist (``lax.optimization_barrier``):
+    pins the backward's order when ``ORDER_BACKWARD`` is set."""
+    return jax.lax.optimization_barrier(values) if ORDER_BACKWARD else values
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
