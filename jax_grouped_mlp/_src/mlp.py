@@ -114,6 +114,8 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
         da = primitives.grouped_gemm(dy_row, w2q, group_sizes, jnp.bfloat16, transpose_rhs=True)
         dh, dprobs = primitives.srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
+    # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
+    w1, dh_row = _after(w1, dh_row)
     dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
