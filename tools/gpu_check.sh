@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the whole library on the H200: every GPU test, the demo (main job)
 # on the GPU, and the MLP-step benchmark (nano; SHAPES=nano,moe32,moe8 for all, about
-# 3 more minutes). The test suite takes about 6 minutes. Builds nothing: carry the extension
+# 3 more minutes). The test suite takes about 3 minutes in 4 pytest-xdist workers
+# (TEST_WORKERS=0: one process, about 7). Builds nothing: carry the extension
 #   run(command="bash tools/gpu_check.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
 # Logs, JSON and PNG land in $OUT.
@@ -11,8 +12,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s); stamp() { echo "[gpu_check] $1 at +$(( $(date +%s) - T0 ))s"; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/env.txt" 2>&1
-timeout ${TEST_S:-420} python3 -m pytest -q -m gpu tests --tb=short -p no:cacheprovider \
-  --timeout=120 -rf 2>&1 | tee "$OUT/pytest.log" | tail -15
+timeout ${TEST_S:-420} python3 -m pytest -q -m gpu -n ${TEST_WORKERS:-4} tests --tb=short -p no:cacheprovider \
+  --timeout=300 -rf 2>&1 | tee "$OUT/pytest.log" | tail -15
 stamp tests
 timeout ${DEMO_S:-90} python3 examples/demo.py --seed 0 2>&1 | tee "$OUT/demo.log" | tail -12
 stamp demo
