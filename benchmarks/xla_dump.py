@@ -6,10 +6,10 @@ XLA writes, for every module it compiles under
 and the live ranges of the scheduled entry computation (``*-live-range.txt``: each
 value's first and last position in the schedule). Together they give the exact
 occupancy of the temp allocation at every point of the schedule: no liveness
-estimate (as ``bench_offload.temp_peak_report`` must make from the serialized
+estimate (as ``buffer_assignment.temp_peak_report`` must make from the serialized
 buffer assignment, which XLA:GPU does not expose through ``memory_analysis()``).
 
-``temp_peak_from_dump`` returns the same keys as ``bench_offload.temp_peak_report``
+``temp_peak_from_dump`` returns the same keys as ``buffer_assignment.temp_peak_report``
 (so ``print_peaks`` shows either) plus, for a program run under ``jax.checkpoint``,
 how much of what is live at the peak is residual:
 
@@ -104,7 +104,7 @@ def phase(op_name: str) -> str:
 
 class LiveAtPeak:
     """Tallies the buffers live at a temp peak into the report keys both peak readers
-    (this module's and ``bench_offload.temp_peak_report``) share."""
+    (this module's and ``buffer_assignment.temp_peak_report``) share."""
 
     def __init__(self, bwd_start: int | None):
         self.bwd_start = bwd_start
@@ -154,7 +154,7 @@ def _is_fetch(ins: dict) -> bool:
 def temp_peak_from_dump(prefix: pathlib.Path, text_instrs: dict, top: int = 16) -> dict:
     """Occupancy of the device temp allocation at its fullest point of the schedule.
 
-    ``prefix``: from :func:`find_dump`; ``text_instrs``: ``bench_offload.parse_hlo`` of
+    ``prefix``: from :func:`find_dump`; ``text_instrs``: ``hlo_text.parse_hlo`` of
     the same compiled module (for opcodes, shapes and op names)."""
     allocs, values = parse_buffer_assignment(pathlib.Path(f"{prefix}-buffer-assignment.txt").read_text())
     order, ranges = parse_live_ranges(pathlib.Path(f"{prefix}-live-range.txt").read_text())

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import bench_offload  # noqa: E402
+from benchmarks import bench_offload, buffer_assignment  # noqa: E402
 
 # What XLA:GPU's host offloader leaves in a compiled module: async copies to and from
 # memory space S(5), a synchronous copy, and a fusion whose body mentions S(5) (not
@@ -58,9 +58,9 @@ def test_host_placement_report_counts_s5_and_transfers():
 def test_protobuf_reader():
     # field 1 varint 150, field 2 bytes "ab", field 3 packed [1, 300]
     blob = bytes([0x08, 0x96, 0x01, 0x12, 0x02, 0x61, 0x62, 0x1A, 0x03, 0x01, 0xAC, 0x02])
-    fields = list(bench_offload._fields(blob))
+    fields = list(buffer_assignment._fields(blob))
     assert fields[:2] == [(1, 150), (2, b"ab")]
-    assert bench_offload._ints([fields[2][1]]) == [1, 300]
+    assert buffer_assignment._ints([fields[2][1]]) == [1, 300]
 
 
 def test_tiny_run_end_to_end(tmp_path):
@@ -94,9 +94,27 @@ def test_tiny_run_end_to_end(tmp_path):
         assert r["compiled"]["temp_size_in_bytes"] is not None
         assert {"s5_instructions", "to_host_ops", "to_device_bytes"} <= set(r["hlo"])
         tp = r["temp_peak"]
+        assert tp["source"] == "xla_dump"  # each policy's process dumps its step
+        assert sum(tp["live_at_peak_residual_bytes"].values()) == tp["estimated_peak_bytes"]
         assert tp["temp_allocation_bytes"] == r["compiled"]["temp_size_in_bytes"]
         assert 0 < tp["estimated_peak_bytes"] <= tp["temp_allocation_bytes"]
         assert tp["live_at_peak_top"]
     if saved["platform"] == "cpu":  # no memory_stats, and device_put inside jit is a no-op
         assert dev["peak_bytes_in_use"] is None
         assert off["hlo"]["s5_instructions"] == 0
+
+
+def test_inprocess_run_estimates_the_peak_from_the_serialized_assignment(tmp_path):
+    """--inprocess: no XLA dump (XLA_FLAGS is read once per process), so the temp peak
+    comes from the serialized buffer assignment (XLA:CPU has it)."""
+    out = tmp_path / "offload.json"
+    bench_offload.main(["--tokens", "128", "--hidden", "32", "--ffn", "64", "--experts", "4", "--layers", "1",
+                        "--policies", "all_device", "--warmup", "1", "--samples", "1", "--inprocess",
+                        "--out", str(out)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    (row,) = saved["rows"]
+    tp = row["temp_peak"]
+    if saved["platform"] == "cpu" or tp is not None:  # XLA:GPU has no serialized assignment: None there
+        assert "source" not in tp
+        assert 0 < tp["estimated_peak_bytes"] <= tp["temp_allocation_bytes"]
+        assert tp["live_at_peak_top"] and "live_at_peak_by_shape" in tp

@@ -19,7 +19,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import bench_offload  # noqa: E402
+from benchmarks import bench_offload, hlo_text  # noqa: E402
 from benchmarks.xla_dump import dump_flags, find_dump, parse_live_ranges, temp_peak_from_dump  # noqa: E402
 
 H200_DUMP = ROOT / "tests" / "data" / "xla_dump_all_offload_h200.tgz"
@@ -29,7 +29,7 @@ def _peak(directory: pathlib.Path) -> dict:
     prefix = find_dump(directory, "jit_loss")
     assert prefix is not None, sorted(p.name for p in directory.iterdir())
     text = pathlib.Path(f"{prefix}.txt").read_text()
-    return temp_peak_from_dump(prefix, bench_offload.parse_hlo(text)["instrs"])
+    return temp_peak_from_dump(prefix, hlo_text.parse_hlo(text)["instrs"])
 
 
 def test_h200_all_offload_dump(tmp_path):

@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     import numpy as np
 
     import jax_grouped_mlp as jgm
-    from benchmarks import bench_offload
+    from benchmarks import bench_offload, hlo_text
     from benchmarks.common import MLP_SHAPES
     from benchmarks.xla_dump import find_dump, temp_peak_from_dump
 
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4))).lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     prefix = find_dump(pathlib.Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]), "jit_loss")
-    tp = temp_peak_from_dump(prefix, bench_offload.parse_hlo(compiled.as_text())["instrs"], top=opts.top)
+    tp = temp_peak_from_dump(prefix, hlo_text.parse_hlo(compiled.as_text())["instrs"], top=opts.top)
     print(f"\n== {opts.shape} {recipe}: compiled temp {temp / 1e6:.1f} MB")
     bench_offload.print_peaks([{"label": recipe, "temp_peak": tp}], labels=(recipe,), top=opts.top)
 
