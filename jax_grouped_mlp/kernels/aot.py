@@ -89,6 +89,15 @@ def _grouped_gemm_variants():
             GroupedGemmConfig(tile_n=256, b_k_major=True), GroupedGemmConfig(tile_n=192, b_k_major=True))
 
 
+
+def _fake(dtype, shape, order=None, align: int = 16):
+    """A fake compact tensor to compile against: stride order ``order`` (default
+    row-major), ``align``-byte aligned, 32-bit strides (every exported entry point)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    order = tuple(reversed(range(len(shape)))) if order is None else order
+    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align, use_32bit_stride=True)
+
 def _grouped_gemm_args(b_k_major: bool = False):
     """Fake (lhs [M, K], rhs seen as (N, K, G), out [M, N], group_sizes, num_ctas, stream).
 
@@ -96,11 +105,9 @@ def _grouped_gemm_args(b_k_major: bool = False):
     """
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
-    def t(dtype, shape, order, align=16):
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
-                                        use_32bit_stride=True)
+    t = _fake
 
     m, g = cute.sym_int32(), cute.sym_int32()
     n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
@@ -130,11 +137,9 @@ def _grouped_gemm_w8_args(b_k_major: bool = False):
     """
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
-    def t(dtype, shape, order, align=16):
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
-                                        use_32bit_stride=True)
+    t = _fake
 
     m, g, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     n, k = cute.sym_int32(divisibility=16), cute.sym_int32(divisibility=16)
@@ -157,11 +162,9 @@ def _grouped_gemm_fc1_args():
     uint8, a_scale [NB, N] uint8, probs [M] f32, group_sizes, num_ctas, stream)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
-    def t(dtype, shape, order, align=16):
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
-                                        use_32bit_stride=True)
+    t = _fake
 
     m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
@@ -184,11 +187,9 @@ def _grouped_gemm_dgrad_args():
     [M, N] bf16, dpart [NT, M] f32, probs [M] f32, group_sizes, num_ctas, stream)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
-    def t(dtype, shape, order, align=16):
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
-                                        use_32bit_stride=True)
+    t = _fake
 
     m, g, nt = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
@@ -231,11 +232,9 @@ def _grouped_wgrad_args(out_f32: bool):
     """Fake (X seen as (K, M), dY seen as (N, M), out seen as (K, N, G), group_sizes, num_ctas, stream)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
-    def t(dtype, shape, order, align=16):
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
-                                        use_32bit_stride=True)
+    t = _fake
 
     m, g = cute.sym_int32(), cute.sym_int32()
     n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
@@ -249,15 +248,13 @@ def variants():
     """(name, kernel object, fake arguments) for every variant we ship."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
     from jax_grouped_mlp.kernels.quantize_mxfp8 import QuantizeMxfp8
 
     QUANTIZE_VARIANTS = _quantize_variants()
 
-    def t(dtype, shape, align=16):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
-                                        assumed_align=align, use_32bit_stride=True)
+    t = _fake
 
     for cfg in QUANTIZE_VARIANTS:
         m = cute.sym_int32()
