@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 
@@ -25,21 +26,27 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", default="nano")
     ap.add_argument("--recipes", default="mxfp8,bf16")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--child-dump", default=None, help=argparse.SUPPRESS)  # set for the per-recipe child
     opts = ap.parse_args(argv)
-    dump_root = pathlib.Path(tempfile.mkdtemp(prefix="step_peak_"))
-    for recipe in opts.recipes.split(","):
-        # XLA reads XLA_FLAGS once, at backend start: one child process per recipe.
-        if os.environ.get("STEP_PEAK_CHILD"):
-            break
-        env = os.environ | {"STEP_PEAK_CHILD": recipe}
-        from benchmarks.xla_dump import dump_flags
+    if opts.child_dump is None:
+        _spawn(opts)
+    else:
+        _child(opts, opts.recipes, pathlib.Path(opts.child_dump))
 
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump_flags(dump_root / recipe, 'jit_loss')}".strip()
-        os.spawnve(os.P_WAIT, sys.executable, [sys.executable, __file__, "--shape", opts.shape,
-                                                 "--top", str(opts.top)], env)  # fmt: skip
-    recipe = os.environ.get("STEP_PEAK_CHILD")
-    if not recipe:
-        return
+
+def _spawn(opts) -> None:
+    """One child per recipe: XLA reads XLA_FLAGS once, when its backend starts."""
+    from benchmarks.xla_dump import dump_flags
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="step_peak_"))
+    for recipe in opts.recipes.split(","):
+        dump = root / recipe
+        env = os.environ | {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(dump, 'jit_loss')}".strip()}
+        subprocess.run([sys.executable, __file__, "--shape", opts.shape, "--recipes", recipe, "--top", str(opts.top),
+                        "--child-dump", str(dump)], env=env, check=False)  # fmt: skip
+
+
+def _child(opts, recipe: str, dump: pathlib.Path) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -67,7 +74,7 @@ def main(argv=None) -> None:
 
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4))).lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    prefix = find_dump(pathlib.Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]), "jit_loss")
+    prefix = find_dump(dump, "jit_loss")
     tp = temp_peak_from_dump(prefix, hlo_text.parse_hlo(compiled.as_text())["instrs"], top=opts.top)
     print(f"\n== {opts.shape} {recipe}: compiled temp {temp / 1e6:.1f} MB")
     bench_offload.print_peaks([{"label": recipe, "temp_peak": tp}], labels=(recipe,), top=opts.top)
