@@ -40,10 +40,30 @@ def _step(mlp):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4)))
 
 
+def _weight_passes(fn):
+    """``fn`` traced with ``mlp.QUANTIZE_WEIGHTS_IN_GEMM`` off: a fake-quantize pass per
+    weight use before the bf16 GEMMs (and the fused FC1 / FC2-dgrad epilogue kernels),
+    the op as it was before the in-register weight quantization."""
+    from jax_grouped_mlp._src import mlp as mlp_module
+
+    def run(*a):
+        old = mlp_module.QUANTIZE_WEIGHTS_IN_GEMM
+        mlp_module.QUANTIZE_WEIGHTS_IN_GEMM = False
+        try:
+            return fn(*a)
+        finally:
+            mlp_module.QUANTIZE_WEIGHTS_IN_GEMM = old
+
+    return run
+
+
 def _candidates() -> dict:
     c = {
         "grouped_mlp_mxfp8": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
-        "grouped_mlp_mxfp8_unfused_fc1": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8", fuse_fc1_epilogue=False),
+        "grouped_mlp_mxfp8_weight_passes": _weight_passes(lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8")),
+        "grouped_mlp_mxfp8_weight_passes_unfused_fc1": _weight_passes(
+            lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8", fuse_fc1_epilogue=False)
+        ),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
         "ragged_dot_bf16": ragged_dot_mlp,
     }
@@ -61,7 +81,7 @@ def _candidates() -> dict:
     return c
 
 
-def bench_shape(name: str, iters: int, seed: int) -> dict:
+def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = ()) -> dict:
     g, rows, h, f = MLP_SHAPES[name]
     m = g * rows
     rng = np.random.default_rng(seed)
@@ -75,6 +95,8 @@ def bench_shape(name: str, iters: int, seed: int) -> dict:
     flops = 6 * 2 * m * h * f
     res: dict = {"groups": g, "rows_per_group": rows, "hidden": h, "ffn": f, "flops_per_step": flops}
     for cname, mlp in _candidates().items():
+        if only and cname not in only:
+            continue
         step = _step(mlp)
         try:
             compiled = step.lower(*args).compile()
@@ -87,7 +109,7 @@ def bench_shape(name: str, iters: int, seed: int) -> dict:
         print(name, cname, res[cname], flush=True)
     base = res.get("ragged_dot_bf16", {}).get("ms")
     for cname in _candidates():
-        if base and "ms" in res[cname]:
+        if base and "ms" in res.get(cname, {}):
             res[cname]["speedup_vs_ragged_dot"] = base / res[cname]["ms"]
     return res
 
@@ -104,11 +126,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "mlp_step.json")
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     ns = ap.parse_args(argv)
+    only = tuple(c for c in ns.only.split(",") if c)
     report = {"command": "python3 benchmarks/bench_mlp.py " + " ".join(argv or sys.argv[1:]),
               "device": device_description(), "shapes": {}}
     for name in ns.shapes.split(","):
-        report["shapes"][name] = bench_shape(name, ns.iters, ns.seed)
+        report["shapes"][name] = bench_shape(name, ns.iters, ns.seed, only)
     write_json(report, ns.out)
     if ns.plot:
         _plot(report, ns.out.with_suffix(".png"))

@@ -19,8 +19,14 @@
 #include "grouped_gemm_sm90_bf16_m128n256k64_s4_bk.h"
 #include "grouped_gemm_sm90_bf16_m128n256k64_s4_p16.h"
 #include "grouped_gemm_sm90_bf16_m128n256k64_s4_p4.h"
+#include "grouped_gemm_sm90_qw_w128t192k64_s5.h"
+#include "grouped_gemm_sm90_qw_w128t192k64_s5_bk.h"
+#include "grouped_gemm_sm90_qw_w128t256k64_s4.h"
+#include "grouped_gemm_sm90_qw_w128t256k64_s4_bk.h"
 
 // X(name, b_k_major): every exported variant, in the order of the `variant` attribute.
+// The "_qw_" variants (kernels/grouped_gemm_qw_sm90.py) take the same operands but
+// multiply by the MXFP8 values of rhs (quantized along K in registers), not rhs itself.
 #define JGM_GROUPED_GEMM_VARIANTS(X)                  \
   X(grouped_gemm_sm90_bf16_m128n256k64_s4, false)     \
   X(grouped_gemm_sm90_bf16_m128n192k64_s5, false)     \
@@ -28,7 +34,11 @@
   X(grouped_gemm_sm90_bf16_m128n256k64_s4_p4, false)  \
   X(grouped_gemm_sm90_bf16_m128n256k64_s4_p16, false) \
   X(grouped_gemm_sm90_bf16_m128n256k64_s4_bk, true)   \
-  X(grouped_gemm_sm90_bf16_m128n192k64_s5_bk, true)
+  X(grouped_gemm_sm90_bf16_m128n192k64_s5_bk, true)   \
+  X(grouped_gemm_sm90_qw_w128t192k64_s5, false)       \
+  X(grouped_gemm_sm90_qw_w128t192k64_s5_bk, true)     \
+  X(grouped_gemm_sm90_qw_w128t256k64_s4, false)       \
+  X(grouped_gemm_sm90_qw_w128t256k64_s4_bk, true)
 
 namespace jgm {
 

@@ -158,3 +158,36 @@ def test_backward_order_barrier(rng, recipe, monkeypatch):
     assert (n_on, n_off) == (2, 0)
     for u, v in zip(on, off):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+
+
+def test_weights_quantized_in_the_gemm_same_bits(rng, monkeypatch):
+    """The MXFP8 op with the weights quantized inside the GEMMs (small groups) and with a
+    quantize pass before each GEMM (and the fused FC1 / FC2-dgrad kernels): the same
+    output and gradients, bit for bit, on this platform's path."""
+    from jax_grouped_mlp._src import mlp
+
+    x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
+
+    def results(in_gemm: bool) -> list:
+        monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
+        f = functools.partial(run_op, recipe="mxfp8")  # a new function: no trace reused
+        return jax.tree_util.tree_leaves(jax.jit(f)(x, w1, w2, gs, probs, dy))
+
+    for u, v in zip(results(True), results(False)):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+
+
+def test_weights_in_gemm_rule():
+    """Weights are quantized in the kernel for MXFP8 with at most QW_MAX_ROWS_PER_GROUP
+    rows per group on average (and a symbolic token count), never for bf16."""
+    from jax_grouped_mlp._src import mlp
+    from jax_grouped_mlp._src.recipes import Recipe
+
+    cap = mlp.QW_MAX_ROWS_PER_GROUP
+    assert mlp._weights_in_gemm(Recipe.MXFP8, 128 * 384, 128)  # Nemotron-3-Nano
+    assert mlp._weights_in_gemm(Recipe.MXFP8, cap * 4, 4)
+    assert not mlp._weights_in_gemm(Recipe.MXFP8, cap * 4 + 1, 4)
+    assert not mlp._weights_in_gemm(Recipe.MXFP8, 32 * 1024, 32)  # moe32: the pass pays
+    assert not mlp._weights_in_gemm(Recipe.MXFP8, 16, 0)
+    assert not mlp._weights_in_gemm(Recipe.BF16, 16, 4)
+    assert mlp._weights_in_gemm(Recipe.MXFP8, object(), 4)  # symbolic M

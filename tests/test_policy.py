@@ -99,11 +99,17 @@ def _count_prims(jaxpr, name: str) -> int:
     return n
 
 
+@pytest.mark.parametrize("in_gemm", [True, False])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_recomputing_fc2_input_reruns_fc1_only_when_fused(inputs, fuse):
+def test_recomputing_fc2_input_reruns_fc1_only_when_fused(inputs, fuse, in_gemm, monkeypatch):
     """The documented cost of ``fuse_fc1_epilogue``: with activation_input kept and
     fc2_input recomputed, the unfused op rebuilds fc2_input from h (no GEMM in the
-    recomputed part), the fused one reruns FC1 (its GEMM is recomputed)."""
+    recomputed part), the fused one reruns FC1 (its GEMM is recomputed). With the
+    weights quantized inside the GEMMs (``mlp.QUANTIZE_WEIGHTS_IN_GEMM``) FC1 is
+    never fused, so nothing is rerun either way."""
+    from jax_grouped_mlp._src import mlp
+
+    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
     x, w1, w2, probs, gs = inputs
 
     def gemms_in_backward(fc2_input):
@@ -113,7 +119,7 @@ def test_recomputing_fc2_input_reruns_fc1_only_when_fused(inputs, fuse):
         # pass (4 GEMMs) plus whatever is recomputed.
         return _count_prims(body, "dot_general")
 
-    assert gemms_in_backward("recompute") - gemms_in_backward("device") == int(fuse)
+    assert gemms_in_backward("recompute") - gemms_in_backward("device") == int(fuse and not in_gemm)
     fn = grad_fn(jgm.offload_policy("device", "device", "recompute"), gs, fuse=fuse)
     got = jax.jit(fn)(x, w1, w2, probs)
     want = jax.jit(grad_fn(jgm.offload_policy("device", "device", "recompute"), gs, fuse=not fuse))(x, w1, w2, probs)

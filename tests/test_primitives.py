@@ -43,8 +43,9 @@ def test_every_called_target_is_registered():
         assert target in ffi.registered_targets(), target
 
 
+@pytest.mark.parametrize("in_gemm,rows_per_group", [(True, 64), (True, 1024), (False, 64)])
 @pytest.mark.parametrize("recipe,fuse", [("mxfp8", True), ("mxfp8", False), ("bf16", True)])
-def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse):
+def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_per_group, monkeypatch):
     """Lowered for CUDA (no GPU needed), the MLP's forward + backward is our custom calls only.
 
     No ``dot_general`` (an XLA GEMM, which is also what the reference's tile scan is
@@ -54,9 +55,11 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse):
     if not ffi.available():
         pytest.skip("the CUDA extension is not built")
     import jax_grouped_mlp as jgm
-    from jax_grouped_mlp._src import gemm_ffi
+    from jax_grouped_mlp._src import gemm_ffi, mlp
 
-    m, h, f, g = 256, 128, 192, 4
+    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
+    h, f, g = 128, 192, 4
+    m = rows_per_group * g
     args = (
         jax.ShapeDtypeStruct((m, h), jnp.bfloat16),
         jax.ShapeDtypeStruct((g, h, f), jnp.bfloat16),
@@ -80,14 +83,18 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse):
     if recipe == "bf16":  # FC1, FC2, 2 dgrads; 2 wgrads; nothing else
         assert calls == {gemm: 4, wgrad: 2}
         return
-    fused_fc1 = fuse and bool(gemm_ffi.grouped_gemm_fc1_variants())
-    fused_dgrad = bool(gemm_ffi.grouped_gemm_dgrad_variants())
+    # The weights quantized inside the GEMM kernels (no weight passes); FC1 and the
+    # FC2 dgrad then run unfused.
+    small = in_gemm and rows_per_group <= mlp.QW_MAX_ROWS_PER_GROUP
+    qw = small and bool(gemm_ffi.grouped_gemm_qw_variants())
+    fused_fc1 = fuse and bool(gemm_ffi.grouped_gemm_fc1_variants()) and not small
+    fused_dgrad = bool(gemm_ffi.grouped_gemm_dgrad_variants()) and not small
     want = {
         # x, a, dy, dh: both MXFP8 copies from one pass each, except a's (FC1's kernel,
         # when fused) and dh's (the FC2 dgrad's kernel); no quantize + dequantize.
         ffi.FAKE_QUANTIZE_PAIR_TARGET: 4 - fused_fc1 - fused_dgrad,
         ffi.DEQUANTIZE_TARGET: 2,  # the kept FP8 residuals x and a, for the wgrads
-        ffi.FAKE_QUANTIZE_TARGET: 4,  # w1 and w2, along K (fprop) and along N (dgrad)
+        ffi.FAKE_QUANTIZE_TARGET: 0 if qw else 4,  # w1 and w2, along K (fprop) and along N (dgrad)
         gemm: 4 - fused_fc1 - fused_dgrad,  # FC1, FC2, FC2 dgrad, FC1 dgrad
         gemm_ffi.GROUPED_GEMM_FC1_TARGET: int(fused_fc1),
         gemm_ffi.GROUPED_GEMM_DGRAD_TARGET: int(fused_dgrad),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs every grouped GEMM (bf16, MXFP8-weight, FC1- and dgrad-epilogue), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
+"""Runs every grouped GEMM (bf16, in-register weight quantization, MXFP8-weight, FC1- and dgrad-epilogue), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
 
@@ -31,6 +31,11 @@ def main() -> int:
         bk = v.endswith("_bk")
         rhs = jnp.swapaxes(w, 1, 2) if bk else w
         out = gemm_ffi.grouped_gemm_bf16_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
+        bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    for v in gemm_ffi.grouped_gemm_qw_variants():  # the weight quantized in registers
+        bk = v.endswith("_bk")
+        rhs = jnp.swapaxes(w, 1, 2) if bk else w
+        out = gemm_ffi.grouped_gemm_qw_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
     # MXFP8 weights (N, K multiples of 16 for these kernels: 144 x 208, neither a tile multiple).
     k8, n8 = 208, 144
@@ -68,6 +73,7 @@ def main() -> int:
         bad += int(not np.isfinite(np.asarray(col, np.float32)).all())
     jax.block_until_ready(out)
     n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_gemm_w8_variants())
+    n += len(gemm_ffi.grouped_gemm_qw_variants())
     n += len(gemm_ffi.grouped_wgrad_variants()) + len(gemm_ffi.grouped_gemm_fc1_variants()) + 5
     n += len(gemm_ffi.grouped_gemm_dgrad_variants())
     print(f"ran {n} variants, {bad} with non-finite output")

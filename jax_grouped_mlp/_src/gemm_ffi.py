@@ -31,9 +31,24 @@ GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
 _MAX = 2**31
 
 
+def _gemm_handler_variants() -> tuple[str, ...]:
+    """Every variant of the "jgm_grouped_gemm" handler, in the order of its ``variant`` attribute."""
+    return ffi.variants("GROUPED_GEMM_VARIANTS")
+
+
+def _is_qw(variant: str) -> bool:
+    return "_qw_" in variant
+
+
 def grouped_gemm_variants() -> tuple[str, ...]:
     """Names of the compiled forward/dgrad tile configurations (empty without the extension)."""
-    return ffi.variants("GROUPED_GEMM_VARIANTS")
+    return tuple(v for v in _gemm_handler_variants() if not _is_qw(v))
+
+
+def grouped_gemm_qw_variants() -> tuple[str, ...]:
+    """Names of the compiled GEMMs that quantize the weight to MXFP8 themselves
+    (:func:`grouped_gemm_qw_cuda`; empty without the extension)."""
+    return tuple(v for v in _gemm_handler_variants() if _is_qw(v))
 
 
 def grouped_wgrad_variants() -> tuple[str, ...]:
@@ -153,11 +168,45 @@ def grouped_gemm_bf16_cuda(
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
     group_sizes = _checked_group_sizes(group_sizes, g)
-    index = _variant_index(
-        grouped_gemm_variants(), n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}"
-    )
+    names = grouped_gemm_variants()
+    index = _variant_index(names, n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}")
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=index)
+    attr = np.int32(_gemm_handler_variants().index(names[index]))
+    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=attr)
+
+
+def grouped_gemm_qw_cuda(
+    lhs: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    variant: str | None = None,
+) -> jax.Array:
+    """``out[m] = lhs[m] @ fake_quantize(w[g])`` in one kernel (``kernels/grouped_gemm_qw_sm90.py``).
+
+    ``lhs [M, K]`` bf16 (already the MXFP8 values, as :func:`grouped_gemm_bf16_cuda`
+    takes them), ``w [G, K, N]`` bf16 as stored (``transpose_rhs``: ``[G, N, K]``, used
+    transposed), quantized to MXFP8 along K inside the kernel, in registers: the
+    same numbers as ``grouped_gemm_bf16_cuda(lhs, dequantize(quantize_mxfp8(w,
+    axis=K)))`` up to fp32 summation order, without the pass that writes the
+    quantized weight. bf16 ``[M, N]`` out.
+    """
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    m, n, k, g = _checked_bf16_pair("lhs", lhs, "w", w, k_major=transpose_rhs)
+    if not grouped_gemm_supported(m, n, k, g):
+        raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
+    group_sizes = _checked_group_sizes(group_sizes, g)
+    names = grouped_gemm_qw_variants()
+    fits = [v for v in names if v.endswith("_bk") == transpose_rhs]
+    if variant is None and fits:
+        variant = fits[0]
+    if variant not in fits:
+        raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
+    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    attr = np.int32(_gemm_handler_variants().index(variant))
+    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, w, group_sizes, variant=attr)
 
 
 def _as_bf16(x) -> jax.Array:
@@ -222,6 +271,31 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_
             lhs, rhs, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs
         )
     return grouped_gemm_bf16_cuda(a, b, group_sizes, transpose_rhs=transpose_rhs)
+
+
+def grouped_gemm_qw_impl(lhs, w: jax.Array, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False):
+    """``primitives`` "grouped_gemm_qw" on CUDA (same signature as the reference).
+
+    The in-register weight quantization when the operands are bf16 (or ``lhs`` MXFP8),
+    the output bf16 and the shape supported; otherwise the weight's fake-quantize pass
+    and :func:`grouped_gemm_cuda` (the same numbers).
+    """
+    a = _as_bf16(lhs)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if (
+        grouped_gemm_qw_variants()
+        and jnp.dtype(out_dtype) == bf16
+        and jnp.dtype(a.dtype) == bf16
+        and jnp.dtype(w.dtype) == bf16
+        and a.ndim == 2
+        and w.ndim == 3
+    ):
+        m, k = a.shape
+        g, n = w.shape[0], w.shape[1 if transpose_rhs else 2]
+        if grouped_gemm_supported(m, n, k, g):
+            return grouped_gemm_qw_cuda(a, w, group_sizes, transpose_rhs=transpose_rhs)
+    wq = ffi.fake_quantize_cuda(w, axis=2 if transpose_rhs else 1)
+    return grouped_gemm_cuda(lhs, wq, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
 
 
 def _wgrad_out_dtype(variant: str) -> jnp.dtype:

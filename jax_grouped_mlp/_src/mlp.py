@@ -48,6 +48,20 @@ from jax_grouped_mlp._src.validation import as_array, check_mlp_args
 # changes memory, never results; benchmarks flip it to measure what it saves.
 ORDER_BACKWARD = True
 
+# MXFP8 with small groups: the GEMM kernels quantize the weights themselves, in
+# registers (``primitives.grouped_gemm_qw``), instead of a pass that writes each
+# weight's MXFP8 values before every GEMM that uses it (1.28 GB read and written per
+# weight use at the Nemotron-3-Nano shape). Same bits (the kernel's output equals the
+# plain kernel's on the pre-quantized weight, checked on the H200). It pays while a
+# group has few rows, since the kernel quantizes a weight tile again for every token
+# tile that uses it: at 384 rows per group each weight GEMM takes 1.11-1.20 ms
+# instead of 1.33-1.40, at 1024 they tie and at 8192 it is 1.4x slower
+# (benchmarks/results/gemm_qw_h200.json). FC1 and the FC2 dgrad then run unfused
+# (their epilogue kernels take a quantized weight), which costs some temp memory.
+# Module constants, like ORDER_BACKWARD; benchmarks flip them.
+QUANTIZE_WEIGHTS_IN_GEMM = True
+QW_MAX_ROWS_PER_GROUP = 512
+
 
 def _tag(op: Operand, name: str) -> Operand:
     """``checkpoint_name`` on the arrays of an operand (never on its group sizes)."""
@@ -58,21 +72,41 @@ def _tag(op: Operand, name: str) -> Operand:
     return checkpoint_name(op, name)
 
 
+def _weights_in_gemm(recipe: Recipe, m, num_groups) -> bool:
+    """Whether the MXFP8 weight GEMMs quantize their weights in the kernel (see
+    ``QUANTIZE_WEIGHTS_IN_GEMM``): decided from the static shapes, so that the forward and
+    backward rules agree; a symbolic token count counts as small groups."""
+    if recipe is not Recipe.MXFP8 or not QUANTIZE_WEIGHTS_IN_GEMM:
+        return False
+    if not isinstance(m, int):
+        return True
+    return num_groups > 0 and m <= QW_MAX_ROWS_PER_GROUP * num_groups
+
+
+def _weight_gemm(lhs, w, group_sizes, recipe: Recipe, out_dtype, *, transpose_rhs: bool = False):
+    """``lhs @ w[g]`` (``transpose_rhs``: ``@ w[g]^T``) with ``w`` prepared by ``recipe``,
+    blocked along the GEMM's K."""
+    if _weights_in_gemm(recipe, lhs.shape[0], w.shape[0]):
+        return primitives.grouped_gemm_qw(lhs, w, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
+    wq = recipe.weight(w, 2 if transpose_rhs else 1)
+    return primitives.grouped_gemm(lhs, wq, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
+
+
 def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe):
     """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
-    h = primitives.grouped_gemm(x_row, recipe.weight(w1, 1), group_sizes, jnp.bfloat16)
+    h = _weight_gemm(x_row, w1, group_sizes, recipe, jnp.bfloat16)
     h = checkpoint_name(h, ACTIVATION_INPUT)
     a = primitives.srelu_scaled(h, probs)
     return h, a
 
 
 def _fc2(a_row, w2, group_sizes, recipe: Recipe, out_dtype):
-    return primitives.grouped_gemm(a_row, recipe.weight(w2, 1), group_sizes, out_dtype)
+    return _weight_gemm(a_row, w2, group_sizes, recipe, out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
-    if _fused(recipe, fuse, x):
+    if _fused(recipe, fuse, x, w1.shape[0]):
         _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, probs)
     else:
         _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe)
@@ -80,18 +114,22 @@ def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
     return _fc2(a_row, w2, group_sizes, recipe, x.dtype)
 
 
-def _fused(recipe: Recipe, fuse: bool, x: jax.Array) -> bool:
-    """Whether FC1 runs as one kernel with its epilogue: the MXFP8 recipe, static shapes.
+def _fused(recipe: Recipe, fuse: bool, x: jax.Array, group_count: int) -> bool:
+    """Whether FC1 runs as one kernel with its epilogue: the MXFP8 recipe, static shapes,
+    and weights quantized by a pass (the epilogue kernel takes a quantized weight).
 
     A symbolic token count (shape-polymorphic export) takes the unfused path, whose
     forward needs no group-aware quantization (which wants a static row count).
     """
-    return fuse and recipe is Recipe.MXFP8 and all(isinstance(d, int) for d in x.shape)
+    return (
+        fuse and recipe is Recipe.MXFP8 and all(isinstance(d, int) for d in x.shape)
+        and not _weights_in_gemm(recipe, x.shape[0], group_count)
+    )
 
 
 def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
     x_row, x_col = recipe.row_and_col(x, group_sizes, keep_col=True)
-    if _fused(recipe, fuse, x):
+    if _fused(recipe, fuse, x, w1.shape[0]):
         # One kernel: h and both MXFP8 copies of a. a is not computed from the tagged
         # h here, so recomputing "fc2_input" reruns this kernel (hence the flag).
         h, a_row, a_col = primitives.fc1_fused(x_row, recipe.weight(w1, 1), group_sizes, probs)
@@ -106,17 +144,16 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
 def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
-    w2q = recipe.weight(w2, 2)
-    if recipe is Recipe.MXFP8:
+    if recipe is Recipe.MXFP8 and not _weights_in_gemm(recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
-        dh_row, dh_col, dprobs = primitives.dgrad_fused(dy_row, w2q, group_sizes, h, probs)
+        dh_row, dh_col, dprobs = primitives.dgrad_fused(dy_row, recipe.weight(w2, 2), group_sizes, h, probs)
     else:
-        da = primitives.grouped_gemm(dy_row, w2q, group_sizes, jnp.bfloat16, transpose_rhs=True)
+        da = _weight_gemm(dy_row, w2, group_sizes, recipe, jnp.bfloat16, transpose_rhs=True)
         dh, dprobs = primitives.srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
     w1, dh_row = _after(w1, dh_row)
-    dx = primitives.grouped_gemm(dh_row, recipe.weight(w1, 2), group_sizes, dy.dtype, transpose_rhs=True)
+    dx = _weight_gemm(dh_row, w1, group_sizes, recipe, dy.dtype, transpose_rhs=True)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
     # dx leaves this layer only with both weight gradients done (an optimization
@@ -167,7 +204,9 @@ def grouped_mlp(
         remat policy recomputes "fc2_input" (``offload_policy(fc2_input="recompute")``):
         then "fc2_input" is rebuilt from "activation_input" by one cheap pass, whereas
         with the fused kernel recomputing it reruns FC1 (its GEMM and the quantization
-        of ``x`` and ``w1``).
+        of ``x`` and ``w1``). No effect when the groups are small (at most
+        ``mlp.QW_MAX_ROWS_PER_GROUP`` = 512 rows on average): then the GEMM kernels
+        quantize the weights themselves and FC1 always runs unfused.
 
     Returns:
       ``[M, H]`` in ``x.dtype``. Rows at or past ``sum(group_sizes)`` are zero, and

@@ -25,8 +25,8 @@ from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
 OpName = Literal[
-    "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_wgrad",
-    "fc1_fused", "dgrad_fused",
+    "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw",
+    "grouped_wgrad", "fc1_fused", "dgrad_fused",
 ]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
@@ -68,6 +68,13 @@ def _ref_grouped_gemm(
     if transpose_rhs:
         b = jnp.swapaxes(b, 1, 2)
     return reference.ragged_matmul(_as_bf16(lhs), b, group_sizes, out_dtype=out_dtype)
+
+
+def _ref_grouped_gemm_qw(
+    lhs: Operand, w: jax.Array, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False
+) -> jax.Array:
+    wq = _ref_fake_quantize(w, axis=2 if transpose_rhs else 1)
+    return _ref_grouped_gemm(lhs, wq, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
 
 
 def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
@@ -132,6 +139,7 @@ _REFERENCE: dict[str, Callable] = {
     "quantize_both": _ref_quantize_both,
     "fake_quantize_pair": _ref_fake_quantize_pair,
     "grouped_gemm": _ref_grouped_gemm,
+    "grouped_gemm_qw": _ref_grouped_gemm_qw,
     "grouped_wgrad": _ref_grouped_wgrad,
     "fc1_fused": _ref_fc1_fused,
     "dgrad_fused": _ref_dgrad_fused,
@@ -177,6 +185,21 @@ def grouped_gemm(
     """
     return _dispatch(
         "grouped_gemm", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype), transpose_rhs=transpose_rhs
+    )
+
+
+def grouped_gemm_qw(
+    lhs: Operand, w: jax.Array, group_sizes: jax.Array, out_dtype, *, transpose_rhs: bool = False
+) -> jax.Array:
+    """:func:`grouped_gemm` by the weight's MXFP8 values, ``fake_quantize(w)`` blocked
+    along K, without materializing them on CUDA (the kernel quantizes in registers).
+
+    ``w`` is the plain weight ``[G, K, N]`` (``transpose_rhs``: ``[G, N, K]``, used
+    transposed). Same numbers as ``grouped_gemm(lhs, fake_quantize(w, K axis), ...)``
+    up to fp32 summation order.
+    """
+    return _dispatch(
+        "grouped_gemm_qw", lhs, w, group_sizes, out_dtype=jnp.dtype(out_dtype), transpose_rhs=transpose_rhs
     )
 
 
@@ -228,6 +251,8 @@ def _register_available_kernels() -> None:
         register_cuda_impl("fake_quantize", ffi.fake_quantize_cuda)
     if gemm_ffi.grouped_gemm_variants():
         register_cuda_impl("grouped_gemm", gemm_ffi.grouped_gemm_cuda)
+    if gemm_ffi.grouped_gemm_variants() and ffi.fake_quantize_variants():
+        register_cuda_impl("grouped_gemm_qw", gemm_ffi.grouped_gemm_qw_impl)
     if gemm_ffi.grouped_wgrad_variants():
         register_cuda_impl("grouped_wgrad", gemm_ffi.grouped_wgrad_cuda)
     if gemm_ffi.grouped_gemm_fc1_variants():

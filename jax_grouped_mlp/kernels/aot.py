@@ -84,9 +84,16 @@ def _grouped_gemm_variants():
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
 
     # Keep in the order of JGM_GROUPED_GEMM_VARIANTS in csrc/grouped_gemm.cc.
+    from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig
+
+    # Keep in the order of JGM_GROUPED_GEMM_VARIANTS in csrc/grouped_gemm.cc. The "_qw"
+    # configurations (GroupedGemmQwSm90: the weight fake-quantized in registers) share
+    # the handler, arguments and launch; only what they multiply by differs.
     return (GroupedGemmConfig(tile_n=256), GroupedGemmConfig(tile_n=192), GroupedGemmConfig(tile_n=128),
             GroupedGemmConfig(tile_n=256, panel_m=4), GroupedGemmConfig(tile_n=256, panel_m=16),
-            GroupedGemmConfig(tile_n=256, b_k_major=True), GroupedGemmConfig(tile_n=192, b_k_major=True))
+            GroupedGemmConfig(tile_n=256, b_k_major=True), GroupedGemmConfig(tile_n=192, b_k_major=True),
+            GroupedGemmQwConfig(tile_t=192), GroupedGemmQwConfig(tile_t=192, w_k_major=True),
+            GroupedGemmQwConfig(tile_t=256), GroupedGemmQwConfig(tile_t=256, w_k_major=True))
 
 
 
@@ -303,8 +310,13 @@ def variants():
 
     from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmSm90
 
+    from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig, GroupedGemmQwSm90
+
     for cfg in _grouped_gemm_variants():
-        yield cfg.name, GroupedGemmSm90(cfg), _grouped_gemm_args(cfg.b_k_major)
+        if isinstance(cfg, GroupedGemmQwConfig):
+            yield cfg.name, GroupedGemmQwSm90(cfg), _grouped_gemm_args(cfg.w_k_major)
+        else:
+            yield cfg.name, GroupedGemmSm90(cfg), _grouped_gemm_args(cfg.b_k_major)
 
     from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
 

@@ -176,6 +176,7 @@ class GroupedGemmSm90:
         self.stages = config.num_stages
         self.panel_m = config.panel_m
         self.tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        self.seg_tile = self.tile_m  # ragged-axis rows per tile (the scheduler's unit)
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups stacked along M
         self.num_mma_warp_groups = 2
         self.threads = 128 * (1 + self.num_mma_warp_groups)
@@ -348,7 +349,7 @@ class GroupedGemmSm90:
             seg_row0 = seg_row0 + seg_rows
             seg = seg + 1
             seg_rows = self._segment_rows(group_sizes, seg, seg_row0, m)
-            seg_tiles = (seg_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
+            seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
             if seg > num_groups:
                 seg_tiles = Int32(_BIG)
         return seg, seg_tile0, seg_row0, seg_rows, seg_tiles
@@ -357,15 +358,15 @@ class GroupedGemmSm90:
     def _tile_coords(self, t, seg_tile0, seg_rows, n_tiles):
         """(first row offset in the segment, rows valid, column tile) of tile ``t``."""
         local = t - seg_tile0
-        m_tiles = (seg_rows + (self.tile_m - 1)) // self.tile_m
+        m_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile
         panel_tiles = self.panel_m * n_tiles
         panel = local // panel_tiles
         r = local - panel * panel_tiles
         rows_in_panel = cutlass.min(Int32(self.panel_m), m_tiles - panel * self.panel_m)
         n_tile = r // rows_in_panel
         m_tile = panel * self.panel_m + (r - n_tile * rows_in_panel)
-        row_off = m_tile * self.tile_m
-        return row_off, cutlass.min(seg_rows - row_off, Int32(self.tile_m)), n_tile
+        row_off = m_tile * self.seg_tile
+        return row_off, cutlass.min(seg_rows - row_off, Int32(self.seg_tile)), n_tile
 
     # ---- epilogue helpers (shared with the weight-gradient kernel) ----
 
@@ -501,7 +502,7 @@ class GroupedGemmSm90:
             row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
             if seg < num_groups:
                 row0 = seg_row0 + row_off
-                gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
+                gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.seg_tile, self.tile_k), (0, None))
                 tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                     tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
                 )

@@ -1,0 +1,442 @@
+"""Hopper grouped GEMM with the weight quantized to MXFP8 in registers:
+``out[m] = A[m] @ fake_quantize(B[group(m)])`` (blocks of 32 along K).
+
+Same contract as :class:`~jax_grouped_mlp.kernels.grouped_gemm_sm90.GroupedGemmSm90`
+(``a [M, K]``, ``b`` seen as ``(N, K, G)``, ``out [M, N]``, ``group_sizes``), except that
+the kernel multiplies by the MXFP8 values of the bf16 weight (what
+``mxfp8.dequantize(quantize_mxfp8(w, axis=K))`` gives, bit for bit) instead of the
+weight itself, so no separate pass over the weights runs (at the Nemotron-3-Nano shape
+that pass costs as much as the GEMM: docs/gemm.md).
+
+Roles are swapped against the plain kernel: the wgmma computes ``out^T = W^T A^T``.
+  * A operand (wgmma M, from registers): 128 weight rows (output columns n) x 64 K per
+    stage, TMA-loaded into shared memory, then each consumer warp group reads its 64
+    rows with ``ldmatrix`` (``.trans`` for the fprop weight ``[G, K, N]``), fake-quantizes
+    them in registers and issues the wgmma with A from registers. In the m64k16 A
+    fragment a lane holds 2 K values of rows ``r`` and ``r + 8`` per 8-K group, so a
+    32-K block of a weight row lies in the 4 lanes of a quad: local max, 2 shuffles,
+    the RCEIL scale, then ``ptx.fake_quant_bf16x4`` (the kernels' bit-exact quantizer).
+    Two A register buffers alternate, so a stage's conversion overlaps the previous
+    stage's wgmmas.
+  * B operand (wgmma N, from shared memory): ``tile_t`` tokens x 64 K, K-major (TMA).
+  * Ragged axis = tokens = the wgmma's N: each group's rows are cut into token tiles
+    of ``tile_t`` that never cross the group's end (the plain kernel's scheduler with
+    ``seg_tile = tile_t``; "column tiles" are the weight tiles of 128).
+  * Epilogue: the accumulator is ``out^T``; the output is viewed as ``(N, M)`` with
+    unit stride along N (column-major in the kernel's terms), so the plain kernel's
+    stmatrix (transposing) + TMA-store epilogue writes ``out`` row-major. Partial token
+    tiles (a group's last tokens, tokens past the groups) are written with 16-byte
+    stores along n, predicated per token, so a tile never writes another group's rows.
+
+Zero-filled K past the end (TMA) adds nothing to a block's amax, so a short last block
+is quantized like ``quantize_mxfp8``'s zero padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cute.nvgpu.warpgroup import OperandSource
+from cutlass.pipeline import pipeline_init_wait
+
+from jax_grouped_mlp.kernels import ptx
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, SMEM_CAPACITY, GroupedGemmSm90
+
+TILE_W = 128  # weight rows (output columns) per CTA tile: two consumer warp groups of 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmQwConfig:
+    """Compile-time knobs of :class:`GroupedGemmQwSm90`.
+
+    tile_t: tokens per CTA tile (the wgmma N; multiple of 32 in [64, 256]).
+    w_k_major: the weight arrives as ``[G, N, K]`` (K contiguous: the dgrad use, a
+      transposed weight as stored) instead of ``[G, K, N]``.
+    stages: shared-memory pipeline depth (0: as many as fit).
+    panel_t: token tiles per rasterization panel (CTAs next to each other share a
+      weight tile in L2).
+    """
+
+    tile_t: int = 192
+    w_k_major: bool = False
+    stages: int = 0
+    panel_t: int = 8
+    epi_stages: int = 2
+
+    tile_k = 64
+
+    def __post_init__(self):
+        if self.tile_t % 32 or not 64 <= self.tile_t <= 256:
+            raise ValueError(f"tile_t must be a multiple of 32 in [64, 256], got {self.tile_t=}")
+        if self.epi_stages < 2:
+            raise ValueError(f"epi_stages must be >= 2, got {self.epi_stages=}")
+        if self.num_stages < 2:
+            raise ValueError(f"{self} leaves room for {self.num_stages} stages; need >= 2")
+
+    @property
+    def stage_bytes(self) -> int:
+        return (TILE_W + self.tile_t) * self.tile_k * 2
+
+    @property
+    def num_stages(self) -> int:
+        fit = (SMEM_CAPACITY - 1024 - TILE_W * EPI_N * 2 * self.epi_stages) // self.stage_bytes
+        return min(fit, self.stages) if self.stages else fit
+
+    @property
+    def name(self) -> str:
+        s = f"grouped_gemm_sm90_qw_w{TILE_W}t{self.tile_t}k{self.tile_k}_s{self.num_stages}"
+        s += f"_p{self.panel_t}" if self.panel_t != 8 else ""
+        return s + ("_bk" if self.w_k_major else "")
+
+
+class GroupedGemmQwSm90(GroupedGemmSm90):
+    """Grouped GEMM on in-register MXFP8 weights; see the module docstring.
+
+    Reuses the plain kernel's scheduler (``seg_tile`` = ``tile_t``), TMA producer,
+    shared-memory pipeline and TMA-store epilogue; owns the register-A mainloop and
+    the token-predicated partial-tile store.
+    """
+
+    def __init__(self, config: GroupedGemmQwConfig):
+        self.qw_config = config
+        self.tile_t = config.tile_t
+        self.tile_m = TILE_W
+        self.tile_n = config.tile_t
+        self.tile_k = config.tile_k
+        self.stages = config.num_stages
+        self.panel_m = config.panel_t
+        self.tile_mnk = (TILE_W, self.tile_t, self.tile_k)
+        self.seg_tile = self.tile_t
+        self.atom_layout_mnk = (2, 1, 1)
+        self.num_mma_warp_groups = 2
+        self.threads = 128 * (1 + self.num_mma_warp_groups)
+        self.acc_dtype = cutlass.Float32
+        self.load_regs = 40
+        self.mma_regs = 232
+        self.epi_tile = (TILE_W, EPI_N)
+        self.epi_stages = config.epi_stages
+        self.epi_store_warp = 4
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_mma_warp_groups)
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (M, K) bf16 tokens, K contiguous
+        b: cute.Tensor,  # (N, K, G) bf16 weights: N contiguous ([G, K, N]) or K contiguous ([G, N, K])
+        out: cute.Tensor,  # (M, N) bf16, N contiguous
+        group_sizes: cute.Tensor,  # (G,) int32
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        # out^T: (N, M) with unit stride along N (the accumulator's orientation).
+        out_t = cute.make_tensor(
+            out.iterator, cute.make_layout((out.shape[1], out.shape[0]), stride=(out.stride[1], out.stride[0]))
+        )
+        tma, smem_layouts = self._prepare_qw(b, a, out_t)
+        self.kernel(*tma, out_t, group_sizes, self.tiled_mma, *smem_layouts).launch(
+            grid=(num_ctas, 1, 1),
+            block=(self.threads, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.jit
+    def _prepare_qw(self, w: cute.Tensor, x: cute.Tensor, out_t: cute.Tensor):
+        """TMA atoms and shared-memory layouts: ``w`` (N, K, G) is A, ``x`` (M, K) is B."""
+        self.ab_dtype = x.element_type
+        self.out_dtype = out_t.element_type
+        self.w_mn_major = not self.qw_config.w_k_major
+        w_layout = utils.LayoutEnum.from_tensor(w)
+        x_layout = utils.LayoutEnum.from_tensor(x)
+        self.x_major = x_layout.sm90_mma_major_mode()
+        self.tiled_mma = self._make_mma()
+        w_smem = sm90_utils.make_smem_layout_a(w_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        x_smem = sm90_utils.make_smem_layout_b(x_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        tma_atom_w, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(w_smem, (None, None, 0)),
+            (TILE_W, self.tile_k),
+        )
+        tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), x, cute.slice_(x_smem, (None, None, 0)),
+            (self.tile_t, self.tile_k),
+        )
+        self.out_layout = utils.LayoutEnum.from_tensor(out_t)
+        epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, self.out_layout, self.epi_tile, self.epi_stages)
+        tma_atom_out, tma_out = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), out_t, cute.slice_(epi_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(w_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        tma = (tma_atom_w, tma_w, tma_atom_x, tma_x, tma_atom_out, tma_out)
+        return tma, (w_smem, x_smem, epi_smem)
+
+    def _make_mma(self) -> cute.TiledMma:
+        """The bf16 wgmma with A (weights) from registers, B (tokens) from shared memory."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            OperandMajorMode.K,
+            self.x_major,
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_t),
+            a_source=OperandSource.RMEM,
+        )
+
+    # ---- the register-A mainloop ----
+
+    @cute.jit
+    def _quantize_stage(self, frag: cute.Tensor) -> None:
+        """Fake-quantizes this thread's share of a 64 x 64 weight slice in place.
+
+        ``frag`` is the wgmma A fragment ((2, 2, 2), 1, 4) of bf16, compact: value
+        ``v0 + 2 v1 + 4 v2 + 8 kb`` is row ``r + 8 v1``, K ``16 kb + 8 v2 + 2 (lane % 4) + v0``.
+        As 32-bit words (pairs along K): word ``v1 + 2 v2 + 4 kb``. A 32-K block of a
+        row (``kb in {2 blk, 2 blk + 1}``) lies in the 4 lanes of a quad (lane % 4):
+        local max, then 2 shuffles. The four (row, block) chains are written out step
+        by step so that their latencies overlap.
+        """
+        flat = cute.make_tensor(frag.iterator, cute.make_layout(cute.size(frag)))
+        words = cute.recast_tensor(flat, Uint32)
+        chains = [(half, blk) for blk in range(2) for half in range(2)]
+        idx = [[half + 2 * v2 + 4 * kb for kb in (2 * blk, 2 * blk + 1) for v2 in range(2)] for half, blk in chains]
+        w = [[words[i] for i in ix] for ix in idx]
+        am = [ptx.max_u16x2(ptx.max_u16x2(ptx.abs_bf16x2(c[0]), ptx.abs_bf16x2(c[1])),
+                            ptx.max_u16x2(ptx.abs_bf16x2(c[2]), ptx.abs_bf16x2(c[3]))) for c in w]
+        am = [cutlass.max(a & Uint32(0xFFFF), a >> 16) for a in am]
+        am = [cutlass.max(a, Uint32(cute.arch.shuffle_sync_bfly(a, offset=1))) for a in am]
+        am = [cutlass.max(a, Uint32(cute.arch.shuffle_sync_bfly(a, offset=2))) for a in am]
+        sc = [ptx.e8m0_bf16x2_scales(ptx.e8m0_rceil(a)) for a in am]
+        for c in cutlass.range_constexpr(4):
+            r2, v2, nan2 = sc[c]
+            for q in cutlass.range_constexpr(4):
+                words[idx[c][q]] = ptx.fake_quant_bf16x2(w[c][q], r2, v2, nan2)
+
+    @cute.jit
+    def _qw_stage(self, tiled_mma, acc, s2r, tXsW, tXrW, tCrW, tCrX, stage, mma_first=None) -> None:
+        """Loads and quantizes one stage's weight slice into the register buffer ``tCrW``
+        (both 32-K blocks at once: four independent chains per thread), then issues its
+        wgmmas as one commit group. ``mma_first``: the MMA of a tile's first wgmma (it
+        overwrites the accumulator)."""
+        for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
+            cute.copy(s2r, tXsW[(None, None, kb, stage)], tXrW[(None, None, kb)])
+        self._quantize_stage(tCrW)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
+            mma = mma_first if cutlass.const_expr(kb == 0 and mma_first is not None) else tiled_mma
+            cute.gemm(mma, acc, tCrW[(None, None, kb)], tCrX[(None, None, kb, stage)], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    def _partial_store_copies_t(self, sC: cute.Tensor, ctid):
+        """Partial token tiles: 16-byte stores of 8 output columns (contiguous along n in
+        ``out``) of one token; 256 threads = 16 vectors x 16 tokens per pass."""
+        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+        tiled_s2g = cute.make_tiled_copy_tv(
+            s2g_atom, cute.make_layout((TILE_W // 8, 16)), cute.make_layout((8, 1))
+        )
+        thr_s2g = tiled_s2g.get_slice(ctid)
+        return s2g_atom, thr_s2g, thr_s2g.partition_S(sC), thr_s2g.partition_D(cute.make_identity_tensor(self.epi_tile))
+
+    @cute.jit
+    def _store_tile_partial_t(
+        self, epi, s2g, mOut: cute.Tensor, w0: Int32, tok0: Int32, toks_valid: Int32, nw: Int32,
+        epi_count: Int32, warp_idx,
+    ):
+        """Stores the accumulator's first ``toks_valid`` tokens (columns of ``out^T``)."""
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
+        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
+        size_tRS_rD = cute.size(tRS_rD)
+        if warp_idx == self.epi_store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        rows_valid = nw - w0
+        for e in cutlass.range_constexpr(self.tile_t // EPI_N):
+            for v in cutlass.range_constexpr(size_tRS_rD):
+                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+            buf = (epi_count + e) % self.epi_stages
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            self.epi_barrier.arrive_and_wait()
+            gSub = cute.local_tile(cute.domain_offset((w0, tok0 + e * EPI_N), mOut), self.epi_tile, (0, 0))
+            tSG_g = thr_s2g.partition_D(gSub)
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            cols_valid = toks_valid - e * EPI_N
+            for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
+                for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
+                    r, c = tSG_cC[(0, i, j)]
+                    if r < rows_valid:
+                        if c < cols_valid:
+                            cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+        return epi_count + self.tile_t // EPI_N
+
+    @cute.jit
+    def _qw_consumer(
+        self, tiled_mma: cute.TiledMma, mainloop, sW: cute.Tensor, sX: cute.Tensor, sC: cute.Tensor,
+        tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, group_sizes: cute.Tensor,
+        ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+    ):
+        """The consumer warp groups: register-A mainloop and epilogue of every tile."""
+        nw = mOut.shape[0]
+        m = mOut.shape[1]
+        w_tiles = (nw + (TILE_W - 1)) // TILE_W
+        num_groups = group_sizes.shape[0]
+
+        # Two MMAs with fixed accumulate flags (set once here: a flag changed inside the
+        # tile loop would be a value escaping its region).
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        mma_first = self._make_mma()
+        mma_first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCsW = thr_mma.partition_A(sW)
+        tCrW0 = tiled_mma.make_fragment_A(tCsW[(None, None, None, 0)])
+        tCrW1 = tiled_mma.make_fragment_A(tCsW[(None, None, None, 0)])
+        tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_W, self.tile_t)))
+        acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+
+        s2r_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.LdMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype
+        )
+        s2r = cute.make_tiled_copy_A(s2r_atom, tiled_mma)
+        thr_s2r = s2r.get_slice(ctid)
+        tXsW = thr_s2r.partition_S(sW)
+        tXrW0 = thr_s2r.retile(tCrW0)
+        tXrW1 = thr_s2r.retile(tCrW1)
+
+        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
+        store_pipeline = epi[5]
+        epi_count = Int32(0)
+        s2g = self._partial_store_copies_t(sC, ctid)
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        t = Int32(bidx)
+        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, w_tiles
+        )
+        while seg <= num_groups:
+            tok_off, toks_valid, w_tile = self._tile_coords(t, seg_tile0, seg_rows, w_tiles)
+            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+                # The first wgmma overwrites the accumulator (no zero fill: ptxas
+                # serializes every wgmma when plain instructions define their
+                # accumulator registers inside a wgmma pipeline stage).
+                # Two register buffers, one per stage parity: stage k + 1 is loaded and
+                # quantized while stage k's wgmmas run; a buffer is rewritten only after
+                # wait_group(1) has retired the wgmmas that read it. The loop body holds
+                # one stage of each parity and has no branch (ptxas serializes every
+                # wgmma of a pipeline it cannot follow through control flow); an odd
+                # last stage is peeled after it.
+                mainloop.consumer_wait(read)
+                self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, mma_first)
+                read.advance()
+                for _k in range((k_tiles - 1) // 2):
+                    mainloop.consumer_wait(read)
+                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                    mainloop.consumer_wait(read)
+                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                if (k_tiles - 1) % 2 == 1:
+                    mainloop.consumer_wait(read)
+                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+            else:
+                acc.fill(0.0)  # tokens past the groups: zeros
+
+            tok0 = seg_row0 + tok_off
+            w0 = w_tile * TILE_W
+            if toks_valid == self.tile_t:
+                gTile = cute.local_tile(
+                    cute.domain_offset((0, tok0), mOutTma), (TILE_W, self.tile_t), (w_tile, 0)
+                )
+                epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
+            else:
+                epi_count = self._store_tile_partial_t(
+                    epi, s2g, mOut, w0, tok0, toks_valid, nw, epi_count, warp_idx
+                )
+
+            t = t + gdim
+            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, w_tiles
+            )
+        store_pipeline.producer_tail()
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_w: cute.CopyAtom,
+        mW: cute.Tensor,  # TMA coordinate tensor (N, K, G)
+        tma_atom_x: cute.CopyAtom,
+        mX: cute.Tensor,  # TMA coordinate tensor (M, K)
+        tma_atom_out: cute.CopyAtom,
+        mOutTma: cute.Tensor,  # TMA coordinate tensor (N, M)
+        mOut: cute.Tensor,  # (N, M), unit stride along N
+        group_sizes: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        w_smem: cute.ComposedLayout,
+        x_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
+        mainloop, sW, sX, sC = self._shared_and_pipeline(w_smem, x_smem, epi_smem)
+        nw = mOut.shape[0]
+        m = mOut.shape[1]
+        w_tiles = (nw + (TILE_W - 1)) // TILE_W
+
+        # (TILE_W, tile_k, w_tiles, k_tiles, G)
+        gW = cute.local_tile(mW, (TILE_W, self.tile_k), (None, None, None))
+        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+        )
+        k_tiles = cute.size(gW, mode=[3])
+
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
+        seg0_tiles = (seg0_rows + (self.tile_t - 1)) // self.tile_t * w_tiles
+
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                t = Int32(bidx)
+                cursor = self._seek(group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, w_tiles)
+                # The producer's "A" is the token tile (rows from the tile's start), its
+                # "B" the group's weight tile: the same loads as the plain kernel's.
+                self._produce_tiles(
+                    mainloop, state, t, cursor, tma_atom_x, mX, sX, tma_atom_w, tWgW, tWsW, group_sizes,
+                    gdim, m, w_tiles, k_tiles,
+                )
+        if warp_group != 0:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._qw_consumer(
+                tiled_mma, mainloop, sW, sX, sC, tma_atom_out, mOutTma, mOut, group_sizes,
+                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+            )
