@@ -204,3 +204,15 @@ def test_binding_rejects_bad_operands():
             lambda a, w, gs: gemm_ffi.grouped_gemm_qw_cuda(a, w, gs, variant="nope"), a,
             jax.ShapeDtypeStruct((2, 32, 16), jnp.bfloat16), gs,
         )
+
+
+def test_token_tile_choice():
+    """t192 up to 512 rows per group on average (Nano's 384 rows: two full tiles), t256 above."""
+    assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t192k64_s5_bk") == 192
+    assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t256k64_s4") == 256
+    with pytest.raises(ValueError, match="not a _qw"):
+        gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_bf16_m128n256k64_s4")
+    assert gemm_ffi._qw_tile_for(128 * 384, 128) == 192
+    assert gemm_ffi._qw_tile_for(512 * 4, 4) == 192
+    assert gemm_ffi._qw_tile_for(512 * 4 + 1, 4) == 256
+    assert gemm_ffi._qw_tile_for(0, 0) == 192

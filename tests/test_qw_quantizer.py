@@ -3,7 +3,7 @@
 ``kernels/ptx.py``'s ``fake_quant_bf16x2`` fake-quantizes two bf16 values with bf16x2
 arithmetic only: ``y = x * r`` (``r = 2**(127 - e)``), rounding ``y`` to E4M3's grid by
 adding and subtracting ``c = 1.5 * 2**(max(exp(y), -6) + 4)``, ``* v`` (``v = 2**(e -
-127)``), the sign of ``x`` put back, NaN for a non-finite block. Here every PTX step is
+127)``, NaN for a non-finite block), the sign of ``x`` put back. Here every PTX step is
 emulated in numpy (``add/sub/mul.rn.bf16x2`` as the exact result rounded once to nearest
 even, subnormals kept, as the PTX ISA specifies for bf16; the float32 intermediate is
 exact or rounds away only bits far below the bf16 ulp) and compared with E4M3's own
@@ -34,8 +34,10 @@ def _round(f32) -> np.ndarray:
 
 
 def scales(e: int) -> tuple[np.uint16, np.uint16]:
-    """``e8m0_bf16x2_scales``' ``r`` and ``v`` (one half)."""
-    return np.uint16(((254 - e) << 7) & 0xFFFF), np.uint16(0x40 if e == 0 else e << 7)
+    """``e8m0_bf16x2_scales``' ``r`` and ``v`` (one half): ``(254 - e) * 0x80``, ``e * 0x80``
+    with ``e = 0`` -> 0x0040 and ``e = 0xFF`` -> 0x7FFF (NaN)."""
+    v = 0x40 if e == 0 else 0x7FFF if e == 0xFF else e << 7
+    return np.uint16(((254 - e) * 0x80) & 0xFFFF), np.uint16(v)
 
 
 def fake_quant(x: np.ndarray, e: int) -> np.ndarray:
@@ -74,6 +76,12 @@ def test_every_bf16_value_at_every_finite_block_scale():
     assert checked > 8_000_000
 
 
+def test_non_finite_block_is_nan():
+    x = np.asarray([0x0000, 0x8000, 0x3F80, 0xC2C0, 0x7F7F, 0x0001], np.uint16)
+    got = fake_quant(x, 0xFF)
+    assert np.isnan(_bf16(got)).all(), [hex(v) for v in got]
+
+
 def test_matches_the_reference_quantizer_on_random_blocks():
     rng = np.random.default_rng(0)
     # Scale bytes >= 1: XLA:CPU flushes the subnormal scale 2**-127 (byte 0) to zero, so
@@ -97,5 +105,6 @@ def test_ptx_source_holds_the_emulated_constants():
                   "sub.rn.bf16x2", "max.u16x2"):
         assert const in body, const
     scl = src[src.index("def e8m0_bf16x2_scales"):src.index("def fake_quant_bf16x2")]
-    for const in ("sub.u32 r, 254", "shl.b32 r, r, 7", "@z mov.b32 v, 0x40", "setp.eq.u32 nan, $3, 0xFF"):
+    for const in ("sub.u32 r, 254, e", "mul.lo.u32 $0, r, 0x00800080", "mul.lo.u32 $1, e, 0x00800080",
+                  "@z mov.b32 $1, 0x00400040", "@nan mov.b32 $1, 0x7FFF7FFF"):
         assert const in scl, const

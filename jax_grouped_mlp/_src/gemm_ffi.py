@@ -175,6 +175,21 @@ def grouped_gemm_bf16_cuda(
     return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=attr)
 
 
+def qw_tile_tokens(variant: str) -> int:
+    """Tokens per CTA tile of a ``_qw`` variant name (``..._w128t192k64_...`` -> 192)."""
+    found = re.search(r"_w\d+t(\d+)k\d+", variant)
+    if not found:
+        raise ValueError(f"not a _qw grouped GEMM variant name: {variant!r}")
+    return int(found.group(1))
+
+
+def _qw_tile_for(m: int, g: int) -> int:
+    """The token tile for ``m`` rows in ``g`` groups: 192 up to 512 rows per group (384 at
+    Nemotron-3-Nano: two full tiles), else 256 (H200: t256 is 1.4x faster at 1024 and
+    8192 rows per group, 1.1-1.2x slower at 384; benchmarks/results/gemm_qw_h200.json)."""
+    return 192 if m <= 512 * max(g, 1) else 256
+
+
 def grouped_gemm_qw_cuda(
     lhs: jax.Array,
     w: jax.Array,
@@ -201,7 +216,7 @@ def grouped_gemm_qw_cuda(
     names = grouped_gemm_qw_variants()
     fits = [v for v in names if v.endswith("_bk") == transpose_rhs]
     if variant is None and fits:
-        variant = fits[0]
+        variant = min(fits, key=lambda v: abs(qw_tile_tokens(v) - _qw_tile_for(m, g)))
     if variant not in fits:
         raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)

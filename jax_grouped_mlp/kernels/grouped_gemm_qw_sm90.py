@@ -202,15 +202,17 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
     # ---- the register-A mainloop ----
 
     @cute.jit
-    def _quantize_stage(self, frag: cute.Tensor) -> None:
+    def _quantize_stage(self, frag: cute.Tensor, lane) -> None:
         """Fake-quantizes this thread's share of a 64 x 64 weight slice in place.
 
         ``frag`` is the wgmma A fragment ((2, 2, 2), 1, 4) of bf16, compact: value
         ``v0 + 2 v1 + 4 v2 + 8 kb`` is row ``r + 8 v1``, K ``16 kb + 8 v2 + 2 (lane % 4) + v0``.
         As 32-bit words (pairs along K): word ``v1 + 2 v2 + 4 kb``. A 32-K block of a
-        row (``kb in {2 blk, 2 blk + 1}``) lies in the 4 lanes of a quad (lane % 4):
-        local max, then 2 shuffles. The four (row, block) chains are written out step
-        by step so that their latencies overlap.
+        row (``kb in {2 blk, 2 blk + 1}``) lies in the 4 lanes of a quad, so a thread
+        holds parts of four blocks ("chains": 2 rows x 2 blocks) and so does each lane
+        of its quad. The quad splits the scale work: a transposing reduction (3
+        shuffles) leaves lane ``q`` with chain ``q``'s block amax, each lane computes
+        one RCEIL scale, and 2 shuffles gather the four scale bytes back to every lane.
         """
         flat = cute.make_tensor(frag.iterator, cute.make_layout(cute.size(frag)))
         words = cute.recast_tensor(flat, Uint32)
@@ -220,23 +222,35 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         am = [ptx.max_u16x2(ptx.max_u16x2(ptx.abs_bf16x2(c[0]), ptx.abs_bf16x2(c[1])),
                             ptx.max_u16x2(ptx.abs_bf16x2(c[2]), ptx.abs_bf16x2(c[3]))) for c in w]
         am = [cutlass.max(a & Uint32(0xFFFF), a >> 16) for a in am]
-        am = [cutlass.max(a, Uint32(cute.arch.shuffle_sync_bfly(a, offset=1))) for a in am]
-        am = [cutlass.max(a, Uint32(cute.arch.shuffle_sync_bfly(a, offset=2))) for a in am]
-        sc = [ptx.e8m0_bf16x2_scales(ptx.e8m0_rceil(a)) for a in am]
+        q = lane % 4
+        hi = (q >> 1) == 1  # lanes 2, 3 keep chains 2, 3 in the first round
+        odd = (q & 1) == 1
+        keep0 = cutlass.select_(hi, am[2], am[0])
+        keep1 = cutlass.select_(hi, am[3], am[1])
+        send0 = cutlass.select_(hi, am[0], am[2])
+        send1 = cutlass.select_(hi, am[1], am[3])
+        m0 = cutlass.max(keep0, Uint32(cute.arch.shuffle_sync_bfly(send0, offset=2)))
+        m1 = cutlass.max(keep1, Uint32(cute.arch.shuffle_sync_bfly(send1, offset=2)))
+        keep = cutlass.select_(odd, m1, m0)
+        send = cutlass.select_(odd, m0, m1)
+        mine = cutlass.max(keep, Uint32(cute.arch.shuffle_sync_bfly(send, offset=1)))  # chain q's amax
+        packed = ptx.e8m0_rceil(mine) << (Uint32(8) * q)
+        packed = packed | Uint32(cute.arch.shuffle_sync_bfly(packed, offset=1))
+        packed = packed | Uint32(cute.arch.shuffle_sync_bfly(packed, offset=2))
         for c in cutlass.range_constexpr(4):
-            r2, v2, nan2 = sc[c]
-            for q in cutlass.range_constexpr(4):
-                words[idx[c][q]] = ptx.fake_quant_bf16x2(w[c][q], r2, v2, nan2)
+            r2, v2 = ptx.e8m0_bf16x2_scales(packed, c)
+            for j in cutlass.range_constexpr(4):
+                words[idx[c][j]] = ptx.fake_quant_bf16x2(w[c][j], r2, v2)
 
     @cute.jit
-    def _qw_stage(self, tiled_mma, acc, s2r, tXsW, tXrW, tCrW, tCrX, stage, mma_first=None) -> None:
+    def _qw_stage(self, tiled_mma, acc, s2r, tXsW, tXrW, tCrW, tCrX, stage, lane, mma_first=None) -> None:
         """Loads and quantizes one stage's weight slice into the register buffer ``tCrW``
         (both 32-K blocks at once: four independent chains per thread), then issues its
         wgmmas as one commit group. ``mma_first``: the MMA of a tile's first wgmma (it
         overwrites the accumulator)."""
         for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
             cute.copy(s2r, tXsW[(None, None, kb, stage)], tXrW[(None, None, kb)])
-        self._quantize_stage(tCrW)
+        self._quantize_stage(tCrW, lane)
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
             mma = mma_first if cutlass.const_expr(kb == 0 and mma_first is not None) else tiled_mma
@@ -301,6 +315,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         mma_first = self._make_mma()
         mma_first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        lane = ctid % 32
         thr_mma = tiled_mma.get_slice(ctid)
         tCsW = thr_mma.partition_A(sW)
         tCrW0 = tiled_mma.make_fragment_A(tCsW[(None, None, None, 0)])
@@ -342,24 +357,24 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
                 # wgmma of a pipeline it cannot follow through control flow); an odd
                 # last stage is peeled after it.
                 mainloop.consumer_wait(read)
-                self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, mma_first)
+                self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, lane, mma_first)
                 read.advance()
                 for _k in range((k_tiles - 1) // 2):
                     mainloop.consumer_wait(read)
-                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index)
+                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index, lane)
                     cute.nvgpu.warpgroup.wait_group(1)
                     mainloop.consumer_release(release)
                     release.advance()
                     read.advance()
                     mainloop.consumer_wait(read)
-                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index)
+                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, lane)
                     cute.nvgpu.warpgroup.wait_group(1)
                     mainloop.consumer_release(release)
                     release.advance()
                     read.advance()
                 if (k_tiles - 1) % 2 == 1:
                     mainloop.consumer_wait(read)
-                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index)
+                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index, lane)
                     cute.nvgpu.warpgroup.wait_group(1)
                     mainloop.consumer_release(release)
                     release.advance()

@@ -301,34 +301,34 @@ def fake_quant_bf16x4(
 
 
 @dsl_user_op
-def e8m0_bf16x2_scales(e: Uint32, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32]:
-    """For an E8M0 block scale byte ``e``: ``(r, v, nan)`` as bf16x2 words for
-    :func:`fake_quant_bf16x2`: ``r = 2**(127 - e)`` and ``v = 2**(e - 127)`` in both
-    halves (``e = 0``: ``v`` is the bf16 subnormal 2**-127), ``nan`` all ones for
-    ``e = 0xFF`` (a non-finite block), else 0. ``e <= 247`` for every finite bf16 block."""
+def e8m0_bf16x2_scales(packed: Uint32, byte: int, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
+    """For the E8M0 block scale in byte ``byte`` of ``packed``: ``(r, v)`` as bf16x2 words
+    for :func:`fake_quant_bf16x2`: ``r = 2**(127 - e)`` and ``v = 2**(e - 127)`` in both
+    halves (``e = 0``: ``v`` is the bf16 subnormal 2**-127), ``v`` NaN for ``e = 0xFF``
+    (a non-finite block; ``r`` is then meaningless). ``e <= 247`` for every finite bf16
+    block, so ``254 - e`` is a normal bf16 exponent."""
     res = _asm(
-        llvm.StructType.get_literal([T.i32(), T.i32(), T.i32()]),
-        [Uint32(e).ir_value(loc=loc, ip=ip)],
+        llvm.StructType.get_literal([T.i32(), T.i32()]),
+        [Uint32(packed).ir_value(loc=loc, ip=ip)],
         "{\n"
-        ".reg .b32 r, v;\n"
+        ".reg .b32 e, r;\n"
         ".reg .pred z, nan;\n"
-        "sub.u32 r, 254, $3;\n"
-        "shl.b32 r, r, 7;\n"
-        "prmt.b32 $0, r, r, 0x1010;\n"
-        "shl.b32 v, $3, 7;\n"
-        "setp.eq.u32 z, $3, 0;\n"
-        "@z mov.b32 v, 0x40;\n"
-        "prmt.b32 $1, v, v, 0x1010;\n"
-        "setp.eq.u32 nan, $3, 0xFF;\n"
-        "selp.b32 $2, -1, 0, nan;\n"
+        f"bfe.u32 e, $2, {8 * byte}, 8;\n"
+        "sub.u32 r, 254, e;\n"
+        "mul.lo.u32 $0, r, 0x00800080;\n"
+        "mul.lo.u32 $1, e, 0x00800080;\n"
+        "setp.eq.u32 z, e, 0;\n"
+        "@z mov.b32 $1, 0x00400040;\n"
+        "setp.eq.u32 nan, e, 0xFF;\n"
+        "@nan mov.b32 $1, 0x7FFF7FFF;\n"
         "}",
-        "=r,=r,=r,r",
+        "=r,=r,r",
     )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(3))
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
 
 
 @dsl_user_op
-def fake_quant_bf16x2(w: Uint32, r: Uint32, v: Uint32, nan: Uint32, *, loc=None, ip=None) -> Uint32:
+def fake_quant_bf16x2(w: Uint32, r: Uint32, v: Uint32, *, loc=None, ip=None) -> Uint32:
     """Two bf16 (one word) -> their MXFP8 values as bf16, with the block's scale words
     from :func:`e8m0_bf16x2_scales`: ``bf16(e4m3(x * r) * v)``, the same bits as
     :func:`fake_quant_bf16x4`, in bf16x2 arithmetic only (no conversions).
@@ -338,12 +338,12 @@ def fake_quant_bf16x2(w: Uint32, r: Uint32, v: Uint32, nan: Uint32, *, loc=None,
     ``y`` is rounded to a multiple of ``q = 2**(max(exp(y), -6) - 3)`` by adding and
     subtracting ``c = 1.5 * 2**(max(exp(y), -6) + 4)``, whose bf16 ulp is ``q``
     (round to nearest even, as the E4M3 conversion; no saturation is ever needed).
-    Then ``* v`` (exact, or rounded once to bf16 as ``mxfp8.dequantize`` does), the sign
-    of ``x`` put back (E4M3 keeps the sign of values that round to zero) and NaN for a
-    non-finite block. Checked against ``ml_dtypes``' E4M3 cast for every bf16 ``x`` and
-    every finite-block scale (tests/test_w8_decode.py emulates it on the CPU).
+    Then ``* v`` (exact, or rounded once to bf16 as ``mxfp8.dequantize`` does; NaN for a
+    non-finite block) and the sign of ``x`` put back (E4M3 keeps the sign of values
+    that round to zero). tests/test_qw_quantizer.py emulates it on the CPU against
+    E4M3's rounding for every bf16 ``x`` and every finite-block scale.
     """
-    ops = [Uint32(a).ir_value(loc=loc, ip=ip) for a in (w, r, v, nan)]
+    ops = [Uint32(a).ir_value(loc=loc, ip=ip) for a in (w, r, v)]
     return Uint32(
         _asm(
             T.i32(),
@@ -359,10 +359,9 @@ def fake_quant_bf16x2(w: Uint32, r: Uint32, v: Uint32, nan: Uint32, *, loc=None,
             "sub.rn.bf16x2 t, t, c;\n"
             "mul.rn.bf16x2 t, t, $3;\n"
             "and.b32 s, $1, 0x80008000;\n"
-            "or.b32 t, t, s;\n"
-            "or.b32 $0, t, $4;\n"
+            "or.b32 $0, t, s;\n"
             "}",
-            "=r,r,r,r,r",
+            "=r,r,r,r",
         )
     )
 
