@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import ffi, gemm_ffi
+from jax_grouped_mlp._src import ffi, gemm_ffi, mlp
 from mlp_reference import mlp_f64, rel_err
 from test_mlp import BANDS, SIZES, make_inputs
 
@@ -53,31 +53,62 @@ def test_matches_cpu_path_and_float64(gpu, rng, case):
         assert rel_err(g_, r) < BANDS["mxfp8"][name], name
 
 
+@pytest.mark.parametrize("in_gemm", [True, False])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_kernels_are_in_the_compiled_program(gpu, rng, fuse):
-    """Every GEMM of forward + backward is ours: no XLA dot, cuBLAS or Triton GEMM is left."""
+def test_kernels_are_in_the_compiled_program(gpu, rng, fuse, in_gemm, monkeypatch):
+    """Every GEMM of forward + backward is ours: no XLA dot, cuBLAS or Triton GEMM is left.
+
+    64 rows per group: with ``mlp.QUANTIZE_WEIGHTS_IN_GEMM`` the four weight GEMMs
+    quantize their weights themselves (no weight pass, FC1 and the FC2 dgrad unfused);
+    without it, a fake-quantize pass per weight use and the fused epilogue kernels."""
+    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
     args = jax.device_put(make_inputs(rng, m=256, h=128, f=128, g=4), gpu)
     hlo = _loss_and_grads(None, fuse).lower(*args).compile().as_text()
     def n(target):
         return hlo.count(f'custom_call_target="{target}"')
 
+    fc1 = fuse and not in_gemm
+    dgrad = not in_gemm
     # x, a, dy, dh: both MXFP8 copies from one pass each, except a's (FC1's kernel, when
-    # fused) and dh's (the FC2 dgrad's kernel).
-    assert n(ffi.FAKE_QUANTIZE_PAIR_TARGET) == 3 - fuse
-    assert n(gemm_ffi.GROUPED_GEMM_FC1_TARGET) == fuse
-    assert n(gemm_ffi.GROUPED_GEMM_DGRAD_TARGET) == 1
+    # fused) and dh's (the FC2 dgrad's kernel, when fused).
+    assert n(ffi.FAKE_QUANTIZE_PAIR_TARGET) == 4 - fc1 - dgrad
+    assert n(gemm_ffi.GROUPED_GEMM_FC1_TARGET) == fc1
+    assert n(gemm_ffi.GROUPED_GEMM_DGRAD_TARGET) == dgrad
+    assert n(ffi.FAKE_QUANTIZE_TARGET) == (0 if in_gemm else 4)  # w1, w2 along K and along N
     # The two kept FP8 residuals, dequantized for the weight gradients by our kernel.
     assert n(ffi.DEQUANTIZE_TARGET) == 2
-    assert n(gemm_ffi.GROUPED_GEMM_TARGET) == 3 - fuse  # (FC1,) FC2, FC1 dgrad
+    assert n(gemm_ffi.GROUPED_GEMM_TARGET) == 4 - fc1 - dgrad  # FC1, FC2, FC2 dgrad, FC1 dgrad
     assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}"') == 2
     assert not re.search(r"\bdot\(", hlo), "an XLA dot survived"
     assert "cublas" not in hlo and "triton_gemm" not in hlo
 
 
 @pytest.mark.parametrize("case", ["zeros_and_skew", "sum_above_m", "unaligned"])
-def test_fused_fc1_epilogue_changes_no_bit(gpu, rng, case):
+def test_weights_quantized_in_the_gemm_change_no_bit(gpu, rng, case, monkeypatch):
+    """The op with the weights quantized inside the GEMM kernels (the ``_qw`` kernels,
+    FC1 and the FC2 dgrad unfused) and with a quantize pass per weight use (and the fused
+    FC1 / FC2-dgrad kernels): the output and the x, w1, w2 gradients bitwise equal; the
+    probs gradient up to summation order (the fused dgrad kernel sums ``dprobs`` in its
+    own fixed order, the unfused path with ``jnp.sum``)."""
+    args = jax.device_put(make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[s * 4 for s in SIZES[case]]), gpu)
+    got = {}
+    for in_gemm in (True, False):
+        monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
+        got[in_gemm] = jax.tree.leaves(_loss_and_grads(None, True)(*args))
+    *same, dprobs = got[True]
+    *want, dprobs_want = got[False]
+    for a, b in zip(same, want):  # y, dx, dw1, dw2
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    d, dw = np.asarray(dprobs, np.float64), np.asarray(dprobs_want, np.float64)
+    np.testing.assert_allclose(d, dw, rtol=1e-5, atol=1e-5 * np.abs(dw).max())
+
+
+@pytest.mark.parametrize("case", ["zeros_and_skew", "sum_above_m", "unaligned"])
+def test_fused_fc1_epilogue_changes_no_bit(gpu, rng, case, monkeypatch):
     """The FC1 epilogue kernel writes what the unfused FC1 + srelu + quantize passes write,
-    so the output and all four gradients are bitwise those of the unfused op."""
+    so the output and all four gradients are bitwise those of the unfused op. (Weights
+    quantized by passes: with small groups the op otherwise never fuses FC1.)"""
+    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", False)
     args = jax.device_put(make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[s * 4 for s in SIZES[case]]), gpu)
     fused = jax.tree.leaves(_loss_and_grads(None, True)(*args))
     unfused = jax.tree.leaves(_loss_and_grads(None, False)(*args))
