@@ -18,7 +18,6 @@ order may differ). TFLOP/s = 2 M N K / time. Writes JSON and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -29,7 +28,7 @@ import numpy as np
 from jax_grouped_mlp._src import ffi, gemm_ffi
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import GEMM_SHAPES, RESULTS, gemm_entry, gemm_report, time_call  # noqa: E402
+from common import GEMM_SHAPES, RESULTS, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_report, time_call  # noqa: E402
 
 
 def _agreement(got: jax.Array, want: jax.Array) -> dict:
@@ -91,15 +90,10 @@ def main(argv=None) -> int:
         "grouped GEMM by a bf16 weight's MXFP8 values: quantized in registers vs a fake-quantize pass first",
         "benchmarks/bench_gemm_qw.py", sys.argv[1:] if argv is None else argv,
     )
-    for name in ns.shapes.split(","):
-        report["shapes"][name] = bench_shape(name, ns.iters)
-        print(name, json.dumps(report["shapes"][name]), flush=True)
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {ns.out}")
+    bench_gemm_shapes(report, ns.shapes, lambda name: bench_shape(name, ns.iters), ns.out)
 
     def cell(e):
-        return f"{e['ms']:7.3f} {e['tflops']:5.0f}"
+        return gemm_cell(e, 5)
 
     print(f"{'shape':9} {'layout':6} | {'bf16 pre-q':>13} | {'fakeq+bf16':>13} | {'qw':>13} | {'speed-up':>8} "
           f"{'qw/pre':>6} | {'bitwise':>7} {'max ulp':>7}")

@@ -20,7 +20,6 @@ Writes JSON to benchmarks/results/gemm_w8_h200.json (``--out``) and prints a tab
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import re
 import sys
@@ -32,7 +31,7 @@ import numpy as np
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import GEMM_SHAPES, gemm_entry, gemm_report, time_call  # noqa: E402
+from common import GEMM_SHAPES, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_report, time_call  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SHAPES = GEMM_SHAPES
@@ -119,15 +118,8 @@ def main(argv=None) -> int:
         "grouped GEMM with MXFP8 weights: in-kernel conversion vs conversion before the bf16 kernel",
         "benchmarks/bench_gemm_w8.py", sys.argv[1:],
     )
-    for name in ns.shapes.split(","):
-        report["shapes"][name] = bench_shape(name, ns.iters, not ns.no_kmajor)
-        print(name, json.dumps(report["shapes"][name]), flush=True)
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {ns.out}")
-
-    def cell(e):
-        return f"{e['ms']:7.3f} {e['tflops']:6.0f}"
+    bench_gemm_shapes(report, ns.shapes, lambda name: bench_shape(name, ns.iters, not ns.no_kmajor), ns.out)
+    cell = gemm_cell
 
     print(f"{'shape':9} | {'bf16 pre-deq':>14} | {'fakeq+bf16':>14} | {'xla deq+bf16':>14} | "
           f"{'w8 best':>14} {'variant':36} {'bitwise':>7} | {'x fakeq':>7} {'w8/pre':>6}")

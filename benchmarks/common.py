@@ -68,6 +68,20 @@ def gemm_report(what: str, script: str, argv: list[str]) -> dict:
     }
 
 
+def bench_gemm_shapes(report: dict, names: str, bench, path: pathlib.Path) -> None:
+    """Fills ``report["shapes"]`` with ``bench(name)`` for each comma-separated shape name,
+    printing each as it comes, and writes the report to ``path``."""
+    for name in names.split(","):
+        report["shapes"][name] = bench(name)
+        print(name, json.dumps(report["shapes"][name]), flush=True)
+    write_json(report, path)
+
+
+def gemm_cell(e: dict, width: int = 6) -> str:
+    """A table cell of a GEMM timing row: ms and TFLOP/s."""
+    return f"{e['ms']:7.3f} {e['tflops']:{width}.0f}"
+
+
 def write_json(report: dict, path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
