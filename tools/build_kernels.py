@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import pathlib
 import shlex
@@ -105,7 +106,10 @@ def main(argv=None) -> int:
     odir.mkdir(parents=True, exist_ok=True)
     # (1) AOT export in a child process: the DSL is heavy and loads a runtime shim.
     _run([sys.executable, "-m", "jax_grouped_mlp.kernels.aot", "--out", str(kdir)])
-    kernel_objs = sorted(kdir.glob("*.o"))
+    # Only what this export wrote (kernels.json): stale objects of variants built from
+    # other sources (another branch, a removed variant) stay out of the extension.
+    names = json.loads((kdir / "kernels.json").read_text())["kernels"]
+    kernel_objs = [kdir / f"{name}.o" for name in names]
 
     # (2) handlers.
     home = aot.cuda_home()
