@@ -70,13 +70,14 @@ class GroupedGemmW8Sm90(GroupedGemmSm90):
         super().__init__(config)
         self.b_k_major = config.b_k_major
         self.kb_per_stage = self.tile_k // SCALE_BLOCK  # 2
-        # Register split. ptxas compiles every region under the kernel's cap (384 threads,
-        # 1 CTA/SM: 168 per thread); setmaxnreg only moves physical registers, so the
-        # bf16 kernel's 232 for the consumers buys nothing (its consumer code uses R0-R152).
-        # Here: warp group 0 (producer + converters) 152, consumers 176 (>= the 168
-        # they can use): 128 x 152 + 256 x 176 = 64512 = 384 x 168, the CTA's pool (an
-        # increase beyond the pool would block forever). The converters get the room for
-        # 11 vectors in flight per batch.
+        # Register split. The CTA's pool is 384 x 168 registers (1 CTA/SM); setmaxnreg
+        # moves them between warp groups, and ptxas allocates up to the setmaxnreg count
+        # in the code it dominates (the FC1 kernel's consumers reach R174, the _qw
+        # kernel's R196, in their SASS), while the bf16 kernel's consumer code needs only
+        # R0-R152. Here: warp group 0 (producer + converters) 152, consumers 176:
+        # 128 x 152 + 256 x 176 = 64512 = 384 x 168, the pool (an increase beyond the
+        # pool would block forever). The converters get the room for 11 vectors in
+        # flight per batch.
         # ``_c7`` (converter_warps=7): a fourth warp group of 4 converter warps, 512
         # threads, cap 128 per thread (512 x 128 = 65536): warp groups 0 and 3 at 120,
         # consumers 136 (>= 128): 256 x 120 + 256 x 136 = 65536.
