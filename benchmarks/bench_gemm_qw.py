@@ -28,7 +28,7 @@ import numpy as np
 from jax_grouped_mlp._src import ffi, gemm_ffi
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import GEMM_SHAPES, RESULTS, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_report, time_call  # noqa: E402
+from common import RESULTS, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_problem, gemm_report, time_call  # noqa: E402
 
 
 def _agreement(got: jax.Array, want: jax.Array) -> dict:
@@ -64,14 +64,8 @@ def bench_layout(a, w, gs, flops: float, transpose: bool, iters: int) -> dict:
 
 
 def bench_shape(name: str, iters: int) -> dict:
-    g, rows, k, n = GEMM_SHAPES[name]
-    m = g * rows
-    flops = 2.0 * m * n * k
-    ka, kb = jax.random.split(jax.random.key(hash(name) % 2**31))
-    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(kb, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    gs = jnp.full((g,), rows, jnp.int32)
-    res: dict = {"shape": {"G": g, "rows_per_group": rows, "M": m, "K": k, "N": n}, "flops": flops}
+    res, a, w, gs = gemm_problem(name)
+    flops = res["flops"]
     res["fprop"] = bench_layout(a, w, gs, flops, False, iters)
     res["dgrad"] = bench_layout(a, jnp.swapaxes(w, 1, 2), gs, flops, True, iters)
     return res

@@ -26,12 +26,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import GEMM_SHAPES, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_report, time_call  # noqa: E402
+from common import GEMM_SHAPES, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_problem, gemm_report, time_call  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SHAPES = GEMM_SHAPES
@@ -45,14 +44,9 @@ def _bf16_twin(variant: str) -> str:
 
 
 def bench_shape(name: str, iters: int, kmajor: bool) -> dict:
-    g, rows, k, n = SHAPES[name]
-    m = g * rows
-    flops = 2.0 * m * n * k
-    ka, kb = jax.random.split(jax.random.key(hash(name) % 2**31))
-    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(kb, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    gs = jnp.full((g,), rows, jnp.int32)
-    res: dict = {"shape": {"G": g, "rows_per_group": rows, "M": m, "K": k, "N": n}, "flops": flops}
+    res, a, w, gs = gemm_problem(name)
+    flops = res["flops"]
+    g, _, k, n = SHAPES[name]
     res["weight_bytes"] = {"bf16": g * k * n * 2, "mxfp8": g * k * n + g * -(-k // 32) * n}
 
     wq = jax.jit(lambda w: mxfp8.quantize_mxfp8(w, axis=1))(w)

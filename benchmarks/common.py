@@ -28,6 +28,22 @@ GEMM_SHAPES = {
 }
 
 
+def gemm_problem(name: str):
+    """The GEMM benchmark shape ``name`` with fresh random bf16 operands:
+    ``(header, a [M, K], w [G, K, N], group_sizes)``, the header being the result's
+    ``{"shape": ..., "flops": 2 M N K}``; equal group sizes, ``w`` scaled by ``1/sqrt(K)``."""
+    import jax.numpy as jnp
+
+    g, rows, k, n = GEMM_SHAPES[name]
+    m = g * rows
+    ka, kb = jax.random.split(jax.random.key(hash(name) % 2**31))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kb, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    gs = jnp.full((g,), rows, jnp.int32)
+    header = {"shape": {"G": g, "rows_per_group": rows, "M": m, "K": k, "N": n}, "flops": 2.0 * m * n * k}
+    return header, a, w, gs
+
+
 def gemm_entry(seconds: float, flops: float) -> dict:
     """A timing row of the GEMM benchmarks: ms and TFLOP/s."""
     return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
