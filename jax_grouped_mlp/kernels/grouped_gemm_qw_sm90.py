@@ -45,7 +45,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.cute.nvgpu.warpgroup import OperandSource
-from cutlass.pipeline import pipeline_init_wait
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, SMEM_CAPACITY, GroupedGemmSm90
@@ -115,6 +114,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         self.panel_m = config.panel_t
         self.tile_mnk = (TILE_W, self.tile_t, self.tile_k)
         self.seg_tile = self.tile_t
+        self.b_tile = TILE_W
         self.atom_layout_mnk = (2, 1, 1)
         self.num_mma_warp_groups = 2
         self.threads = 128 * (1 + self.num_mma_warp_groups)
@@ -420,35 +420,12 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
-        mainloop, sW, sX, sC = self._shared_and_pipeline(w_smem, x_smem, epi_smem)
-        nw = mOut.shape[0]
-        m = mOut.shape[1]
-        w_tiles = (nw + (TILE_W - 1)) // TILE_W
-
-        # (TILE_W, tile_k, w_tiles, k_tiles, G)
-        gW = cute.local_tile(mW, (TILE_W, self.tile_k), (None, None, None))
-        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+        # The producer's "A" is the token tile (rows from the tile's start), its "B" the
+        # group's weight tile: the plain kernel's loads, into the swapped buffers.
+        mainloop, sW, sX, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+            tma_atom_x, mX, tma_atom_w, mW, mOut, group_sizes, w_smem, x_smem, epi_smem, tidx, bidx, gdim, warp_idx,
+            swapped=True,
         )
-        k_tiles = cute.size(gW, mode=[3])
-
-        warp_group = cute.arch.make_warp_uniform(tidx // 128)
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
-        seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
-        seg0_tiles = (seg0_rows + (self.tile_t - 1)) // self.tile_t * w_tiles
-
-        if warp_group == 0:
-            cute.arch.setmaxregister_decrease(self.load_regs)
-            if warp_idx == 0:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                t = Int32(bidx)
-                cursor = self._seek(group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, w_tiles)
-                # The producer's "A" is the token tile (rows from the tile's start), its
-                # "B" the group's weight tile: the same loads as the plain kernel's.
-                self._produce_tiles(
-                    mainloop, state, t, cursor, tma_atom_x, mX, sX, tma_atom_w, tWgW, tWsW, group_sizes,
-                    gdim, m, w_tiles, k_tiles,
-                )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._qw_consumer(

@@ -177,6 +177,7 @@ class GroupedGemmSm90:
         self.panel_m = config.panel_m
         self.tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
         self.seg_tile = self.tile_m  # ragged-axis rows per tile (the scheduler's unit)
+        self.b_tile = self.tile_n  # weight rows (B's N) per tile: the scheduler's "column tile"
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups stacked along M
         self.num_mma_warp_groups = 2
         self.threads = 128 * (1 + self.num_mma_warp_groups)
@@ -599,24 +600,31 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _setup_and_produce(
-        self, tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        self, tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx,
+        swapped: bool = False,
     ):
         """The kernel body up to the consumers (bf16 B): shared memory and pipeline, the B
         partition, the cursor start, and warp group 0 as the TMA producer (warp 0).
 
+        ``A`` is the ragged operand (rows of ``mA`` from a tile's start) and ``B`` the
+        group's weight (``b_tile`` rows of ``mB`` per tile). ``swapped`` (the ``_qw``
+        kernel, whose wgmma takes the weight as A): the weight lives in the first
+        shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
+
         Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles)``
-        for the consumers (warp groups 1 and 2).
+        for the consumers (warp groups 1 and 2), ``sA``/``sB`` in buffer order.
         """
         mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
+        s_rows, s_weight = (sB, sA) if swapped else (sA, sB)
 
-        m = mOut.shape[0]
-        n = mOut.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
+        s0, s1 = mOut.shape[0], mOut.shape[1]
+        m, n = (s1, s0) if swapped else (s0, s1)
+        n_tiles = (n + (self.b_tile - 1)) // self.b_tile
 
-        # (tile_n, tile_k, n_tiles, k_tiles, G)
-        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
+        # (b_tile, tile_k, n_tiles, k_tiles, G)
+        gB = cute.local_tile(mB, (self.b_tile, self.tile_k), (None, None, None))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(s_weight, 0, 2), cute.group_modes(gB, 0, 2)
         )
         k_tiles = cute.size(gB, mode=[3])
 
@@ -625,7 +633,7 @@ class GroupedGemmSm90:
 
         # Cursor start: segment 0 (or the tail directly when G == 0).
         seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
-        seg0_tiles = (seg0_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
+        seg0_tiles = (seg0_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
@@ -634,7 +642,7 @@ class GroupedGemmSm90:
                 t = Int32(bidx)
                 cursor = self._seek(group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles)
                 self._produce_tiles(
-                    mainloop, state, t, cursor, tma_atom_a, mA, sA, tma_atom_b, tBgB, tBsB, group_sizes,
+                    mainloop, state, t, cursor, tma_atom_a, mA, s_rows, tma_atom_b, tBgB, tBsB, group_sizes,
                     gdim, m, n_tiles, k_tiles,
                 )
         return mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles
