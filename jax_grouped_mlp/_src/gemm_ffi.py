@@ -185,8 +185,8 @@ def qw_tile_tokens(variant: str) -> int:
 
 def _qw_tile_for(m: int, g: int) -> int:
     """The token tile for ``m`` rows in ``g`` groups: 192 up to 512 rows per group (384 at
-    Nemotron-3-Nano: two full tiles), else 256 (H200: t256 is 1.4x faster at 1024 and
-    8192 rows per group, 1.1-1.2x slower at 384; benchmarks/results/gemm_qw_h200.json)."""
+    Nemotron-3-Nano: two full tiles), else 256 (H200: t256 is 1.4x faster at 1024 rows
+    per group and 1.1x at 8192, 1.1-1.2x slower at 384; benchmarks/results/gemm_qw_h200.json)."""
     return 192 if m <= 512 * max(g, 1) else 256
 
 
@@ -273,19 +273,24 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_
     if _w8_pays(a, rhs, transpose_rhs, out_dtype):
         return grouped_gemm_w8_cuda(a, rhs, group_sizes, transpose_rhs=transpose_rhs)
     b = _as_bf16(rhs)
-    bf16 = jnp.dtype(jnp.bfloat16)
-    m, k = a.shape
-    g, n = b.shape[0], b.shape[1 if transpose_rhs else 2]
-    if (
-        jnp.dtype(out_dtype) != bf16
-        or jnp.dtype(a.dtype) != bf16
-        or jnp.dtype(b.dtype) != bf16
-        or not grouped_gemm_supported(m, n, k, g)
-    ):
+    if not _bf16_kernel_takes(a, b, out_dtype, transpose_rhs):
         return primitives._REFERENCE["grouped_gemm"](
             lhs, rhs, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs
         )
     return grouped_gemm_bf16_cuda(a, b, group_sizes, transpose_rhs=transpose_rhs)
+
+
+def _bf16_kernel_takes(a, b, out_dtype, transpose_rhs: bool) -> bool:
+    """Whether bf16 ``a [M, K]`` and ``b [G, K, N]`` (``transpose_rhs``: ``[G, N, K]``) with a
+    bf16 output fit the grouped GEMM kernels (plain or ``_qw``)."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(out_dtype) != bf16 or jnp.dtype(a.dtype) != bf16 or jnp.dtype(b.dtype) != bf16:
+        return False
+    if a.ndim != 2 or b.ndim != 3:
+        return False
+    m, k = a.shape
+    g, n = b.shape[0], b.shape[1 if transpose_rhs else 2]
+    return grouped_gemm_supported(m, n, k, g)
 
 
 def grouped_gemm_qw_impl(lhs, w: jax.Array, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False):
@@ -296,19 +301,8 @@ def grouped_gemm_qw_impl(lhs, w: jax.Array, group_sizes: jax.Array, *, out_dtype
     and :func:`grouped_gemm_cuda` (the same numbers).
     """
     a = _as_bf16(lhs)
-    bf16 = jnp.dtype(jnp.bfloat16)
-    if (
-        grouped_gemm_qw_variants()
-        and jnp.dtype(out_dtype) == bf16
-        and jnp.dtype(a.dtype) == bf16
-        and jnp.dtype(w.dtype) == bf16
-        and a.ndim == 2
-        and w.ndim == 3
-    ):
-        m, k = a.shape
-        g, n = w.shape[0], w.shape[1 if transpose_rhs else 2]
-        if grouped_gemm_supported(m, n, k, g):
-            return grouped_gemm_qw_cuda(a, w, group_sizes, transpose_rhs=transpose_rhs)
+    if grouped_gemm_qw_variants() and _bf16_kernel_takes(a, w, out_dtype, transpose_rhs):
+        return grouped_gemm_qw_cuda(a, w, group_sizes, transpose_rhs=transpose_rhs)
     wq = ffi.fake_quantize_cuda(w, axis=2 if transpose_rhs else 1)
     return grouped_gemm_cuda(lhs, wq, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
 
