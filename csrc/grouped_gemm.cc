@@ -23,10 +23,12 @@
 #include "grouped_gemm_sm90_qw_w128t192k64_s5_bk.h"
 #include "grouped_gemm_sm90_qw_w128t256k64_s4.h"
 #include "grouped_gemm_sm90_qw_w128t256k64_s4_bk.h"
+#include "grouped_gemm_sm90_qw_w128t384k64_s3_ss.h"
+#include "grouped_gemm_sm90_qw_w128t384k64_s3_ss_bk.h"
 
 // X(name, b_k_major): every exported variant, in the order of the `variant` attribute.
 // The "_qw_" variants (kernels/grouped_gemm_qw_sm90.py) take the same operands but
-// multiply by the MXFP8 values of rhs (quantized along K in registers), not rhs itself.
+// multiply by the MXFP8 values of rhs (quantized along K in the kernel), not rhs itself.
 #define JGM_GROUPED_GEMM_VARIANTS(X)                  \
   X(grouped_gemm_sm90_bf16_m128n256k64_s4, false)     \
   X(grouped_gemm_sm90_bf16_m128n192k64_s5, false)     \
@@ -38,7 +40,9 @@
   X(grouped_gemm_sm90_qw_w128t192k64_s5, false)       \
   X(grouped_gemm_sm90_qw_w128t192k64_s5_bk, true)     \
   X(grouped_gemm_sm90_qw_w128t256k64_s4, false)       \
-  X(grouped_gemm_sm90_qw_w128t256k64_s4_bk, true)
+  X(grouped_gemm_sm90_qw_w128t256k64_s4_bk, true)     \
+  X(grouped_gemm_sm90_qw_w128t384k64_s3_ss, false)    \
+  X(grouped_gemm_sm90_qw_w128t384k64_s3_ss_bk, true)
 
 namespace jgm {
 

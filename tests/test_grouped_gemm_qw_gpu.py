@@ -133,6 +133,16 @@ def test_adversarial_group_sizes(rng, variant):
 @pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_group_sizes_at_tile_boundaries(rng, variant):
+    """Groups one short of, at, and one past 192 and 384 tokens: the t384 kernel's tiles
+    with two accumulators, with the first only (at most 192 tokens), and partial ones."""
+    sizes = [1, 191, 192, 193, 383, 384, 385, 577]
+    _check(rng, sum(sizes), 192, 256, len(sizes), sizes, variant)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_quantizer_bit_exact(rng, variant):
     """One-hot rows: output row ``r`` of group ``g`` is row ``r % K`` of the quantized weight."""
     transpose = variant.endswith("_bk")
@@ -207,12 +217,16 @@ def test_binding_rejects_bad_operands():
 
 
 def test_token_tile_choice():
-    """t192 up to 512 rows per group on average (Nano's 384 rows: two full tiles), t256 above."""
+    """t192 up to 192 rows per group on average, t384 (shared-memory A) up to 512 (Nano's
+    384 rows: one full tile), t256 above."""
     assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t192k64_s5_bk") == 192
     assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t256k64_s4") == 256
+    assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t384k64_s3_ss_bk") == 384
     with pytest.raises(ValueError, match="not a _qw"):
         gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_bf16_m128n256k64_s4")
-    assert gemm_ffi._qw_tile_for(128 * 384, 128) == 192
-    assert gemm_ffi._qw_tile_for(512 * 4, 4) == 192
+    assert gemm_ffi._qw_tile_for(128 * 384, 128) == 384
+    assert gemm_ffi._qw_tile_for(192 * 4, 4) == 192
+    assert gemm_ffi._qw_tile_for(192 * 4 + 1, 4) == 384
+    assert gemm_ffi._qw_tile_for(512 * 4, 4) == 384
     assert gemm_ffi._qw_tile_for(512 * 4 + 1, 4) == 256
     assert gemm_ffi._qw_tile_for(0, 0) == 192

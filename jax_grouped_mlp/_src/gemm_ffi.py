@@ -184,10 +184,16 @@ def qw_tile_tokens(variant: str) -> int:
 
 
 def _qw_tile_for(m: int, g: int) -> int:
-    """The token tile for ``m`` rows in ``g`` groups: 192 up to 512 rows per group (384 at
-    Nemotron-3-Nano: two full tiles), else 256 (H200: t256 is 1.4x faster at 1024 rows
-    per group and 1.1x at 8192, 1.1-1.2x slower at 384; benchmarks/results/gemm_qw_h200.json)."""
-    return 192 if m <= 512 * max(g, 1) else 256
+    """The token tile for ``m`` rows in ``g`` groups, by rows per group on average:
+    192 up to 192 (the register-A kernel), 384 up to 512 (the shared-memory-A kernel:
+    one quantized weight tile feeds two 192-token accumulators, so half the conversions;
+    a tile with at most 192 tokens runs one accumulator's wgmmas only), 256 above
+    (H200, benchmarks/results/gemm_qw_h200.json: at Nemotron-3-Nano's 384 rows t384 runs
+    in 0.89-0.95 ms against 0.97-1.08 for t192; at 1024 rows t256 is the fastest)."""
+    per_group = m / max(g, 1)
+    if per_group <= 192:
+        return 192
+    return 384 if per_group <= 512 else 256
 
 
 def grouped_gemm_qw_cuda(
@@ -202,7 +208,8 @@ def grouped_gemm_qw_cuda(
 
     ``lhs [M, K]`` bf16 (already the MXFP8 values, as :func:`grouped_gemm_bf16_cuda`
     takes them), ``w [G, K, N]`` bf16 as stored (``transpose_rhs``: ``[G, N, K]``, used
-    transposed), quantized to MXFP8 along K inside the kernel, in registers: the
+    transposed), quantized to MXFP8 along K inside the kernel (in registers; the t384
+    variants write it back to shared memory for both token halves): the
     same numbers as ``grouped_gemm_bf16_cuda(lhs, dequantize(quantize_mxfp8(w,
     axis=K)))`` up to fp32 summation order, without the pass that writes the
     quantized weight. bf16 ``[M, N]`` out.

@@ -93,7 +93,8 @@ def _grouped_gemm_variants():
             GroupedGemmConfig(tile_n=256, panel_m=4), GroupedGemmConfig(tile_n=256, panel_m=16),
             GroupedGemmConfig(tile_n=256, b_k_major=True), GroupedGemmConfig(tile_n=192, b_k_major=True),
             GroupedGemmQwConfig(tile_t=192), GroupedGemmQwConfig(tile_t=192, w_k_major=True),
-            GroupedGemmQwConfig(tile_t=256), GroupedGemmQwConfig(tile_t=256, w_k_major=True))
+            GroupedGemmQwConfig(tile_t=256), GroupedGemmQwConfig(tile_t=256, w_k_major=True),
+            GroupedGemmQwConfig(tile_t=384, smem_a=True), GroupedGemmQwConfig(tile_t=384, smem_a=True, w_k_major=True))
 
 
 
@@ -343,6 +344,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=pathlib.Path)
     ap.add_argument("--only", default=None, help="build only the variant with this name")
+    ap.add_argument("--keep-dir", default=None, help="also write each kernel's PTX and cubin here")
     ns = ap.parse_args(argv)
     ns.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
@@ -350,12 +352,15 @@ def main(argv=None) -> int:
 
     import cutlass.cute as cute
 
+    options = f"--gpu-arch {ARCH}"
+    if ns.keep_dir:  # the PTX and cubin of each kernel, for ptxas -v and cuobjdump -sass
+        options += f" --keep-ptx --keep-cubin --dump-dir {ns.keep_dir}"
     built = []
     for name, kernel, args in variants():
         if ns.only and name != ns.only:
             continue
         t0 = time.time()
-        compiled = cute.compile(kernel, *args, options=f"--gpu-arch {ARCH}")
+        compiled = cute.compile(kernel, *args, options=options)
         compiled.export_to_c(str(ns.out), name, function_prefix=name)
         print(f"[aot] {name}: {time.time() - t0:.1f}s -> {ns.out / name}.h/.o", flush=True)
         built.append(name)

@@ -69,12 +69,20 @@ class GroupedGemmQwConfig:
     stages: int = 0
     panel_t: int = 8
     epi_stages: int = 2
+    smem_a: bool = False
 
     tile_k = 64
 
+    @property
+    def halves(self) -> int:
+        """Token sub-tiles per CTA tile (each its own accumulator and TMA box): 2 for
+        ``smem_a`` tiles of more than 256 tokens, else 1."""
+        return 2 if self.smem_a and self.tile_t > 256 else 1
+
     def __post_init__(self):
-        if self.tile_t % 32 or not 64 <= self.tile_t <= 256:
-            raise ValueError(f"tile_t must be a multiple of 32 in [64, 256], got {self.tile_t=}")
+        if self.tile_t % (32 * self.halves) or not 64 <= self.tile_t // self.halves <= 256:
+            limit = 512 if self.smem_a else 256
+            raise ValueError(f"tile_t must be a multiple of 32 in [64, {limit}] (of 64 above 256), got {self.tile_t=}")
         if self.epi_stages < 2:
             raise ValueError(f"epi_stages must be >= 2, got {self.epi_stages=}")
         if self.num_stages < 2:
@@ -93,6 +101,7 @@ class GroupedGemmQwConfig:
     def name(self) -> str:
         s = f"grouped_gemm_sm90_qw_w{TILE_W}t{self.tile_t}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_t}" if self.panel_t != 8 else ""
+        s += "_ss" if self.smem_a else ""
         return s + ("_bk" if self.w_k_major else "")
 
 
@@ -106,21 +115,24 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
 
     def __init__(self, config: GroupedGemmQwConfig):
         self.qw_config = config
-        self.tile_t = config.tile_t
+        self.row_boxes = config.halves
+        self.tile_t = config.tile_t // config.halves  # tokens per accumulator (and TMA box)
         self.tile_m = TILE_W
-        self.tile_n = config.tile_t
+        self.tile_n = self.tile_t
         self.tile_k = config.tile_k
         self.stages = config.num_stages
         self.panel_m = config.panel_t
         self.tile_mnk = (TILE_W, self.tile_t, self.tile_k)
-        self.seg_tile = self.tile_t
+        self.seg_tile = config.tile_t
         self.b_tile = TILE_W
         self.atom_layout_mnk = (2, 1, 1)
         self.num_mma_warp_groups = 2
         self.threads = 128 * (1 + self.num_mma_warp_groups)
         self.acc_dtype = cutlass.Float32
-        self.load_regs = 40
-        self.mma_regs = 232
+        # The smem-A variants keep two accumulators (192 registers): the consumers
+        # take the most setmaxnreg allows, the producer warp group the least.
+        self.load_regs = 24 if config.halves == 2 else 40
+        self.mma_regs = 240 if config.halves == 2 else 232
         self.epi_tile = (TILE_W, EPI_N)
         self.epi_stages = config.epi_stages
         self.epi_store_warp = 4
@@ -157,9 +169,9 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         w_layout = utils.LayoutEnum.from_tensor(w)
         x_layout = utils.LayoutEnum.from_tensor(x)
         self.x_major = x_layout.sm90_mma_major_mode()
-        self.tiled_mma = self._make_mma()
+        self.tiled_mma = self._make_mma(self.qw_config.smem_a)
         w_smem = sm90_utils.make_smem_layout_a(w_layout, self.tile_mnk, self.ab_dtype, self.stages)
-        x_smem = sm90_utils.make_smem_layout_b(x_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        x_smem = sm90_utils.make_smem_layout_b(x_layout, self.tile_mnk, self.ab_dtype, self.stages * self.row_boxes)
         tma_atom_w, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(w_smem, (None, None, 0)),
             (TILE_W, self.tile_k),
@@ -186,8 +198,15 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         tma = (tma_atom_w, tma_w, tma_atom_x, tma_x, tma_atom_out, tma_out)
         return tma, (w_smem, x_smem, epi_smem)
 
-    def _make_mma(self) -> cute.TiledMma:
-        """The bf16 wgmma with A (weights) from registers, B (tokens) from shared memory."""
+    def _make_mma(self, smem_a: bool = False) -> cute.TiledMma:
+        """The bf16 wgmma with A (weights) from registers (or, ``smem_a``, from the
+        quantized weight tile in shared memory), B (tokens) from shared memory."""
+        if smem_a:
+            a_major = OperandMajorMode.MN if self.w_mn_major else OperandMajorMode.K
+            return sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.ab_dtype, a_major, self.x_major, self.acc_dtype, self.atom_layout_mnk,
+                tiler_mn=(64, self.tile_t),
+            )
         return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
@@ -403,6 +422,142 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             )
         store_pipeline.producer_tail()
 
+    @cute.jit
+    def _ss_stage(self, mma, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, stage, lane, wg, first: bool, halves: int):
+        """One stage of the shared-memory-A mainloop: this warp group's 64 weight rows are
+        read (``ldmatrix``), quantized in registers and written back in place
+        (``stmatrix``, the inverse partition), made visible to the tensor cores (proxy
+        fence + the warp group's named barrier), then the wgmmas of the first ``halves``
+        token sub-tiles read the quantized tile from shared memory, one commit group."""
+        for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
+            cute.copy(s2r, tXsW[(None, None, kb, stage)], tXrW[(None, None, kb)])
+        self._quantize_stage(tCrW, lane)
+        for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
+            cute.copy(r2s, tYrW[(None, None, kb)], tYsW[(None, None, kb, stage)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(barrier_id=2 + wg, num_threads=128).arrive_and_wait()
+        cute.nvgpu.warpgroup.fence()
+        for h in cutlass.range_constexpr(halves):
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                m = mma[1] if cutlass.const_expr(first and kb == 0) else mma[0]
+                cute.gemm(m, accs[h], tCrA[(None, None, kb, stage)], tCrX[(None, None, kb, stage * self.row_boxes + h)], accs[h])
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _qw_consumer_ss(
+        self, tiled_mma: cute.TiledMma, mainloop, sW: cute.Tensor, sX: cute.Tensor, sC: cute.Tensor,
+        tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, group_sizes: cute.Tensor,
+        ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+    ):
+        """The consumer warp groups of the ``smem_a`` variants: the weight tile is quantized
+        in place in shared memory and the wgmmas take both operands from there, so one
+        quantized tile feeds ``row_boxes`` token sub-tiles (accumulators) and no wgmma
+        reads the register file the conversion is writing."""
+        nw = mOut.shape[0]
+        m = mOut.shape[1]
+        w_tiles = (nw + (TILE_W - 1)) // TILE_W
+        num_groups = group_sizes.shape[0]
+        halves = self.row_boxes
+
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        mma_first = self._make_mma(smem_a=True)
+        mma_first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        lane = ctid % 32
+        wg = ctid // 128
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))
+        tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_W, self.tile_t)))
+        accs = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in range(halves)]
+
+        # The conversion's register view of the weight tile: the register-A wgmma's
+        # fragment layout (a 32-K block of a row in one quad), read and written back.
+        rs_mma = self._make_mma()
+        thr_rs = rs_mma.get_slice(ctid)
+        tCrW = rs_mma.make_fragment_A(thr_rs.partition_A(sW)[(None, None, None, 0)])
+        s2r = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype), rs_mma)
+        r2s = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype), rs_mma)
+        thr_s2r = s2r.get_slice(ctid)
+        thr_r2s = r2s.get_slice(ctid)
+        tXsW = thr_s2r.partition_S(sW)
+        tXrW = thr_s2r.retile(tCrW)
+        tYsW = thr_r2s.partition_D(sW)
+        tYrW = thr_r2s.retile(tCrW)
+
+        epis = [self._epilogue_copies(tiled_mma, sC, accs[h], ctid) for h in range(halves)]
+        store_pipeline = epis[0][5]
+        epi_count = Int32(0)
+        s2g = self._partial_store_copies_t(sC, ctid)
+        mmas = (tiled_mma, mma_first)
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        t = Int32(bidx)
+        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, w_tiles
+        )
+        while seg <= num_groups:
+            tok_off, toks_valid, w_tile = self._tile_coords(t, seg_tile0, seg_rows, w_tiles)
+            if seg < num_groups and (cutlass.const_expr(halves == 1) or toks_valid > self.tile_t):
+                # Every sub-tile has tokens. (Both branches hold a whole wgmma pipeline:
+                # ptxas serializes the wgmmas of one that crosses control flow.)
+                mainloop.consumer_wait(read)
+                self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, True, halves)
+                read.advance()
+                for _k in range(k_tiles - 1):
+                    mainloop.consumer_wait(read)
+                    self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, False, halves)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+            elif seg < num_groups:
+                # A group's last tile with tokens in the first sub-tile only: its wgmmas
+                # alone (the same conversion), the second accumulator stored as zeros
+                # past the group (the partial store writes none of it).
+                for h in cutlass.range_constexpr(1, halves):
+                    accs[h].fill(0.0)
+                mainloop.consumer_wait(read)
+                self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, True, 1)
+                read.advance()
+                for _k in range(k_tiles - 1):
+                    mainloop.consumer_wait(read)
+                    self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, False, 1)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+            else:
+                for h in cutlass.range_constexpr(halves):
+                    accs[h].fill(0.0)  # tokens past the groups: zeros
+
+            tok0 = seg_row0 + tok_off
+            w0 = w_tile * TILE_W
+            if toks_valid == self.seg_tile:
+                for h in cutlass.range_constexpr(halves):
+                    gTile = cute.local_tile(
+                        cute.domain_offset((0, tok0 + h * self.tile_t), mOutTma), (TILE_W, self.tile_t), (w_tile, 0)
+                    )
+                    epi_count = self._store_tile_tma(epis[h], tma_atom_out, sC, gTile, epi_count, warp_idx)
+            else:
+                for h in cutlass.range_constexpr(halves):
+                    epi_count = self._store_tile_partial_t(
+                        epis[h], s2g, mOut, w0, tok0 + h * self.tile_t, toks_valid - h * self.tile_t, nw, epi_count,
+                        warp_idx,
+                    )
+
+            t = t + gdim
+            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
+                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, w_tiles
+            )
+        store_pipeline.producer_tail()
+
     @cute.kernel
     def kernel(
         self,
@@ -428,7 +583,8 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._qw_consumer(
+            consumer = self._qw_consumer_ss if cutlass.const_expr(self.qw_config.smem_a) else self._qw_consumer
+            consumer(
                 tiled_mma, mainloop, sW, sX, sC, tma_atom_out, mOutTma, mOut, group_sizes,
                 tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
             )

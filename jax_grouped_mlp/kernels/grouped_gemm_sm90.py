@@ -178,6 +178,7 @@ class GroupedGemmSm90:
         self.tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
         self.seg_tile = self.tile_m  # ragged-axis rows per tile (the scheduler's unit)
         self.b_tile = self.tile_n  # weight rows (B's N) per tile: the scheduler's "column tile"
+        self.row_boxes = 1  # TMA boxes per stage for the ragged operand's seg_tile rows
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups stacked along M
         self.num_mma_warp_groups = 2
         self.threads = 128 * (1 + self.num_mma_warp_groups)
@@ -287,14 +288,15 @@ class GroupedGemmSm90:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         return tidx, bidx, gdim, warp_idx
 
-    def _shared_and_pipeline(self, a_smem, b_smem, epi_smem):
+    def _shared_and_pipeline(self, a_smem, b_smem, epi_smem, b_slices: int = 1):
         """Allocates shared memory and creates the TMA -> wgmma pipeline (inside the kernel).
 
-        Returns ``(mainloop, sA, sB, sC)``.
+        ``b_slices``: slices of ``b_smem`` filled per stage (its last mode then counts
+        ``stages * b_slices`` of them). Returns ``(mainloop, sA, sB, sC)``.
         """
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + b_slices * cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
         mainloop = pipeline.PipelineTmaAsync.create(
@@ -503,10 +505,19 @@ class GroupedGemmSm90:
             row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
             if seg < num_groups:
                 row0 = seg_row0 + row_off
-                gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.seg_tile, self.tile_k), (0, None))
-                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                    tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
-                )
+                # ``row_boxes`` TMA boxes of ``box_rows`` rows each (slices
+                # ``row_boxes * stage + i`` of ``sA``): a tile taller than one box.
+                box_rows = self.seg_tile // self.row_boxes
+                tAs, tAg = [], []
+                for i in cutlass.range_constexpr(self.row_boxes):
+                    gA = cute.local_tile(
+                        cute.domain_offset((row0 + i * box_rows, 0), mA), (box_rows, self.tile_k), (0, None)
+                    )
+                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+                    )
+                    tAs.append(tAsA)
+                    tAg.append(tAgA)
                 tBgB_tile = tBgB[(None, n_tile, None, seg)]
                 tXgX_tile = None
                 if cutlass.const_expr(extra is not None):
@@ -514,7 +525,14 @@ class GroupedGemmSm90:
                 for k in range(k_tiles):
                     mainloop.producer_acquire(state)
                     bar = mainloop.producer_get_barrier(state)
-                    cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.row_boxes == 1):
+                        cute.copy(tma_atom_a, tAg[0][(None, k)], tAs[0][(None, state.index)], tma_bar_ptr=bar)
+                    else:
+                        for i in cutlass.range_constexpr(self.row_boxes):
+                            cute.copy(
+                                tma_atom_a, tAg[i][(None, k)], tAs[i][(None, state.index * self.row_boxes + i)],
+                                tma_bar_ptr=bar,
+                            )
                     cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                     if cutlass.const_expr(extra is not None):
                         cute.copy(extra[0], tXgX_tile[(None, k)], extra[2][(None, state.index)], tma_bar_ptr=bar)
@@ -614,7 +632,9 @@ class GroupedGemmSm90:
         Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles)``
         for the consumers (warp groups 1 and 2), ``sA``/``sB`` in buffer order.
         """
-        mainloop, sA, sB, sC = self._shared_and_pipeline(a_smem, b_smem, epi_smem)
+        mainloop, sA, sB, sC = self._shared_and_pipeline(
+            a_smem, b_smem, epi_smem, b_slices=self.row_boxes if swapped else 1
+        )
         s_rows, s_weight = (sB, sA) if swapped else (sA, sB)
 
         s0, s1 = mOut.shape[0], mOut.shape[1]
