@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench_gemm_qw.py [--shapes nano_fc1,nano_fc2] [--out X.json]
 
-For each shape (G groups of equal size, ``[M, K] x [G, K, N] -> [M, N]``) and each weight
+For each shape (G groups, of equal size unless `--skew`; ``[M, K] x [G, K, N] -> [M, N]``) and each weight
 layout (``fprop``: ``[G, K, N]`` as stored; ``dgrad``: ``[G, N, K]`` used transposed), on
 the same inputs in one process:
   bf16_prequantized   the plain bf16 kernel on the weight's MXFP8 values, already in
@@ -63,8 +63,8 @@ def bench_layout(a, w, gs, flops: float, transpose: bool, iters: int) -> dict:
     return res
 
 
-def bench_shape(name: str, iters: int) -> dict:
-    res, a, w, gs = gemm_problem(name)
+def bench_shape(name: str, iters: int, skew: float = 0.0) -> dict:
+    res, a, w, gs = gemm_problem(name, skew)
     flops = res["flops"]
     res["fprop"] = bench_layout(a, w, gs, flops, False, iters)
     res["dgrad"] = bench_layout(a, jnp.swapaxes(w, 1, 2), gs, flops, True, iters)
@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="nano_fc1,nano_fc2,moe32,moe8")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="unequal group sizes like a router's (common.routed_group_sizes); 0: equal")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "gemm_qw_h200.json")
     ns = ap.parse_args(argv)
     if not (ffi.available() and gemm_ffi.grouped_gemm_qw_variants()) or jax.devices()[0].platform != "gpu":
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
         "grouped GEMM by a bf16 weight's MXFP8 values: quantized in registers vs a fake-quantize pass first",
         "benchmarks/bench_gemm_qw.py", sys.argv[1:] if argv is None else argv,
     )
-    bench_gemm_shapes(report, ns.shapes, lambda name: bench_shape(name, ns.iters), ns.out)
+    bench_gemm_shapes(report, ns.shapes, lambda name: bench_shape(name, ns.iters, ns.skew), ns.out)
 
     def cell(e):
         return gemm_cell(e, 5)

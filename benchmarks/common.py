@@ -28,10 +28,24 @@ GEMM_SHAPES = {
 }
 
 
-def gemm_problem(name: str):
+def routed_group_sizes(m: int, g: int, skew: float, seed: int = 0) -> np.ndarray:
+    """``g`` group sizes summing to ``m``: equal for ``skew == 0``, else a multinomial
+    draw of ``m`` tokens over experts with probabilities ``exp(skew * N(0, 1))``
+    (normalized): 0.3 is about a load-balanced router, 1.0 a poorly balanced one."""
+    if skew == 0:
+        sizes = np.full(g, m // g, np.int64)
+        sizes[: m % g] += 1
+        return sizes.astype(np.int32)
+    rng = np.random.default_rng(seed)
+    p = np.exp(skew * rng.standard_normal(g))
+    return rng.multinomial(m, p / p.sum()).astype(np.int32)
+
+
+def gemm_problem(name: str, skew: float = 0.0):
     """The GEMM benchmark shape ``name`` with fresh random bf16 operands:
     ``(header, a [M, K], w [G, K, N], group_sizes)``, the header being the result's
-    ``{"shape": ..., "flops": 2 M N K}``; equal group sizes, ``w`` scaled by ``1/sqrt(K)``."""
+    ``{"shape": ..., "flops": 2 M N K}``; group sizes from :func:`routed_group_sizes`
+    (equal by default), ``w`` scaled by ``1/sqrt(K)``."""
     import jax.numpy as jnp
 
     g, rows, k, n = GEMM_SHAPES[name]
@@ -39,8 +53,12 @@ def gemm_problem(name: str):
     ka, kb = jax.random.split(jax.random.key(hash(name) % 2**31))
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kb, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    gs = jnp.full((g,), rows, jnp.int32)
+    sizes = routed_group_sizes(m, g, skew)
+    gs = jnp.asarray(sizes)
     header = {"shape": {"G": g, "rows_per_group": rows, "M": m, "K": k, "N": n}, "flops": 2.0 * m * n * k}
+    if skew:
+        header["group_sizes"] = {"skew": skew, "min": int(sizes.min()), "max": int(sizes.max()),
+                                 "std": float(sizes.std())}
     return header, a, w, gs
 
 

@@ -54,8 +54,8 @@ ORDER_BACKWARD = True
 # weight use at the Nemotron-3-Nano shape). Same bits (the kernel's output equals the
 # plain kernel's on the pre-quantized weight, checked on the H200). It pays while a
 # group has few rows, since the kernel quantizes a weight tile again for every token
-# tile that uses it: at 384 rows per group each weight GEMM takes 1.0-1.1 ms
-# instead of 1.3-1.4, at 1024 the two are within 10% either way between runs and at
+# tile that uses it: at 384 rows per group each weight GEMM takes 0.89-0.96 ms (the
+# t384 variant: one quantized weight tile for 384 tokens) instead of 1.3-1.4, at 1024 the two are within 10% either way between runs and at
 # 8192 it is 1.3x slower (benchmarks/results/gemm_qw_h200.json). FC1 and the FC2 dgrad then run unfused
 # (their epilogue kernels take a quantized weight), which costs some temp memory.
 # Module constants, like ORDER_BACKWARD; benchmarks flip them.

@@ -28,6 +28,15 @@ Roles are swapped against the plain kernel: the wgmma computes ``out^T = W^T A^T
     tiles (a group's last tokens, tokens past the groups) are written with 16-byte
     stores along n, predicated per token, so a tile never writes another group's rows.
 
+The ``smem_a`` variants (name ``_ss``, ``tile_t`` 384) quantize each weight tile once for
+384 tokens: each consumer warp group reads its 64 rows with ``ldmatrix`` as above,
+quantizes them and writes them back in place with ``stmatrix``; after a proxy fence and
+the warp group's named barrier, the wgmmas take A from shared memory and feed two
+192-token accumulators (the tokens arrive as two TMA boxes per stage). A tile with at
+most 192 tokens runs the first accumulator's wgmmas only. The conversion, which limits
+the register-A kernel (a warp issues in order, and its conversion takes longer than a
+stage's wgmmas), then has twice the MMA work to hide behind (docs/gemm.md).
+
 Zero-filled K past the end (TMA) adds nothing to a block's amax, so a short last block
 is quantized like ``quantize_mxfp8``'s zero padding.
 """
@@ -56,7 +65,10 @@ TILE_W = 128  # weight rows (output columns) per CTA tile: two consumer warp gro
 class GroupedGemmQwConfig:
     """Compile-time knobs of :class:`GroupedGemmQwSm90`.
 
-    tile_t: tokens per CTA tile (the wgmma N; multiple of 32 in [64, 256]).
+    tile_t: tokens per CTA tile (the wgmma N; multiple of 32 in [64, 256]; with
+      ``smem_a`` up to 512, split above 256 into two sub-tiles of ``tile_t / 2``).
+    smem_a: quantize the weight tile in place in shared memory and take the wgmma's A
+      from there (name ``_ss``), so one conversion feeds every token sub-tile.
     w_k_major: the weight arrives as ``[G, N, K]`` (K contiguous: the dgrad use, a
       transposed weight as stored) instead of ``[G, K, N]``.
     stages: shared-memory pipeline depth (0: as many as fit).
