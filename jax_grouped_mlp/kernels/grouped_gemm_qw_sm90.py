@@ -456,6 +456,28 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
+    def _ss_tile_mainloop(
+        self, mainloop, read, release, k_tiles, mmas, accs, copies, tCrW, tCrA, tCrX, lane, wg, halves: int
+    ):
+        """Every stage of one tile into the first ``halves`` accumulators (the first
+        wgmmas overwrite them); returns the advanced ``(read, release)`` states."""
+        s2r, r2s, tXsW, tXrW, tYsW, tYrW = copies
+        mainloop.consumer_wait(read)
+        self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, True, halves)
+        read.advance()
+        for _k in range(k_tiles - 1):
+            mainloop.consumer_wait(read)
+            self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, False, halves)
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release)
+            release.advance()
+            read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        mainloop.consumer_release(release)
+        release.advance()
+        return read, release
+
+    @cute.jit
     def _qw_consumer_ss(
         self, tiled_mma: cute.TiledMma, mainloop, sW: cute.Tensor, sX: cute.Tensor, sC: cute.Tensor,
         tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, group_sizes: cute.Tensor,
@@ -501,6 +523,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         epi_count = Int32(0)
         s2g = self._partial_store_copies_t(sC, ctid)
         mmas = (tiled_mma, mma_first)
+        copies = (s2r, r2s, tXsW, tXrW, tYsW, tYrW)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -513,38 +536,18 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             if seg < num_groups and (cutlass.const_expr(halves == 1) or toks_valid > self.tile_t):
                 # Every sub-tile has tokens. (Both branches hold a whole wgmma pipeline:
                 # ptxas serializes the wgmmas of one that crosses control flow.)
-                mainloop.consumer_wait(read)
-                self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, True, halves)
-                read.advance()
-                for _k in range(k_tiles - 1):
-                    mainloop.consumer_wait(read)
-                    self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, False, halves)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
+                read, release = self._ss_tile_mainloop(
+                    mainloop, read, release, k_tiles, mmas, accs, copies, tCrW, tCrA, tCrX, lane, wg, halves
+                )
             elif seg < num_groups:
                 # A group's last tile with tokens in the first sub-tile only: its wgmmas
                 # alone (the same conversion), the second accumulator stored as zeros
                 # past the group (the partial store writes none of it).
                 for h in cutlass.range_constexpr(1, halves):
                     accs[h].fill(0.0)
-                mainloop.consumer_wait(read)
-                self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, True, 1)
-                read.advance()
-                for _k in range(k_tiles - 1):
-                    mainloop.consumer_wait(read)
-                    self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, False, 1)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
+                read, release = self._ss_tile_mainloop(
+                    mainloop, read, release, k_tiles, mmas, accs, copies, tCrW, tCrA, tCrX, lane, wg, 1
+                )
             else:
                 for h in cutlass.range_constexpr(halves):
                     accs[h].fill(0.0)  # tokens past the groups: zeros
