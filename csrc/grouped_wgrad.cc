@@ -15,9 +15,13 @@
 #include "grouped_wgrad_sm90_bf16_m128n192k64_s5.h"
 #include "grouped_wgrad_sm90_bf16_m128n256k64_s4.h"
 #include "grouped_wgrad_sm90_bf16_m128n256k64_s4_f32.h"
+#include "grouped_wgrad_sm90_bf16_m128n256k64_s4_en64.h"
+#include "grouped_wgrad_sm90_bf16_m128n192k64_s4_en64.h"
 
 // X(name, output element type): every exported variant, in the order of `variant`.
 #define JGM_GROUPED_WGRAD_VARIANTS(X)              \
+  X(grouped_wgrad_sm90_bf16_m128n256k64_s4_en64, BF16) \
+  X(grouped_wgrad_sm90_bf16_m128n192k64_s4_en64, BF16) \
   X(grouped_wgrad_sm90_bf16_m128n256k64_s4, BF16)     \
   X(grouped_wgrad_sm90_bf16_m128n192k64_s5, BF16)     \
   X(grouped_wgrad_sm90_bf16_m128n256k64_s4_f32, F32) \

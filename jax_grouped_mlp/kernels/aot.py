@@ -233,7 +233,10 @@ def _grouped_wgrad_variants():
     from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig
 
     # Keep in the order of JGM_GROUPED_WGRAD_VARIANTS in csrc/grouped_wgrad.cc.
-    return tuple(GroupedWgradConfig(tile_n=n, out_f32=f32) for f32 in (False, True) for n in (256, 192))
+    # The _en64 variants first: the default choice takes the first of equal tile widths.
+    return tuple(GroupedWgradConfig(tile_n=n, epi_n=64) for n in (256, 192)) + tuple(
+        GroupedWgradConfig(tile_n=n, out_f32=f32) for f32 in (False, True) for n in (256, 192)
+    )
 
 
 def _grouped_wgrad_args(out_f32: bool):

@@ -49,23 +49,32 @@ class GroupedWgradConfig(GroupedGemmConfig):
 
     out_f32: write float32 gradients (for float32 master weights) instead of bf16;
     the epilogue's staging buffers double.
+    epi_n: columns per epilogue subtile (32 or 64; name ``_en64``): a wider subtile
+    halves the epilogue's barriers and TMA stores per tile, which matters here since a
+    tile's K is one group's tokens (384 at Nemotron-3-Nano: 6 stages of MMA per tile).
     """
 
     out_f32: bool = False
+    epi_n: int = EPI_N
 
     @property
     def epi_bytes(self) -> int:
-        return self.tile_m * EPI_N * (4 if self.out_f32 else 2) * self.epi_stages
+        return self.tile_m * self.epi_n * (4 if self.out_f32 else 2) * self.epi_stages
 
     @property
     def name(self) -> str:
         s = f"grouped_wgrad_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
+        s += f"_en{self.epi_n}" if self.epi_n != EPI_N else ""
         return s + ("_f32" if self.out_f32 else "")
 
 
 class GroupedWgradSm90(GroupedGemmSm90):
     """Persistent warp-specialized TMA + wgmma weight gradient; see the module docstring."""
+
+    def __init__(self, config: GroupedWgradConfig):
+        super().__init__(config)
+        self.epi_tile = (self.tile_m, config.epi_n)
 
     @cute.jit
     def __call__(
