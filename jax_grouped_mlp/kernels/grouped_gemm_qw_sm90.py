@@ -330,109 +330,65 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         return epi_count + self.tile_t // EPI_N
 
     @cute.jit
-    def _qw_consumer(
-        self, tiled_mma: cute.TiledMma, mainloop, sW: cute.Tensor, sX: cute.Tensor, sC: cute.Tensor,
-        tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, group_sizes: cute.Tensor,
-        ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
-    ):
-        """The consumer warp groups: register-A mainloop and epilogue of every tile."""
-        nw = mOut.shape[0]
-        m = mOut.shape[1]
-        w_tiles = (nw + (TILE_W - 1)) // TILE_W
-        num_groups = group_sizes.shape[0]
-
-        # Two MMAs with fixed accumulate flags (set once here: a flag changed inside the
-        # tile loop would be a value escaping its region).
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        mma_first = self._make_mma()
-        mma_first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        lane = ctid % 32
+    def _rs_operands(self, tiled_mma: cute.TiledMma, sW: cute.Tensor, ctid):
+        """The register-A mainloop's weight buffers: two A fragments (one per stage
+        parity) and the ``ldmatrix`` copy into each."""
         thr_mma = tiled_mma.get_slice(ctid)
         tCsW = thr_mma.partition_A(sW)
         tCrW0 = tiled_mma.make_fragment_A(tCsW[(None, None, None, 0)])
         tCrW1 = tiled_mma.make_fragment_A(tCsW[(None, None, None, 0)])
-        tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_W, self.tile_t)))
-        acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-
         s2r_atom = cute.make_copy_atom(
             cute.nvgpu.warp.LdMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype
         )
         s2r = cute.make_tiled_copy_A(s2r_atom, tiled_mma)
         thr_s2r = s2r.get_slice(ctid)
-        tXsW = thr_s2r.partition_S(sW)
-        tXrW0 = thr_s2r.retile(tCrW0)
-        tXrW1 = thr_s2r.retile(tCrW1)
+        return s2r, thr_s2r.partition_S(sW), (thr_s2r.retile(tCrW0), thr_s2r.retile(tCrW1)), (tCrW0, tCrW1)
 
-        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
-        store_pipeline = epi[5]
-        epi_count = Int32(0)
-        s2g = self._partial_store_copies_t(sC, ctid)
+    @cute.jit
+    def _rs_tile_mainloop(self, mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, halves: int):
+        """Every stage of one tile, register-A (one accumulator); returns the advanced
+        ``(read, release)`` states.
 
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, w_tiles
-        )
-        while seg <= num_groups:
-            tok_off, toks_valid, w_tile = self._tile_coords(t, seg_tile0, seg_rows, w_tiles)
-            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                # The first wgmma overwrites the accumulator (no zero fill: ptxas
-                # serializes every wgmma when plain instructions define their
-                # accumulator registers inside a wgmma pipeline stage).
-                # Two register buffers, one per stage parity: stage k + 1 is loaded and
-                # quantized while stage k's wgmmas run; a buffer is rewritten only after
-                # wait_group(1) has retired the wgmmas that read it. The loop body holds
-                # one stage of each parity and has no branch (ptxas serializes every
-                # wgmma of a pipeline it cannot follow through control flow); an odd
-                # last stage is peeled after it.
-                mainloop.consumer_wait(read)
-                self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, lane, mma_first)
-                read.advance()
-                for _k in range((k_tiles - 1) // 2):
-                    mainloop.consumer_wait(read)
-                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index, lane)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                    mainloop.consumer_wait(read)
-                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, lane)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                if (k_tiles - 1) % 2 == 1:
-                    mainloop.consumer_wait(read)
-                    self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index, lane)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-            else:
-                acc.fill(0.0)  # tokens past the groups: zeros
-
-            tok0 = seg_row0 + tok_off
-            w0 = w_tile * TILE_W
-            if toks_valid == self.tile_t:
-                gTile = cute.local_tile(
-                    cute.domain_offset((0, tok0), mOutTma), (TILE_W, self.tile_t), (w_tile, 0)
-                )
-                epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
-            else:
-                epi_count = self._store_tile_partial_t(
-                    epi, s2g, mOut, w0, tok0, toks_valid, nw, epi_count, warp_idx
-                )
-
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, w_tiles
-            )
-        store_pipeline.producer_tail()
+        The first wgmma overwrites the accumulator (no zero fill: ptxas serializes
+        every wgmma when plain instructions define their accumulator registers inside a
+        wgmma pipeline stage). Two register buffers, one per stage parity: stage k + 1
+        is loaded and quantized while stage k's wgmmas run; a buffer is rewritten only
+        after wait_group(1) has retired the wgmmas that read it. The loop body holds
+        one stage of each parity and has no branch (ptxas serializes every wgmma of a
+        pipeline it cannot follow through control flow); an odd last stage is peeled
+        after it. (k_tiles >= 1: the handler never launches K = 0.)"""
+        del halves  # always 1 here
+        lane, _ = thread
+        tiled_mma, mma_first = mmas
+        acc = accs[0]
+        s2r, tXsW, (tXrW0, tXrW1), (tCrW0, tCrW1) = ops
+        mainloop.consumer_wait(read)
+        self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, lane, mma_first)
+        read.advance()
+        for _k in range((k_tiles - 1) // 2):
+            mainloop.consumer_wait(read)
+            self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index, lane)
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release)
+            release.advance()
+            read.advance()
+            mainloop.consumer_wait(read)
+            self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW0, tCrW0, tCrX, read.index, lane)
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release)
+            release.advance()
+            read.advance()
+        if (k_tiles - 1) % 2 == 1:
+            mainloop.consumer_wait(read)
+            self._qw_stage(tiled_mma, acc, s2r, tXsW, tXrW1, tCrW1, tCrX, read.index, lane)
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release)
+            release.advance()
+            read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        mainloop.consumer_release(release)
+        release.advance()
+        return read, release
 
     @cute.jit
     def _ss_stage(self, mma, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, stage, lane, wg, first: bool, halves: int):
@@ -456,12 +412,28 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _ss_tile_mainloop(
-        self, mainloop, read, release, k_tiles, mmas, accs, copies, tCrW, tCrA, tCrX, lane, wg, halves: int
-    ):
+    def _ss_operands(self, tiled_mma: cute.TiledMma, sW: cute.Tensor, ctid):
+        """The shared-memory-A mainloop's operands: the wgmma's A fragments over the
+        weight buffer, and the conversion's register view of it (the register-A wgmma's
+        fragment layout, so a 32-K block of a row lies in one quad) with its
+        ``ldmatrix`` read and ``stmatrix`` write-back copies."""
+        tCrA = tiled_mma.make_fragment_A(tiled_mma.get_slice(ctid).partition_A(sW))
+        rs_mma = self._make_mma()
+        tCrW = rs_mma.make_fragment_A(rs_mma.get_slice(ctid).partition_A(sW)[(None, None, None, 0)])
+        s2r = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype), rs_mma)
+        r2s = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype), rs_mma)
+        thr_s2r = s2r.get_slice(ctid)
+        thr_r2s = r2s.get_slice(ctid)
+        copies = (s2r, r2s, thr_s2r.partition_S(sW), thr_s2r.retile(tCrW), thr_r2s.partition_D(sW), thr_r2s.retile(tCrW))
+        return copies, tCrW, tCrA
+
+    @cute.jit
+    def _ss_tile_mainloop(self, mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, halves: int):
         """Every stage of one tile into the first ``halves`` accumulators (the first
-        wgmmas overwrite them); returns the advanced ``(read, release)`` states."""
-        s2r, r2s, tXsW, tXrW, tYsW, tYrW = copies
+        wgmmas overwrite them), shared-memory A; returns the advanced ``(read,
+        release)`` states."""
+        (s2r, r2s, tXsW, tXrW, tYsW, tYrW), tCrW, tCrA = ops
+        lane, wg = thread
         mainloop.consumer_wait(read)
         self._ss_stage(mmas, accs, s2r, r2s, tXsW, tXrW, tYsW, tYrW, tCrW, tCrA, tCrX, read.index, lane, wg, True, halves)
         read.advance()
@@ -478,52 +450,43 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         return read, release
 
     @cute.jit
-    def _qw_consumer_ss(
+    def _qw_consumer(
         self, tiled_mma: cute.TiledMma, mainloop, sW: cute.Tensor, sX: cute.Tensor, sC: cute.Tensor,
         tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, group_sizes: cute.Tensor,
         ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
     ):
-        """The consumer warp groups of the ``smem_a`` variants: the weight tile is quantized
-        in place in shared memory and the wgmmas take both operands from there, so one
-        quantized tile feeds ``row_boxes`` token sub-tiles (accumulators) and no wgmma
-        reads the register file the conversion is writing."""
+        """The consumer warp groups: the mainloop (register-A, or shared-memory A for the
+        ``smem_a`` variants, whose quantized weight tile feeds ``row_boxes`` token
+        sub-tiles, each its own accumulator) and the epilogue of every tile."""
         nw = mOut.shape[0]
         m = mOut.shape[1]
         w_tiles = (nw + (TILE_W - 1)) // TILE_W
         num_groups = group_sizes.shape[0]
         halves = self.row_boxes
+        smem_a = self.qw_config.smem_a
 
+        # Two MMAs with fixed accumulate flags (set once here: a flag changed inside the
+        # tile loop would be a value escaping its region).
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        mma_first = self._make_mma(smem_a=True)
+        mma_first = self._make_mma(smem_a)
         mma_first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        lane = ctid % 32
-        wg = ctid // 128
+        mmas = (tiled_mma, mma_first)
+        thread = (ctid % 32, ctid // 128)  # lane, consumer warp group
         thr_mma = tiled_mma.get_slice(ctid)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))
         tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_W, self.tile_t)))
         accs = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in range(halves)]
-
-        # The conversion's register view of the weight tile: the register-A wgmma's
-        # fragment layout (a 32-K block of a row in one quad), read and written back.
-        rs_mma = self._make_mma()
-        thr_rs = rs_mma.get_slice(ctid)
-        tCrW = rs_mma.make_fragment_A(thr_rs.partition_A(sW)[(None, None, None, 0)])
-        s2r = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype), rs_mma)
-        r2s = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.w_mn_major, 4), self.ab_dtype), rs_mma)
-        thr_s2r = s2r.get_slice(ctid)
-        thr_r2s = r2s.get_slice(ctid)
-        tXsW = thr_s2r.partition_S(sW)
-        tXrW = thr_s2r.retile(tCrW)
-        tYsW = thr_r2s.partition_D(sW)
-        tYrW = thr_r2s.retile(tCrW)
+        if cutlass.const_expr(smem_a):
+            ops = self._ss_operands(tiled_mma, sW, ctid)
+            tile_mainloop = self._ss_tile_mainloop
+        else:
+            ops = self._rs_operands(tiled_mma, sW, ctid)
+            tile_mainloop = self._rs_tile_mainloop
 
         epis = [self._epilogue_copies(tiled_mma, sC, accs[h], ctid) for h in range(halves)]
         store_pipeline = epis[0][5]
         epi_count = Int32(0)
         s2g = self._partial_store_copies_t(sC, ctid)
-        mmas = (tiled_mma, mma_first)
-        copies = (s2r, r2s, tXsW, tXrW, tYsW, tYrW)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -533,24 +496,27 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         )
         while seg <= num_groups:
             tok_off, toks_valid, w_tile = self._tile_coords(t, seg_tile0, seg_rows, w_tiles)
-            if seg < num_groups and (cutlass.const_expr(halves == 1) or toks_valid > self.tile_t):
-                # Every sub-tile has tokens. (Both branches hold a whole wgmma pipeline:
-                # ptxas serializes the wgmmas of one that crosses control flow.)
-                read, release = self._ss_tile_mainloop(
-                    mainloop, read, release, k_tiles, mmas, accs, copies, tCrW, tCrA, tCrX, lane, wg, halves
-                )
-            elif seg < num_groups:
-                # A group's last tile with tokens in the first sub-tile only: its wgmmas
-                # alone (the same conversion), the second accumulator stored as zeros
-                # past the group (the partial store writes none of it).
-                for h in cutlass.range_constexpr(1, halves):
-                    accs[h].fill(0.0)
-                read, release = self._ss_tile_mainloop(
-                    mainloop, read, release, k_tiles, mmas, accs, copies, tCrW, tCrA, tCrX, lane, wg, 1
-                )
+            if cutlass.const_expr(halves == 1):
+                if seg < num_groups:
+                    read, release = tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, 1)
+                else:
+                    accs[0].fill(0.0)  # tokens past the groups: zeros
             else:
-                for h in cutlass.range_constexpr(halves):
-                    accs[h].fill(0.0)  # tokens past the groups: zeros
+                # Each branch holds a whole wgmma pipeline (ptxas serializes the wgmmas
+                # of one that crosses control flow).
+                if seg < num_groups and toks_valid > self.tile_t:
+                    read, release = tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, halves)
+                elif seg < num_groups:
+                    # A group's last tile with tokens in the first sub-tile only: its
+                    # wgmmas alone (the same conversion). The other accumulators are
+                    # zeroed: past the group, the partial store writes none of them,
+                    # and without it ptxas spills at the branches' merge.
+                    for h in cutlass.range_constexpr(1, halves):
+                        accs[h].fill(0.0)
+                    read, release = tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, 1)
+                else:
+                    for h in cutlass.range_constexpr(halves):
+                        accs[h].fill(0.0)  # tokens past the groups: zeros
 
             tok0 = seg_row0 + tok_off
             w0 = w_tile * TILE_W
@@ -598,8 +564,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            consumer = self._qw_consumer_ss if cutlass.const_expr(self.qw_config.smem_a) else self._qw_consumer
-            consumer(
+            self._qw_consumer(
                 tiled_mma, mainloop, sW, sX, sC, tma_atom_out, mOutTma, mOut, group_sizes,
                 tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
             )
