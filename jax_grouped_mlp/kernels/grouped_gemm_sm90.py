@@ -374,7 +374,8 @@ class GroupedGemmSm90:
     # ---- epilogue helpers (shared with the weight-gradient kernel) ----
 
     def _epilogue_copies(self, tiled_mma: cute.TiledMma, sC: cute.Tensor, acc: cute.Tensor, ctid):
-        """Register -> shared-memory staging of the accumulator in 128 x 32 subtiles (stmatrix).
+        """Register -> shared-memory staging of the accumulator in ``epi_tile`` subtiles
+        (128 x 32, or 128 x 64 for the wgrad ``_en64`` variants; stmatrix).
 
         Returns ``(tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline)``
         for consumer thread ``ctid`` (0..255); ``store_pipeline`` tracks the TMA stores.
@@ -400,14 +401,14 @@ class GroupedGemmSm90:
     def _store_tile_tma(self, epi, tma_atom_out, sC: cute.Tensor, gTile: cute.Tensor, epi_count: Int32, warp_idx):
         """Stores the accumulator as the tile ``gTile`` (a TMA coordinate tile, tile_m x tile_n).
 
-        128 x 32 subtiles: registers -> shared memory (stmatrix) -> TMA store, with
+        ``epi_tile`` subtiles: registers -> shared memory (stmatrix) -> TMA store, with
         ``epi_stages`` buffers so the store of one subtile overlaps the conversion of
         the next. TMA clips whatever lies outside the output tensor. Returns the new
         subtile count (it picks the buffer).
         """
         tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
         size_tRS_rD = cute.size(tRS_rD)
-        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, 32), (1, tile_n / 32))
+        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, EPI), (1, tile_n / EPI))
         bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
             tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
         )
