@@ -48,16 +48,17 @@ from jax_grouped_mlp._src.validation import as_array, check_mlp_args
 # changes memory, never results; benchmarks flip it to measure what it saves.
 ORDER_BACKWARD = True
 
-# MXFP8 with small groups: the GEMM kernels quantize the weights themselves, in
-# registers (``primitives.grouped_gemm_qw``), instead of a pass that writes each
-# weight's MXFP8 values before every GEMM that uses it (1.28 GB read and written per
-# weight use at the Nemotron-3-Nano shape). Same bits (the kernel's output equals the
-# plain kernel's on the pre-quantized weight, checked on the H200). It pays while a
-# group has few rows, since the kernel quantizes a weight tile again for every token
-# tile that uses it: at 384 rows per group each weight GEMM takes 0.89-0.96 ms (the
-# t384 variant: one quantized weight tile for 384 tokens) instead of 1.3-1.4, at 1024 the two are within 10% either way between runs and at
-# 8192 it is 1.3x slower (benchmarks/results/gemm_qw_h200.json). FC1 and the FC2 dgrad then run unfused
-# (their epilogue kernels take a quantized weight), which costs some temp memory.
+# MXFP8 with small groups: the GEMM kernels quantize the weights themselves
+# (``primitives.grouped_gemm_qw``), instead of a pass that writes each weight's MXFP8
+# values before every GEMM that uses it (1.28 GB read and written per weight use at
+# the Nemotron-3-Nano shape). Same bits (the kernel's output equals the plain kernel's
+# on the pre-quantized weight, checked on the H200). It pays while a group has few
+# rows, since the kernel quantizes a weight tile again for every token tile that uses
+# it: at 384 rows per group each weight GEMM takes 0.89-0.96 ms (the t384 variant: one
+# quantized weight tile for 384 tokens) instead of 1.3-1.4; at 1024 the two are within
+# 10% either way between runs and at 8192 it is 1.3x slower
+# (benchmarks/results/gemm_qw_h200.json). FC1 and the FC2 dgrad then run unfused (their
+# epilogue kernels take a quantized weight), which costs some temp memory.
 # Module constants, like ORDER_BACKWARD; benchmarks flip them.
 QUANTIZE_WEIGHTS_IN_GEMM = True
 QW_MAX_ROWS_PER_GROUP = 512

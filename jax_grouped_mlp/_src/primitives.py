@@ -192,7 +192,7 @@ def grouped_gemm_qw(
     lhs: Operand, w: jax.Array, group_sizes: jax.Array, out_dtype, *, transpose_rhs: bool = False
 ) -> jax.Array:
     """:func:`grouped_gemm` by the weight's MXFP8 values, ``fake_quantize(w)`` blocked
-    along K, without materializing them on CUDA (the kernel quantizes in registers).
+    along K, without materializing them on CUDA (the GEMM kernel quantizes the weight).
 
     ``w`` is the plain weight ``[G, K, N]`` (``transpose_rhs``: ``[G, N, K]``, used
     transposed). Same numbers as ``grouped_gemm(lhs, fake_quantize(w, K axis), ...)``
