@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -23,6 +24,20 @@ def test_params_and_forward(rng):
     want = jgm.grouped_mlp(x, m.w1[...].astype(jnp.bfloat16), m.w2[...].astype(jnp.bfloat16), gs)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
     assert np.all(np.asarray(y[35:], np.float32) == 0)
+
+
+def test_float32_params_get_float32_gradients(rng):
+    """Default float32 params: the gradient is the op's float32 weight gradient (float32
+    sums), not a bf16-rounded one cast back (what a cast before the op would give)."""
+    m = GroupedMLP(3, 32, 64, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    x = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
+    gs = jnp.asarray([10, 7, 23], jnp.int32)
+    grads = nnx.grad(lambda mdl: jnp.sum(mdl(x, gs).astype(jnp.float32) ** 2))(m)
+    g1 = grads["w1"][...]
+    assert g1.dtype == jnp.float32
+    want = jax.grad(lambda w: jnp.sum(jgm.grouped_mlp(x, w, m.w2[...], gs).astype(jnp.float32) ** 2))(m.w1[...])
+    np.testing.assert_array_equal(np.asarray(g1), np.asarray(want))
+    assert np.any(np.asarray(g1) != np.asarray(g1.astype(jnp.bfloat16), np.float32))
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])

@@ -23,8 +23,9 @@ class GroupedMLP(nnx.Module):
     """The squared-ReLU expert MLP of an MoE layer, over tokens already sorted by expert.
 
     Params: ``w1 [num_experts, hidden, ffn]`` and ``w2 [num_experts, ffn, hidden]``,
-    stored in ``param_dtype`` and cast to ``dtype`` for the computation (with
-    ``recipe="mxfp8"`` the GEMMs quantize them to MXFP8 anyway). ``recipe`` and
+    stored in ``param_dtype`` (float32 master weights by default, or bfloat16): the
+    op reads them as bf16 (MXFP8 with ``recipe="mxfp8"``) and returns their
+    gradients in ``param_dtype``; ``dtype`` is the dtype of the tokens. ``recipe`` and
     ``fuse_fc1_epilogue`` are :func:`jax_grouped_mlp.grouped_mlp`'s.
 
     Call as ``module(x, group_sizes, probs=None)`` with ``x [M, hidden]``; see
@@ -63,8 +64,10 @@ class GroupedMLP(nnx.Module):
     ) -> jax.Array:
         return grouped_mlp(
             jnp.asarray(x).astype(self.dtype),
-            self.w1[...].astype(self.dtype),
-            self.w2[...].astype(self.dtype),
+            # Params go in as stored: the op rounds float32 weights to bf16 itself and
+            # returns their gradients in float32 (a cast here would round them to bf16).
+            self.w1[...],
+            self.w2[...],
             group_sizes,
             probs,
             recipe=self.recipe,
