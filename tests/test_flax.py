@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,3 +76,27 @@ def test_bad_constructor_arguments():
         GroupedMLP(0, 8, 8, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="recipe must be one of"):
         GroupedMLP(2, 8, 8, recipe="int8", rngs=nnx.Rngs(0))
+
+
+def test_sharded_cases_on_four_cpu_devices():
+    """``flax_sharded_cases.py`` in a fresh interpreter with 4 simulated CPU devices.
+
+    AdamW on an expert-parallel ``MoEBlock`` built without ``jax.set_mesh`` follows the
+    single-device trajectory; a model of the modules sharded FSDP/TP-style from their
+    logical axis metadata matches one device. (The device-count flag only acts before
+    jax starts its CPU backend; see ``test_moe_sharded.py``.)
+    """
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here.parent), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+           str(here / "flax_sharded_cases.py")]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=here.parent, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"sharded Flax cases timed out after {err.timeout}s:\n{err.stdout or ''}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"sharded Flax cases failed (rc={proc.returncode}):\n{out[-20000:]}"
+    assert "skipped" not in out.splitlines()[-1], f"sharded Flax cases were skipped:\n{out[-5000:]}"
