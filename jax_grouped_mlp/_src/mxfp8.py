@@ -192,20 +192,22 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     where ``first_block`` is the exclusive cumsum of ``cdiv(size_g, 32)``: a block
     never mixes two groups (each group's tail block is padded). Rows at or past
     ``sum(group_sizes)`` (clamped to ``M``) belong to no block and get data 0.
-    Group sizes are read on the device; nothing is synchronised with the host.
+    Group sizes are read on the device; nothing is synchronised with the host. The
+    tensor keeps them clamped (``groups.clamp_group_sizes``: int32, summing to at most
+    ``M``), which describes the same blocks.
     """
     x = jnp.asarray(x)
     _check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K] for group-aware quantization, got {x.shape=}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
             f"group_sizes must be a 1-D integer array, got shape {group_sizes.shape} "
             f"dtype {group_sizes.dtype}"
         )
-    group_sizes = group_sizes.astype(jnp.int32)
     m, k = x.shape
+    group_sizes = groups.clamp_group_sizes(group_sizes, m)
     nblocks = grouped_scale_rows(m, group_sizes.shape[0])
     if m == 0:
         return MXFP8Tensor(
