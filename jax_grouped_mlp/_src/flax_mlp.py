@@ -53,8 +53,8 @@ class GroupedMLP(nnx.Module):
             raise TypeError(f"fuse_fc1_epilogue must be a bool, got {fuse_fc1_epilogue!r}")
         self.fuse_fc1_epilogue = fuse_fc1_epilogue
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
-        self.dtype = jnp.dtype(dtype)
-        self.param_dtype = jnp.dtype(param_dtype)
+        self.dtype = checks.float_dtype("dtype", dtype)  # grouped_mlp takes bf16 or f32
+        self.param_dtype = checks.float_dtype("param_dtype", param_dtype)
         self.w1 = nnx.Param(kernel_init(rngs.params(), (num_experts, hidden, ffn), self.param_dtype))
         self.w2 = nnx.Param(kernel_init(rngs.params(), (num_experts, ffn, hidden), self.param_dtype))
 
