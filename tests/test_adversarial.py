@@ -355,3 +355,69 @@ def test_checkpoint_policy_gives_the_same_gradients(rng):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
         check_step(got, x, w1, w2, sizes, probs, dy)
+
+
+# ---- GPU: every CUDA binding clamps (the lead runs these on the H200) ----
+
+
+def _bindings():
+    """(name, fn(sizes) -> pytree of arrays) for every CUDA binding that takes group sizes."""
+    from jax_grouped_mlp._src import ffi, gemm_ffi
+
+    rng = np.random.default_rng(0)
+    m, k, n, g = 200, 128, 192, 3
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    x, w, w_t, wg = bf(m, k), bf(g, k, n) / 8, bf(g, n, k) / 8, bf(m, n)
+    h, probs = bf(m, n), jnp.asarray(rng.uniform(0.1, 1, m), jnp.float32)
+    w8 = jgm.quantize_mxfp8(w, axis=1)
+    xq = jgm.quantize_mxfp8_grouped(x, jnp.asarray([70, 60, 70], jnp.int32))  # scale rows for G = 3
+    return {
+        "gemm_bf16": lambda gs: gemm_ffi.grouped_gemm_bf16_cuda(x, w, gs),
+        "gemm_bf16_bk": lambda gs: gemm_ffi.grouped_gemm_bf16_cuda(x, w_t, gs, transpose_rhs=True),
+        "gemm_qw": lambda gs: gemm_ffi.grouped_gemm_qw_cuda(x, w, gs),
+        "gemm_w8": lambda gs: gemm_ffi.grouped_gemm_w8_cuda(x, w8, gs),
+        "wgrad": lambda gs: gemm_ffi.grouped_wgrad_bf16_cuda(x, wg, gs),
+        "fc1": lambda gs: gemm_ffi.grouped_gemm_fc1_cuda(x, w, gs, probs),
+        "dgrad": lambda gs: gemm_ffi.grouped_gemm_dgrad_cuda(x, w_t, gs, h, probs),
+        "quantize_both": lambda gs: ffi.quantize_mxfp8_both_cuda(x, gs),
+        "fake_quantize_col": lambda gs: ffi.fake_quantize_mxfp8_cuda(x, gs, mode="col"),
+        "fake_quantize_pair": lambda gs: ffi.fake_quantize_pair_mxfp8_cuda(x, gs, keep_col_fp8=True),
+        "dequantize": lambda gs: ffi.dequantize_grouped_mxfp8_cuda(jgm.MXFP8Tensor(xq.data, xq.scale, 0, gs)),
+    }
+
+
+def _bits(tree) -> list[np.ndarray]:
+    return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
+
+
+@pytest.mark.gpu
+def test_cuda_bindings_see_clamped_sizes():
+    """Each binding gives, for overflowing, negative or int64-range sizes, bit for bit
+    what it gives for the clamped sizes (sums past 2**31 never reach a kernel)."""
+    from jax_grouped_mlp._src import ffi
+
+    if not ffi.available():
+        pytest.skip("needs the built CUDA extension")
+    cases = [[I32, I32, 10], [40, I32, I32], [-(2**31), 150, I32], np.asarray([2**40, 7, 2**33], np.int64)]
+    for name, fn in _bindings().items():
+        f = jax.jit(fn)
+        for sizes in cases:
+            got = f(jnp.asarray(groups.host_clip(sizes)))
+            want = f(jnp.asarray(clamp_py(sizes, 200), jnp.int32))
+            for a, b in zip(_bits(got), _bits(want)):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} with sizes {list(sizes)}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ISSUE_CASES))
+def test_issue_cases_on_cuda(rng, case):
+    """grouped_mlp (mxfp8, bf16 operands: the CUDA kernels) forward and gradients on the
+    issue's sizes against the float64 oracle."""
+    sizes, _ = ISSUE_CASES[case]
+    x, w1, w2, probs, dy = make_inputs(rng, m=256, h=128, f=192)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    step = jax.jit(functools.partial(_step, recipe="mxfp8"))
+    y, grads = step(bf(x), bf(w1), bf(w2), jnp.asarray(sizes, jnp.int32), probs, bf(dy))
+    ry, rgrads = mlp_f64(*(np.asarray(bf(a), np.float64) for a in (x, w1, w2)), sizes, probs, np.asarray(bf(dy), np.float64))
+    for name, a, r in zip(("y", "dx", "dw1", "dw2", "dprobs"), (y, *grads), (ry, *rgrads)):
+        assert rel_err(a, r) < BANDS["mxfp8"], name
