@@ -625,13 +625,12 @@ def grouped_gemm_dgrad_cuda(
         # zeros, NaN for non-finite h or probs), rows past the groups zeros, as the kernel.
         total = jnp.sum(gs)  # gs is clamped: its sum is at most M
         valid = jnp.arange(m, dtype=jnp.int32) < total
-        sizes = gs
         from jax_grouped_mlp._src.primitives import srelu_scaled_grad
 
         dh, dprobs = srelu_scaled_grad(jnp.zeros((m, n), jnp.bfloat16), h, probs)
         dprobs = jnp.where(valid, dprobs, 0.0)
         dh = jnp.where(valid[:, None], dh, jnp.zeros((), jnp.bfloat16))
-        dh_row, dh_col = mxfp8.fake_quantize_pair(dh, sizes, keep_col_fp8=False)
+        dh_row, dh_col = mxfp8.fake_quantize_pair(dh, gs, keep_col_fp8=False)
         return dh_row, dh_col, dprobs
     names = grouped_gemm_dgrad_variants()
     index = _variant_index(names, n, variant, lambda v: True, "the dgrad epilogue")
