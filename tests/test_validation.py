@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
@@ -69,3 +70,123 @@ def test_numpy_integers_are_accepted_and_bools_are_not():
         GroupedMLP(True, 8, 8, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="top_k must be a positive int"):
         jgm.RoutingConfig(top_k=2.0)
+
+
+# ---- issue #16 items 2 and 6: numbers, None, hand-built tensors, module dtypes ----
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan"), 1e300, 3.5e38, np.float64(np.inf), True, 0.0, -1.0, "2"])
+def test_routed_scaling_factor_rejected(value):
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        jgm.RoutingConfig(2, routed_scaling_factor=value)
+
+
+@pytest.mark.parametrize("value", [np.float32(2.5), np.float64(2.5), np.int64(3), 2, 3e38])
+def test_routed_scaling_factor_numpy_and_python_numbers(value):
+    config = jgm.RoutingConfig(np.int64(2), routed_scaling_factor=value)
+    assert type(config.routed_scaling_factor) is float and config.routed_scaling_factor == float(value)
+
+
+def test_expert_parallel_numbers_and_none():
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    for bad in (float("inf"), np.float32(np.inf)):
+        with pytest.raises(ValueError, match=r"capacity_factor must be finite \(None is drop-free\)"):
+            jgm.ExpertParallel(mesh, "expert", capacity_factor=bad)
+    for bad in (float("nan"), True, 0, -2.0, "1.5"):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            jgm.ExpertParallel(mesh, "expert", capacity_factor=bad)
+    assert jgm.ExpertParallel(mesh, "expert", capacity_factor=np.float32(1.5)).capacity_factor == 1.5
+    assert jgm.ExpertParallel(mesh, "expert", capacity_factor=np.int64(2)).capacity_factor == 2.0
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match="data_axes"):
+            jgm.ExpertParallel(mesh, "expert", data_axes=bad)
+
+
+def test_planner_takes_numpy_scalars():
+    kw = dict(tokens=4096, hidden=512, ffn=1024, num_experts=8, num_layers=6)
+    want = jgm.plan_offload(**kw, budget_bytes=40e6, host_bandwidth=5e10, layer_time=2e-3)
+    got = jgm.plan_offload(
+        **kw, budget_bytes=np.int64(40_000_000), host_bandwidth=np.float32(5e10), layer_time=np.float32(2e-3),
+        overlap=np.float32(1.0), tie_tolerance=np.float64(0.01),
+    )
+    assert got.placement == want.placement and got.budget_bytes == want.budget_bytes
+    assert type(got.host_bandwidth) is float
+    for name, bad in (("host_bandwidth", np.bool_(True)), ("budget_bytes", np.float32(np.nan)), ("layer_time", np.float32(-1))):
+        with pytest.raises(ValueError, match=name):
+            jgm.plan_offload(**{**kw, "budget_bytes": 1e9, "host_bandwidth": 5e10, "layer_time": 1e-3, name: bad})
+    lt = jgm.LayerTime(np.float32(1e-3), np.float64(2e-3), {n: np.float32(0) for n in jgm.RESIDUAL_NAMES})
+    assert lt.total == pytest.approx(3e-3)
+    with pytest.raises(TypeError, match="recompute must be a mapping.*recompute=None"):
+        jgm.LayerTime(1e-3, 2e-3, None)
+
+
+def test_none_names_in_offload_policy():
+    for name in ("extra_saveable", "extra_offloadable"):
+        with pytest.raises(TypeError, match=f"{name} must be a sequence of names.*{name}=None"):
+            jgm.offload_policy(**{name: None})
+
+
+def test_complex_score_bias_rejected():
+    e = 4
+    args = (sds((8, H), jnp.bfloat16), sds((H, e), jnp.float32), sds((e, H, F)), sds((e, F, H)))
+    for dtype in (jnp.complex64, jnp.bool_):
+        with pytest.raises(TypeError, match="score_bias must be a real"):
+            jax.eval_shape(
+                lambda *a, b: jgm.moe_block(*a, routing=jgm.RoutingConfig(2), score_bias=b), *args, b=sds((e,), dtype)
+            )
+
+
+def test_module_constructors_check_dtypes_and_top_k():
+    from flax import nnx
+
+    from jax_grouped_mlp.flax import GroupedMLP, MoEBlock
+
+    for kw, name in (({"dtype": jnp.int32}, "dtype"), ({"dtype": "not-a-dtype"}, "dtype"),
+                     ({"param_dtype": jnp.float16}, "param_dtype"), ({"dtype": jnp.complex64}, "dtype")):
+        with pytest.raises(TypeError, match=f"{name} must be one of \\['bfloat16', 'float32'\\]"):
+            GroupedMLP(2, 8, 8, rngs=nnx.Rngs(0), **kw)
+        with pytest.raises(TypeError, match=name):
+            MoEBlock(2, 8, 8, routing=jgm.RoutingConfig(1), rngs=nnx.Rngs(0), **kw)
+    assert GroupedMLP(2, 8, 8, dtype="float32", param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)).dtype == jnp.float32
+    with pytest.raises(ValueError, match="routing.top_k=3 is larger than num_experts=2"):
+        MoEBlock(np.int64(2), 8, 8, routing=jgm.RoutingConfig(3), rngs=nnx.Rngs(0))
+
+
+def _hand_built_cases():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((70, 40)), jnp.float32)
+    t = jgm.quantize_mxfp8(x, axis=0)  # scale (3, 40)
+    tg = jgm.quantize_mxfp8_grouped(x, jnp.asarray([30, 40], jnp.int32))  # scale (5, 40)
+    T = jgm.MXFP8Tensor
+    return {
+        "scale_shape": (T(t.data, t.scale[:2], 0), ValueError, r"t.scale must have shape \(3, 40\)"),
+        "wrong_axis_for_scale": (T(t.data, t.scale, 1), ValueError, r"t.scale must have shape \(70, 2\)"),
+        "axis_range": (T(t.data, t.scale, 2), ValueError, r"t.axis must be an int in \[0, 2\).*t.axis=2"),
+        "axis_negative": (T(t.data, t.scale, -1), ValueError, "t.axis"),
+        "axis_bool": (T(t.data, t.scale, True), ValueError, "t.axis=True"),
+        "data_dtype": (T(t.data.astype(jnp.bfloat16), t.scale, 0), TypeError, "t.data must be float8_e4m3fn"),
+        "scale_dtype": (T(t.data, t.scale.astype(jnp.float32), 0), TypeError, "t.scale must be float8_e8m0fnu"),
+        "grouped_scale_rows": (T(tg.data, tg.scale[:4], 0, tg.group_sizes), ValueError, r"t.scale must have shape \(5, 40\)"),
+        "grouped_axis": (T(tg.data, tg.scale, 1, tg.group_sizes), ValueError, "group-aware tensor must be"),
+        "grouped_sizes_dtype": (T(tg.data, tg.scale, 0, tg.group_sizes.astype(jnp.float32)), TypeError, "t.group_sizes"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_hand_built_cases()))
+def test_dequantize_checks_hand_built_tensors(case):
+    t, exc, match = _hand_built_cases()[case]
+    with pytest.raises(exc, match=match):
+        jgm.dequantize(t)
+
+
+def test_dequantize_dtype_and_quantize_axis():
+    x = jnp.ones((4, 64), jnp.float32)
+    t = jgm.quantize_mxfp8(x)
+    for bad in (jnp.int32, jnp.bool_, "nope", jnp.complex64):
+        with pytest.raises(TypeError, match="dtype must be a float dtype"):
+            jgm.dequantize(t, bad)
+    assert jgm.dequantize(t, jnp.float16).dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(jgm.dequantize(t, jnp.float32)), np.asarray(x))
+    for bad in (True, np.bool_(False)):
+        with pytest.raises(TypeError, match="axis must be an int"):
+            jgm.quantize_mxfp8(x, axis=bad)
+    assert jgm.quantize_mxfp8(x, axis=np.int64(0)).axis == 0

@@ -3,10 +3,40 @@
 from __future__ import annotations
 
 import enum
+import math
 import operator
 from typing import TypeVar
 
+import jax.numpy as jnp
+import numpy as np
+
 E = TypeVar("E", bound=enum.Enum)
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def is_real(value) -> bool:
+    """Whether ``value`` is a real number: a Python or NumPy int or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def positive_float(
+    name: str, value, *, allow_zero: bool = False, allow_inf: bool = False, float32: bool = False
+) -> float:
+    """``value`` as a Python float if it is a real number (:func:`is_real`) above 0 (or at
+    least 0 with ``allow_zero``), finite unless ``allow_inf``, and with ``float32``
+    within float32's range (it multiplies float32 arrays: ``1e300`` would become inf)."""
+    if not is_real(value):
+        raise ValueError(f"{name} must be a number, got {name}={value!r}")
+    v = float(value)
+    bad_inf = math.isinf(v) and not allow_inf
+    if math.isnan(v) or bad_inf or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        finite = "" if allow_inf else "finite and "
+        raise ValueError(f"{name} must be {finite}{bound}, got {name}={value!r}")
+    if float32 and v > _FLOAT32_MAX:
+        raise ValueError(f"{name} must fit in float32 (at most {_FLOAT32_MAX:.8g}), got {name}={value!r}")
+    return v
 
 
 def positive_int(name: str, value) -> int:
@@ -28,3 +58,15 @@ def parse_enum(cls: type[E], value, name: str) -> E:
         return cls(value)
     except ValueError:
         raise ValueError(f"{name} must be one of {[m.value for m in cls]}, got {name}={value!r}") from None
+
+
+def float_dtype(name: str, value, allowed: tuple[str, ...] = ("bfloat16", "float32")):
+    """``jnp.dtype(value)`` if it is one of ``allowed`` (the dtypes the op takes), else a
+    TypeError naming the argument."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in allowed:
+        raise TypeError(f"{name} must be one of {list(allowed)}, got {name}={value!r}")
+    return dtype

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import mxfp8
+from jax_grouped_mlp._src import groups, mxfp8
 from jax_grouped_mlp._src.groups import cdiv
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
@@ -105,13 +105,13 @@ def quantize_mxfp8_both_cuda(
         )
     if variant not in quantize_variants():
         raise ValueError(f"{variant=} is not one of the compiled {quantize_variants()}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
             f"group_sizes must be a 1-D integer array, got {group_sizes.shape=} {group_sizes.dtype=}"
         )
-    group_sizes = group_sizes.astype(jnp.int32)
     m, k = x.shape
+    group_sizes = groups.clamp_group_sizes(group_sizes, m)  # as the reference: summing to <= M
     g = group_sizes.shape[0]
     out = (
         jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),  # row_data
@@ -158,7 +158,8 @@ def fake_quantize_variants() -> tuple[str, ...]:
 
 
 def _fake_quantize_inputs(name: str, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Checks a fake-quantize kernel's inputs; returns ``group_sizes`` as int32."""
+    """Checks a fake-quantize kernel's inputs; returns ``group_sizes`` as int32, clamped
+    (``groups.clamp_group_sizes``)."""
     if not available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
@@ -166,10 +167,10 @@ def _fake_quantize_inputs(name: str, x: jax.Array, group_sizes: jax.Array) -> ja
         raise ValueError(
             f"{name} needs bf16 x [M, K] with K % 8 == 0 and 32-bit offsets, got {x.shape=} {x.dtype=}"
         )
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be a 1-D integer array, got {group_sizes.shape=} {group_sizes.dtype=}")
-    return group_sizes.astype(jnp.int32)
+    return groups.clamp_group_sizes(group_sizes, x.shape[0])
 
 
 def _mode_variant(names: tuple[str, ...], mode: str) -> np.int32:
@@ -251,7 +252,7 @@ def dequantize_grouped_mxfp8_cuda(t: MXFP8Tensor) -> jax.Array:
     if not _fits_row_kernels(m, k, g):
         raise ValueError(f"dequantize_grouped_mxfp8_cuda needs K % 8 == 0 and 32-bit offsets, got {t.data.shape=} G={g}")
     return jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((m, k), jnp.bfloat16))(
-        t.data, t.scale, t.group_sizes.astype(jnp.int32), variant=np.int32(0)
+        t.data, t.scale, groups.clamp_group_sizes(t.group_sizes, m), variant=np.int32(0)
     )
 
 

@@ -135,8 +135,8 @@ class GroupedMLP(nnx.Module):
             raise TypeError(f"fuse_fc1_epilogue must be a bool, got {fuse_fc1_epilogue!r}")
         self.fuse_fc1_epilogue = fuse_fc1_epilogue
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
-        self.dtype = jnp.dtype(dtype)
-        self.param_dtype = jnp.dtype(param_dtype)
+        self.dtype = checks.float_dtype("dtype", dtype)  # grouped_mlp takes bf16 or f32
+        self.param_dtype = checks.float_dtype("param_dtype", param_dtype)
         if not isinstance(axis_names, AxisNames):
             raise TypeError(f"axis_names must be an AxisNames, got axis_names={axis_names!r}")
         if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):

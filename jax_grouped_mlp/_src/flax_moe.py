@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
+from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.flax_mlp import AxisNames, GroupedMLP, default_kernel_init, sharded_param
 from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
 from jax_grouped_mlp._src.recipes import Recipe
@@ -72,12 +73,13 @@ class MoEBlock(nnx.Module):
     ):
         if not isinstance(routing, RoutingConfig):
             raise TypeError(f"routing must be a RoutingConfig, got routing={type(routing).__name__}")
-        if isinstance(num_experts, int) and routing.top_k > num_experts:
+        num_experts = checks.positive_int("num_experts", num_experts)
+        if routing.top_k > num_experts:
             raise ValueError(f"routing.top_k={routing.top_k} is larger than num_experts={num_experts}")
         if parallel is not None:
             if not isinstance(parallel, ExpertParallel):
                 raise TypeError(f"parallel must be an ExpertParallel or None, got parallel={type(parallel).__name__}")
-            if isinstance(num_experts, int) and num_experts % parallel.expert_size:
+            if num_experts % parallel.expert_size:
                 raise ValueError(
                     f"num_experts={num_experts} must be divisible by the size of "
                     f"expert_axis={parallel.expert_axis!r} ({parallel.expert_size})"

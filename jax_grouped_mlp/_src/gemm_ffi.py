@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi, mxfp8
+from jax_grouped_mlp._src import ffi, groups, mxfp8
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
@@ -110,15 +110,16 @@ def _checked_bf16_pair(lhs_name: str, lhs, rhs_name: str, rhs, *, k_major: bool,
     return m, n, k, g
 
 
-def _checked_group_sizes(group_sizes, g: int) -> jax.Array:
-    """``group_sizes`` as int32 ``[G]``, or a TypeError naming it."""
-    group_sizes = jnp.asarray(group_sizes)
+def _checked_group_sizes(group_sizes, g: int, m: int) -> jax.Array:
+    """``group_sizes`` as int32 ``[G]`` clamped to ``M`` rows (``groups.clamp_group_sizes``:
+    the kernel never forms a running sum past M), or a TypeError naming it."""
+    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
     if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
             f"group_sizes must be integer [{g}], got group_sizes.shape={group_sizes.shape} "
             f"group_sizes.dtype={group_sizes.dtype}"
         )
-    return group_sizes.astype(jnp.int32)
+    return groups.clamp_group_sizes(group_sizes, m)
 
 
 def _checked_probs(probs, m: int) -> jax.Array:
@@ -167,7 +168,7 @@ def grouped_gemm_bf16_cuda(
         raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
-    group_sizes = _checked_group_sizes(group_sizes, g)
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_variants()
     index = _variant_index(names, n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}")
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
@@ -219,7 +220,7 @@ def grouped_gemm_qw_cuda(
     m, n, k, g = _checked_bf16_pair("lhs", lhs, "w", w, k_major=transpose_rhs)
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
-    group_sizes = _checked_group_sizes(group_sizes, g)
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_qw_variants()
     fits = [v for v in names if v.endswith("_bk") == transpose_rhs]
     if variant is None and fits:
@@ -347,17 +348,18 @@ def grouped_wgrad_bf16_cuda(
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (bf16, jnp.dtype(jnp.float32)):
         raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer [G] array, got {group_sizes.shape=} {group_sizes.dtype=}")
     g = group_sizes.shape[0]
     if not grouped_gemm_supported(m, n, k, g):
         raise ValueError(f"grouped wgrad kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
     index = _variant_index(
         grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
     )
     out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(lhs, rhs, group_sizes.astype(jnp.int32), variant=index)
+    return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(lhs, rhs, group_sizes, variant=index)
 
 
 def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
@@ -442,7 +444,7 @@ def _w8_operands(lhs, rhs, group_sizes, transpose_rhs: bool):
         raise ValueError(
             f"grouped_gemm_w8 needs N, K multiples of 16 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
         )
-    group_sizes = _checked_group_sizes(group_sizes, g)
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
     scale = rhs.scale
     if jnp.dtype(scale.dtype) != jnp.dtype(jnp.uint8):
         scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
@@ -493,7 +495,7 @@ def grouped_gemm_fc1_variants() -> tuple[str, ...]:
 def _fc1_operands(x, w1, group_sizes, probs):
     """Validates :func:`grouped_gemm_fc1_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
     m, n, k, g = _checked_bf16_pair("x", x, "w1", w1, k_major=False)
-    group_sizes = _checked_group_sizes(group_sizes, g)
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
     probs = _checked_probs(probs, m)
     if not grouped_gemm_supported(m, n, k, g) or (mxfp8.grouped_scale_rows(m, g) * n >= _MAX):
         raise ValueError(
@@ -578,7 +580,7 @@ def _dgrad_operands(dy_row, w2, group_sizes, h, probs):
     """Validates :func:`grouped_gemm_dgrad_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
     m, n, k, g = _checked_bf16_pair("dy_row", dy_row, "w2", w2, k_major=True, note=" (the FC2 weight [G, F, H] as stored)")
     bf16 = jnp.dtype(jnp.bfloat16)
-    group_sizes = _checked_group_sizes(group_sizes, g)
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
     if jnp.ndim(h) != 2 or tuple(jnp.shape(h)) != (m, n):
         raise ValueError(f"h must be [M, N] = [{m}, {n}], got h.shape={jnp.shape(h)}")
     if jnp.dtype(h.dtype) != bf16:
@@ -589,15 +591,6 @@ def _dgrad_operands(dy_row, w2, group_sizes, h, probs):
             f"grouped_gemm_dgrad needs N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
         )
     return m, n, k, g, probs, group_sizes
-
-
-def _clamped_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
-    """``[G]`` int32 group ends with the kernels' clamping (negative -> 0, running sum cut at
-    M), without int32 overflow whatever the sizes (a saturating running sum)."""
-    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
-    if sizes.shape[0] == 0:
-        return sizes
-    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
 
 
 def grouped_gemm_dgrad_cuda(
@@ -630,16 +623,14 @@ def grouped_gemm_dgrad_cuda(
     if g == 0 or k == 0:
         # da = 0 exactly; the groups' rows get the reference's bf16(0 * 2p * r) (signed
         # zeros, NaN for non-finite h or probs), rows past the groups zeros, as the kernel.
-        ends = _clamped_group_ends(gs, m)
-        total = ends[-1] if g else jnp.int32(0)
+        total = jnp.sum(gs)  # gs is clamped: its sum is at most M
         valid = jnp.arange(m, dtype=jnp.int32) < total
-        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32)) if g else gs  # as the kernel clamps them
         from jax_grouped_mlp._src.primitives import srelu_scaled_grad
 
         dh, dprobs = srelu_scaled_grad(jnp.zeros((m, n), jnp.bfloat16), h, probs)
         dprobs = jnp.where(valid, dprobs, 0.0)
         dh = jnp.where(valid[:, None], dh, jnp.zeros((), jnp.bfloat16))
-        dh_row, dh_col = mxfp8.fake_quantize_pair(dh, sizes, keep_col_fp8=False)
+        dh_row, dh_col = mxfp8.fake_quantize_pair(dh, gs, keep_col_fp8=False)
         return dh_row, dh_col, dprobs
     names = grouped_gemm_dgrad_variants()
     index = _variant_index(names, n, variant, lambda v: True, "the dgrad epilogue")

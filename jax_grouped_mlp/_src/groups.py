@@ -4,7 +4,10 @@ Tokens are sorted by expert: group ``g`` owns rows ``[start[g], end[g])`` of an
 ``[M, ...]`` array. Everything here is computed on the device from ``group_sizes``
 (no host sync) and is clamped so that no index ever leaves ``[0, M)``: sizes that
 sum past ``M`` are cut at ``M``, negative sizes count as zero, and rows at or past
-the (clamped) total belong to no group.
+the (clamped) total belong to no group. The clamping happens before any sum, so sizes
+whose running sum passes 2**31 (or int64 sizes past the int32 range) cut at ``M``
+like any others instead of wrapping: :func:`clamp_group_sizes`, which the public entry
+points and the CUDA bindings apply, so a kernel only ever sees sizes summing to ``<= M``.
 
 A *tile layout* splits every group into tiles of ``tile`` rows that never cross a
 group boundary (the last tile of a group may be short). There are at most
@@ -19,18 +22,81 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+_INT32_MAX = 2**31 - 1
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def host_clip(group_sizes):
+    """Integer NumPy (or list/tuple) sizes clipped to ``[0, 2**31 - 1]`` on the host, as int32.
+
+    With x64 disabled, ``jnp.asarray`` of an int64 array wraps values past the int32
+    range (``2**40`` becomes 0), and of a Python int past it raises: clipping first
+    keeps them "huge", so they are cut at ``M`` like any other. Anything else (device
+    arrays, tracers, non-integer input, which the caller rejects) is returned unchanged.
+    """
+    if isinstance(group_sizes, jax.Array) or not isinstance(
+        group_sizes, (np.ndarray, np.generic, list, tuple)
+    ):
+        return group_sizes
+    try:
+        arr = np.asarray(group_sizes)
+    except (TypeError, ValueError):
+        return group_sizes
+    if arr.dtype == object:  # Python ints past int64
+        flat = arr.reshape(-1).tolist()
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+            return group_sizes
+        return np.asarray([min(max(v, 0), _INT32_MAX) for v in flat], np.int32).reshape(arr.shape)
+    if arr.dtype.kind not in "iu":
+        return group_sizes
+    return np.clip(arr, 0, min(_INT32_MAX, np.iinfo(arr.dtype).max)).astype(np.int32)
+
+
+def _clip_sizes(group_sizes: jax.Array, m) -> jax.Array:
+    """Each size cut to ``[0, m]`` as int32, clipped in its own dtype first (no wrap)."""
+    sizes = group_sizes
+    info = jnp.iinfo(sizes.dtype)
+    if info.min < 0:
+        sizes = jnp.maximum(sizes, 0)
+    if info.max > _INT32_MAX:
+        sizes = jnp.minimum(sizes, _INT32_MAX)
+    return jnp.minimum(sizes.astype(jnp.int32), m)
+
+
 def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """Returns clamped ``(starts, ends)`` int32 ``[G]`` with ``0 <= start <= end <= m``."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    """Returns clamped ``(starts, ends)`` int32 ``[G]`` with ``0 <= start <= end <= m``.
+
+    ``ends`` is the running sum of the sizes cut to ``[0, m]``, saturating at ``m``;
+    it never overflows, whatever the sizes (any integer dtype).
+    """
+    sizes = _clip_sizes(group_sizes, m)
+    g = sizes.shape[0]
+    if isinstance(m, int) and g * m <= _INT32_MAX:
+        ends = jnp.minimum(jnp.cumsum(sizes), m)  # cannot overflow: every size <= m
+    elif g == 0:
+        ends = sizes
+    else:  # min(a + b, m) without forming a + b; associative for values in [0, m]
+        ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])[:-1]
     return starts, ends
+
+
+def clamp_group_sizes(group_sizes, m: int) -> jax.Array:
+    """``group_sizes`` as int32 ``[G]`` sizes that sum to at most ``m`` (the documented rule).
+
+    Negative sizes become 0 and the running sum is cut at ``m`` (later groups shrink or
+    empty), computed without overflow for any integer dtype; NumPy/list input is
+    clipped on the host first (:func:`host_clip`). The result describes exactly the same
+    rows per group as the input, so it can replace it anywhere; a kernel given it
+    never forms a running sum past ``m``.
+    """
+    starts, ends = group_bounds(jnp.asarray(host_clip(group_sizes)), m)
+    return ends - starts
 
 
 def row_group_ids(group_sizes: jax.Array, m: int) -> jax.Array:

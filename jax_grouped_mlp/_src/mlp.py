@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_grouped_mlp._src import primitives
+from jax_grouped_mlp._src import groups, primitives
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
 from jax_grouped_mlp._src.primitives import Operand
@@ -214,6 +214,9 @@ def grouped_mlp(
       w2: ``[G, F, H]`` stacked FC2 weights.
       group_sizes: ``[G]`` integer rows per expert, read on the device (no host
         sync). Sizes that sum past ``M`` are cut at ``M``; negative sizes count as 0.
+        The cut happens before any sum, so huge sizes (a running sum past 2**31, or
+        int64 values past the int32 range, in a NumPy array or with x64 enabled) cut
+        at ``M`` too instead of wrapping.
       probs: ``[M]`` or ``[M, 1]`` routing weights, or None for all ones.
       recipe: ``"mxfp8"`` (both GEMMs in MXFP8, forward and backward) or ``"bf16"``.
       fuse_fc1_epilogue: with ``"mxfp8"`` on CUDA, FC1's kernel also writes ``a``'s
@@ -248,7 +251,7 @@ def grouped_mlp(
     x = as_array("x", x)
     w1 = as_array("w1", w1)
     w2 = as_array("w2", w2)
-    group_sizes = as_array("group_sizes", group_sizes)
+    group_sizes = as_array("group_sizes", groups.host_clip(group_sizes))
     if probs is not None:
         probs = as_array("probs", probs)
     check_mlp_args(x, w1, w2, group_sizes, probs)
@@ -259,4 +262,6 @@ def grouped_mlp(
         p = jnp.ones((m,), jnp.float32)
     else:
         p = probs.reshape(m).astype(jnp.float32)
-    return _mlp(x, w1, w2, group_sizes.astype(jnp.int32), p, recipe_, fuse_fc1_epilogue)
+    # Clamped once here (sums cut at M, no int32 overflow): every kernel and reference
+    # below sees sizes that sum to at most M.
+    return _mlp(x, w1, w2, groups.clamp_group_sizes(group_sizes, m), p, recipe_, fuse_fc1_epilogue)

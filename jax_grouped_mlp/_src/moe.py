@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src import routing as routing_lib
 from jax_grouped_mlp._src.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
 from jax_grouped_mlp._src.mlp import grouped_mlp
@@ -41,7 +42,8 @@ class ExpertParallel:
     ``capacity_factor=None`` (default) is drop-free. A number ``c`` sizes each
     device's receive buffer (the ``M`` of its ``grouped_mlp``) at ``ceil(c * local
     pairs)`` rows instead of ``axis_size`` times that, where local pairs is a token
-    shard's ``tokens * top_k``; ``c >= axis_size`` is drop-free. Pairs that do not
+    shard's ``tokens * top_k``; ``c >= axis_size`` is drop-free. ``c`` must be finite
+    (a Python or NumPy number; use None, not ``inf``, for drop-free). Pairs that do not
     fit are dropped (they contribute zero and get zero gradient): a device accepts
     its peers' blocks in rank order along the expert axis, each block ordered by
     local expert then token, and drops the tail.
@@ -59,7 +61,12 @@ class ExpertParallel:
         names = tuple(self.mesh.axis_names)
         if self.expert_axis not in names:
             raise ValueError(f"expert_axis={self.expert_axis!r} is not an axis of the mesh (axes: {names})")
-        data_axes = (self.data_axes,) if isinstance(self.data_axes, str) else tuple(self.data_axes)
+        if isinstance(self.data_axes, str):
+            data_axes = (self.data_axes,)
+        elif isinstance(self.data_axes, (tuple, list)):
+            data_axes = tuple(self.data_axes)
+        else:
+            raise TypeError(f"data_axes must be a mesh axis name or a tuple of them, got data_axes={self.data_axes!r}")
         for axis in data_axes:
             if axis not in names:
                 raise ValueError(f"data_axes={data_axes!r}: {axis!r} is not an axis of the mesh (axes: {names})")
@@ -71,9 +78,10 @@ class ExpertParallel:
         object.__setattr__(self, "exchange", Exchange.parse(self.exchange))
         c = self.capacity_factor
         if c is not None:
-            if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
-                raise ValueError(f"capacity_factor must be a positive number or None, got capacity_factor={c!r}")
-            object.__setattr__(self, "capacity_factor", float(c))
+            if checks.is_real(c) and math.isinf(c):  # it sizes a buffer: None is drop-free
+                raise ValueError(f"capacity_factor must be finite (None is drop-free), got capacity_factor={c!r}")
+            c = checks.positive_float("capacity_factor", c)
+            object.__setattr__(self, "capacity_factor", c)
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -162,6 +170,8 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
         raise ValueError(f"w2 must be [E, F, H]={(e, f, h)}, got w2.shape={w2.shape}")
     if score_bias is not None and getattr(score_bias, "shape", None) != (e,):
         raise ValueError(f"score_bias must be [E]=({e},), got score_bias.shape={getattr(score_bias, 'shape', None)}")
+    if score_bias is not None and not any(jnp.issubdtype(score_bias.dtype, t) for t in (jnp.floating, jnp.integer)):
+        raise TypeError(f"score_bias must be a real (float) array, got score_bias.dtype={score_bias.dtype}")
     if routing.top_k > e:
         raise ValueError(f"routing.top_k={routing.top_k} is larger than the number of experts E={e}")
     if parallel is not None and e % parallel.expert_size:

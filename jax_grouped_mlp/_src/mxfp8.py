@@ -96,8 +96,8 @@ def _check_input(x: jax.Array, name: str = "x") -> None:
 
 
 def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
-    if not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {axis!r}")
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {name}={axis!r}")
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}={axis} is out of range for an array of rank {ndim}")
     return int(axis) % ndim
@@ -192,20 +192,22 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     where ``first_block`` is the exclusive cumsum of ``cdiv(size_g, 32)``: a block
     never mixes two groups (each group's tail block is padded). Rows at or past
     ``sum(group_sizes)`` (clamped to ``M``) belong to no block and get data 0.
-    Group sizes are read on the device; nothing is synchronised with the host.
+    Group sizes are read on the device; nothing is synchronised with the host. The
+    tensor keeps them clamped (``groups.clamp_group_sizes``: int32, summing to at most
+    ``M``), which describes the same blocks.
     """
     x = jnp.asarray(x)
     _check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K] for group-aware quantization, got {x.shape=}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
             f"group_sizes must be a 1-D integer array, got shape {group_sizes.shape} "
             f"dtype {group_sizes.dtype}"
         )
-    group_sizes = group_sizes.astype(jnp.int32)
     m, k = x.shape
+    group_sizes = groups.clamp_group_sizes(group_sizes, m)
     nblocks = grouped_scale_rows(m, group_sizes.shape[0])
     if m == 0:
         return MXFP8Tensor(
@@ -260,10 +262,61 @@ def quantize_via_both(x: jax.Array, axis: int, both: QuantizeBoth) -> MXFP8Tenso
     return MXFP8Tensor(col.data.reshape(x.shape), col.scale[: n * nb].reshape(*lead, nb, b), axis)
 
 
+def _check_tensor(t: MXFP8Tensor) -> None:
+    """Raises TypeError/ValueError, naming the field, for an MXFP8Tensor whose fields do not
+    fit together (as a hand-built one may): dtypes, ``axis`` and ``scale``'s shape."""
+    for name in ("data", "scale"):
+        arr = getattr(t, name)
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise TypeError(f"t.{name} must be an array, got t.{name}={type(arr).__name__}")
+    if jnp.dtype(t.data.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise TypeError(f"t.data must be float8_e4m3fn, got t.data.dtype={t.data.dtype}")
+    if jnp.dtype(t.scale.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
+        raise TypeError(f"t.scale must be float8_e8m0fnu (or its uint8 bytes), got t.scale.dtype={t.scale.dtype}")
+    nd = t.data.ndim
+    if nd == 0:
+        raise ValueError("t.data must have rank >= 1, got a scalar")
+    if not isinstance(t.axis, (int, np.integer)) or isinstance(t.axis, (bool, np.bool_)) or not 0 <= t.axis < nd:
+        raise ValueError(f"t.axis must be an int in [0, {nd}) for t.data.shape={t.data.shape}, got t.axis={t.axis!r}")
+    shape = tuple(t.data.shape)
+    if t.is_grouped:
+        gs = t.group_sizes
+        if nd != 2 or t.axis != 0:
+            raise ValueError(
+                f"a group-aware tensor must be [M, K] blocked along axis 0, got t.data.shape={shape} t.axis={t.axis}"
+            )
+        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 or not jnp.issubdtype(gs.dtype, jnp.integer):
+            raise TypeError(f"t.group_sizes must be a 1-D integer array or None, got t.group_sizes={gs!r}")
+        want = (grouped_scale_rows(shape[0], gs.shape[0]), shape[1])
+    else:
+        want = shape[: t.axis] + (groups.cdiv(shape[t.axis], BLOCK),) + shape[t.axis + 1 :]
+    if tuple(t.scale.shape) != want:
+        raise ValueError(
+            f"t.scale must have shape {want} for t.data.shape={shape} (axis {t.axis}"
+            f"{', group-aware' if t.is_grouped else ''}), got t.scale.shape={tuple(t.scale.shape)}"
+        )
+
+
 def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
-    """Back to ``dtype`` (exact for bfloat16 and float32 except below float32's normal range)."""
+    """Back to ``dtype``, a float dtype (exact for bfloat16 and float32 except below float32's
+    normal range).
+
+    Raises:
+      TypeError, ValueError: for a ``dtype`` that is not a float, or a (hand-built)
+        tensor whose fields do not fit together: data not float8_e4m3fn, scale not
+        E8M0 (or uint8 bytes), ``axis`` out of range, or ``scale`` not the shape that
+        ``data`` and ``axis`` (and ``group_sizes``) imply.
+    """
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
+    try:
+        out_dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be a float dtype, got dtype={dtype!r}") from None
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"dtype must be a float dtype, got dtype={dtype!r}")
+    dtype = out_dtype
+    _check_tensor(t)
     e = jax.lax.bitcast_convert_type(t.scale, jnp.uint8)
     values = t.data.astype(jnp.float32)
     if t.is_grouped:

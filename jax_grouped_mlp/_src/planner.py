@@ -72,15 +72,7 @@ def _check_positive_int(name: str, value) -> int:
 def _check_positive_float(
     name: str, value, *, allow_zero: bool = False, allow_inf: bool = False
 ) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {name}={value!r}")
-    v = float(value)
-    bad_inf = math.isinf(v) and not allow_inf
-    if math.isnan(v) or bad_inf or v < 0 or (v == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        finite = "" if allow_inf else "finite and "
-        raise ValueError(f"{name} must be {finite}{bound}, got {name}={value!r}")
-    return v
+    return checks.positive_float(name, value, allow_zero=allow_zero, allow_inf=allow_inf)
 
 
 def _check_recipe(recipe) -> str:
@@ -139,6 +131,10 @@ class LayerTime:
     def __post_init__(self):
         _check_positive_float("forward", self.forward)
         _check_positive_float("backward", self.backward)
+        if not isinstance(self.recompute, Mapping):
+            raise TypeError(
+                f"recompute must be a mapping of {list(RESIDUAL_NAMES)} to seconds, got recompute={self.recompute!r}"
+            )
         if set(self.recompute) != set(RESIDUAL_NAMES):
             raise ValueError(
                 f"recompute must have exactly the keys {list(RESIDUAL_NAMES)}, "
@@ -413,7 +409,7 @@ def plan_offload(
     tie_tolerance = _check_positive_float("tie_tolerance", tie_tolerance, allow_zero=True)
     if isinstance(layer_time, LayerTime):
         lt = layer_time
-    elif isinstance(layer_time, (int, float)) and not isinstance(layer_time, bool):
+    elif checks.is_real(layer_time):
         lt = LayerTime.from_total(layer_time, shape, recipe)
     else:
         raise ValueError(f"layer_time must be a LayerTime or seconds (float), got {layer_time=!r}")

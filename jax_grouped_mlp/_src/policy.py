@@ -21,7 +21,10 @@ def _check_placement(name: str, value: str) -> str:
 def _check_names(arg: str, names: Iterable[str]) -> tuple[str, ...]:
     if isinstance(names, str):
         raise TypeError(f"{arg} must be a sequence of names, got the string {names!r}")
-    out = tuple(names)
+    try:
+        out = tuple(names)
+    except TypeError:
+        raise TypeError(f"{arg} must be a sequence of names (use () for none), got {arg}={names!r}") from None
     for n in out:
         if not isinstance(n, str):
             raise TypeError(f"{arg} must contain checkpoint names (str), got {n!r}")

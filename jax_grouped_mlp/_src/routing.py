@@ -33,7 +33,8 @@ class RoutingConfig:
     """How each token picks its experts and how their outputs are weighted.
 
     weights = top_k(scores), then, if ``normalize_weights``, divided by their sum
-    (plus 1e-20), then multiplied by ``routed_scaling_factor``. With
+    (plus 1e-20), then multiplied by ``routed_scaling_factor`` (a positive number,
+    Python or NumPy, finite and within float32's range). With
     ``score_function="softmax"`` and ``normalize_weights=True`` this is Mixtral's
     router; Nemotron-3 uses ``"sigmoid"``, ``normalize_weights=True`` and the
     model's ``routed_scaling_factor``. An optional selection bias (DeepSeek-V3's
@@ -51,12 +52,9 @@ class RoutingConfig:
         object.__setattr__(self, "score_function", ScoreFunction.parse(self.score_function))
         if not isinstance(self.normalize_weights, bool):
             raise TypeError(f"normalize_weights must be a bool, got normalize_weights={self.normalize_weights!r}")
-        factor = self.routed_scaling_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(
-                f"routed_scaling_factor must be a positive float, got routed_scaling_factor={factor!r}"
-            )
-        object.__setattr__(self, "routed_scaling_factor", float(factor))
+        # Finite and within float32: it multiplies the float32 weights.
+        factor = checks.positive_float("routed_scaling_factor", self.routed_scaling_factor, float32=True)
+        object.__setattr__(self, "routed_scaling_factor", factor)
 
 
 def route(
