@@ -158,6 +158,43 @@ def test_shape_polymorphic_export_for_cpu_and_cuda(rng):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+def test_shape_polymorphic_export_of_the_gradient(rng, recipe):
+    """The training gradient exports with a symbolic token count (any M, not only
+    multiples of 32), survives serialization, and gives the non-exported numbers."""
+    import jax_grouped_mlp as jgm
+
+    m = jax.export.symbolic_shape("m")[0]
+    g, h, f = 4, 64, 96
+
+    def loss(x, w1, w2, gs, p):
+        return jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe).astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
+    args = (
+        jax.ShapeDtypeStruct((m, h), jnp.bfloat16), jax.ShapeDtypeStruct((g, h, f), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, f, h), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+    exp = jax.export.export(step, platforms=("cpu", "cuda"), disabled_checks=jgm.export_disabled_checks())(*args)
+    try:  # the `export` extra
+        import flatbuffers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        exp = jax.export.deserialize(exp.serialize())
+    for rows, sizes in ((70, [33, 1, 16, 0]),):  # 20 rows past the groups
+        x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+        w1 = jnp.asarray(rng.standard_normal((g, h, f)) / 8, jnp.bfloat16)
+        w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.bfloat16)
+        p = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
+        call = (x, w1, w2, jnp.asarray(sizes, jnp.int32), p)
+        got, want = exp.call(*call), step(*call)
+        for a, b in zip(got, want):
+            assert np.abs(np.asarray(b, np.float32)).max() > 0
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_fake_quantize_pair_reference(rng, keep):
     """The two-copy op on the reference path: rowwise MXFP8 values in bf16, and the

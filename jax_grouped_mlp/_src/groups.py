@@ -121,8 +121,8 @@ class TileLayout:
     first_tile: jax.Array
 
     @property
-    def num_tiles(self) -> int:
-        return int(self.group.shape[0])
+    def num_tiles(self) -> int:  # symbolic under shape-polymorphic export
+        return self.group.shape[0]
 
 
 def num_tiles(m: int, num_groups: int, tile: int) -> int:

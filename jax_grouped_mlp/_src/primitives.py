@@ -15,12 +15,15 @@ accumulation: the same arithmetic a bf16-MMA kernel does.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Literal, Union
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
+import numpy as np
 
-from jax_grouped_mlp._src import mxfp8, reference
+from jax_grouped_mlp._src import groups, mxfp8, reference
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
@@ -45,14 +48,72 @@ def cuda_impl(name: OpName) -> Callable | None:
 
 def _dispatch(name: OpName, *args, **static):
     ref = _REFERENCE[name]
-    cuda = _CUDA_IMPLS.get(name)
-    if cuda is None:
+    if name not in _CUDA_IMPLS:
         return ref(*args, **static)
-    return jax.lax.platform_dependent(
-        *args,
-        cuda=lambda *a: cuda(*a, **static),
-        default=lambda *a: ref(*a, **static),
-    )
+    return _kernel_or_reference(name, tuple(sorted(static.items())), *args)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel_or_reference(name: OpName, static: tuple, *args):
+    """The CUDA implementation of ``name`` when lowered for CUDA, the reference elsewhere.
+
+    A ``custom_jvp`` whose derivative is the reference's (:func:`_reference_jvp`): the
+    FFI custom call has no derivative of its own, and ``platform_dependent``
+    differentiates both branches, so without it anything that differentiates a
+    primitive (grad of the MLP's backward, ``jax.hessian``) would fail whenever the
+    extension is built, even on CPU. A first-order gradient never differentiates a
+    primitive (the MLP's ``custom_vjp`` rules call them), so this adds nothing there.
+    """
+    return _per_platform(name, static)(*args)
+
+
+@_kernel_or_reference.defjvp
+def _reference_jvp(name: OpName, static: tuple, primals, tangents):
+    """Primal from the kernel (on CUDA), tangent from the reference's own derivative:
+    the derivative the reference path has, so every path differentiates alike."""
+    out = _kernel_or_reference(name, static, *primals)
+    ref = functools.partial(_REFERENCE[name], **dict(static))
+    _, tangent = jax.jvp(ref, primals, tangents)
+    return out, tangent
+
+
+def _per_platform(name: OpName, static: tuple) -> Callable:
+    """``platform_dependent(cuda=kernel, default=reference)`` for ``name``, with a batching rule.
+
+    The FFI custom calls have no batching rule of their own. Under ``vmap`` the CUDA
+    branch runs the kernel once per batch element (``lax.map``; nested ``vmap`` nests
+    the loops) and the reference branch is vmapped as usual.
+    """
+    kw = dict(static)
+    ref = functools.partial(_REFERENCE[name], **kw)
+    cuda = functools.partial(_CUDA_IMPLS[name], **kw)
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return jax.lax.platform_dependent(*args, cuda=cuda, default=ref)
+
+    @call.def_vmap
+    def _batched(axis_size, in_batched, *args):
+        leaves, tree = jax.tree.flatten(args)
+        flags = jax.tree.leaves(in_batched)
+        assert len(flags) == len(leaves), (name, in_batched)
+
+        def with_leaves(fn):
+            def run(*batched_leaves):
+                it = iter(batched_leaves)
+                return fn(*jax.tree.unflatten(tree, [next(it) if b else x for x, b in zip(leaves, flags)]))
+            return run
+
+        def sequential(*batched_leaves):
+            return jax.lax.map(lambda bl: with_leaves(call)(*bl), batched_leaves)
+
+        batched = [x for x, b in zip(leaves, flags) if b]
+        out = jax.lax.platform_dependent(
+            *batched, cuda=sequential, default=jax.vmap(with_leaves(ref))
+        )
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call
 
 
 def _as_bf16(x: Operand) -> jax.Array:
@@ -83,20 +144,99 @@ def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, ou
     )
 
 
+# The reference quantizers are differentiated straight-through (quantization is the
+# identity in the derivative, as the MLP's own backward treats it), not through their
+# arithmetic: that would round every tangent to FP8 (NaN past the block's range)
+# and give nonsense second derivatives. A tangent of an FP8 operand is still FP8
+# (JAX's tangent of a float8 array has its dtype): ``x_dot`` in units of the
+# primal's block scale, rounded to E4M3. The MLP keeps FP8 copies only for the
+# weight gradients' operands.
+
+
 def _ref_quantize(x: jax.Array, *, axis: int) -> MXFP8Tensor:
-    return mxfp8.quantize_mxfp8(x, axis=axis)
+    return _st_quantize(x, axis)
 
 
 def _ref_fake_quantize(x: jax.Array, *, axis: int) -> jax.Array:
-    return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+    return _st_fake_quantize(x, axis)
 
 
 def _ref_quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
-    return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
+    return _st_quantize_both(x, group_sizes)
 
 
 def _ref_fake_quantize_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp8: bool):
+    return _st_fake_quantize_pair(x, group_sizes, keep_col_fp8)
+
+
+def _fp8_tangent(q: MXFP8Tensor, x_dot: jax.Array) -> MXFP8Tensor:
+    """The straight-through tangent of ``q = quantize(x)``: ``x_dot`` over ``q``'s scales
+    as E4M3 (zero where a block's scale underflows or a row is past the groups)."""
+    ones = MXFP8Tensor(jnp.ones_like(q.data), q.scale, q.axis, q.group_sizes)
+    scale = mxfp8.dequantize(ones, jnp.float32)
+    ok = scale > 0
+    data = jnp.where(ok, x_dot.astype(jnp.float32) / jnp.where(ok, scale, 1.0), 0.0)
+    return MXFP8Tensor(
+        data.astype(jnp.float8_e4m3fn), jnp.zeros_like(q.scale), q.axis,
+        None if q.group_sizes is None else _float0_like(q.group_sizes),
+    )
+
+
+def _float0_like(x: jax.Array):
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _in_groups(x_dot: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``x_dot`` with the rows past the groups zeroed (what a group-aware copy holds), bf16."""
+    g = group_sizes.shape[0]
+    keep = (groups.row_group_ids(group_sizes, x_dot.shape[0]) < g)[:, None]
+    return jnp.where(keep, x_dot, jnp.zeros((), x_dot.dtype)).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _st_quantize(x: jax.Array, axis: int) -> MXFP8Tensor:
+    return mxfp8.quantize_mxfp8(x, axis=axis)
+
+
+@_st_quantize.defjvp
+def _st_quantize_jvp(axis, primals, tangents):
+    q = _st_quantize(primals[0], axis)
+    return q, _fp8_tangent(q, tangents[0])
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _st_fake_quantize(x: jax.Array, axis: int) -> jax.Array:
+    return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
+
+
+@_st_fake_quantize.defjvp
+def _st_fake_quantize_jvp(axis, primals, tangents):
+    return _st_fake_quantize(primals[0], axis), tangents[0].astype(jnp.bfloat16)
+
+
+@jax.custom_jvp
+def _st_quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
+
+
+@_st_quantize_both.defjvp
+def _st_quantize_both_jvp(primals, tangents):
+    row, col = _st_quantize_both(*primals)
+    return (row, col), (_fp8_tangent(row, tangents[0]), _fp8_tangent(col, tangents[0]))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _st_fake_quantize_pair(x: jax.Array, group_sizes: jax.Array, keep_col_fp8: bool):
     return mxfp8.fake_quantize_pair(x, group_sizes, keep_col_fp8)
+
+
+@_st_fake_quantize_pair.defjvp
+def _st_fake_quantize_pair_jvp(keep_col_fp8, primals, tangents):
+    x, group_sizes = primals
+    x_dot = tangents[0]
+    row, col = _st_fake_quantize_pair(x, group_sizes, keep_col_fp8)
+    col_dot = _fp8_tangent(col, x_dot) if keep_col_fp8 else _in_groups(x_dot, group_sizes)
+    return (row, col), (x_dot.astype(jnp.bfloat16), col_dot)
 
 
 def srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
