@@ -250,18 +250,34 @@ def shared_f64(x, sw1, sw2, dy):
 
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
 def test_shared_expert_against_float64(rng, recipe):
+    check_shared_expert(rng, recipe, t=40, h=64, f=96, fs=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_shared_expert_and_stats_on_gpu(rng, recipe):
+    """The CUDA kernels: 640 tokens, so the shared expert's one group has more than
+    QW_MAX_ROWS_PER_GROUP rows (MXFP8 takes the fused FC1 path there) while the routed
+    groups are small (weights quantized in the GEMM)."""
+    assert jax.devices()[0].platform == "gpu"
+    stats = check_shared_expert(rng, recipe, t=640, h=256, f=128, fs=384)
+    assert int(stats.expert_load.sum()) == 640 * 3
+
+
+def check_shared_expert(rng, recipe, *, t, h, f, fs):
+    """moe_block with a shared expert and stats against float64; returns the stats."""
     config, bias = STAT_CONFIGS["sigmoid_top3_bias"]
-    x, router, w1, w2, dy = make_moe(rng, config, bias=bias)
-    h, fs = x.shape[1], 64
+    x, router, w1, w2, dy = make_moe(rng, config, t=t, h=h, f=f, bias=bias)
     sw1 = np.asarray(jnp.asarray(rng.standard_normal((h, fs)) / np.sqrt(h), jnp.bfloat16), np.float64)
     sw2 = np.asarray(jnp.asarray(rng.standard_normal((fs, h)) / np.sqrt(fs), jnp.bfloat16), np.float64)
     b = jnp.asarray(bias, jnp.float32)
 
-    def f(x, router, w1, w2, sw1, sw2):
-        return moe_block(x, router, w1, w2, routing=config, score_bias=b, recipe=recipe, shared_w1=sw1, shared_w2=sw2)
+    def block(x, router, w1, w2, sw1, sw2):
+        return moe_block(x, router, w1, w2, routing=config, score_bias=b, recipe=recipe, shared_w1=sw1,
+                         shared_w2=sw2, return_stats=True)
 
     args = (*_args(x, router, w1, w2), jnp.asarray(sw1, jnp.bfloat16), jnp.asarray(sw2, jnp.bfloat16))
-    y, vjp = jax.vjp(jax.jit(f), *args)
+    y, vjp, stats = jax.vjp(jax.jit(block), *args, has_aux=True)
     dx, _, _, _, dsw1, dsw2 = vjp(jnp.asarray(dy, jnp.bfloat16))
     ry, (rdx, *_) = moe_f64(x, router, w1, w2, config, dy, bias)
     sy, (sdx, rdsw1, rdsw2) = shared_f64(x, sw1, sw2, dy)
@@ -272,6 +288,10 @@ def test_shared_expert_against_float64(rng, recipe):
         limit = band["dw1"] if name.startswith("dsw") else band[name]
         assert np.isfinite(err) and err < limit, f"{name}: {err:.4f} >= {limit} ({errs})"
     assert rel_err(y, ry) > 0.1  # the shared expert's part is not negligible
+    load, lb, z, _ = stats_f64(x, router, config, bias)
+    np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
+    np.testing.assert_allclose([float(stats.load_balancing_loss), float(stats.z_loss)], [lb, z], rtol=1e-5)
+    return stats
 
 
 @pytest.mark.parametrize(
@@ -345,8 +365,9 @@ def test_flax_aux_loss_trains_the_router_towards_balance(rng):
     def step(block, opt):
         def loss_fn(block):
             y = nnx.remat(lambda m, v: m(v), policy=policy)(block, x)
-            inter = nnx.pop(block, nnx.Intermediate)
-            return 0.0 * jnp.mean(y.astype(jnp.float32)) + inter["aux_loss"].get_value()
+            inter = nnx.pop(block, nnx.Intermediate)  # as docs/moe.md sums a model's blocks
+            aux = sum(v.get_value() for path, v in nnx.to_flat_state(inter) if path[-1] == "aux_loss")
+            return 0.0 * jnp.mean(y.astype(jnp.float32)) + aux
 
         loss, grads = nnx.value_and_grad(loss_fn)(block)
         opt.update(block, grads)

@@ -13,6 +13,11 @@ host. Drop-free by default: the receive buffer holds ``axis_size * tokens * top_
 rows, the worst case of every pair in the axis choosing this device. ``grouped_mlp``
 only computes the rows its ``group_sizes`` cover, but its residuals are allocated at
 the buffer's size; ``capacity_factor`` trades that memory for dropped pairs.
+
+Both paths are ``route -> permute -> grouped_mlp -> combine`` (the public pieces in
+:mod:`routing`); an optional shared expert runs as one more ``grouped_mlp`` call over
+a device's own tokens, and router statistics (:mod:`router_stats`) are partial sums
+per token shard, added outside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class ExpertParallel:
     shard's ``tokens * top_k``; ``c >= axis_size`` is drop-free. Pairs that do not
     fit are dropped (they contribute zero and get zero gradient): a device accepts
     its peers' blocks in rank order along the expert axis, each block ordered by
-    local expert then token, and drops the tail.
+    local expert then token, and drops the tail (``RouterStats.dropped`` counts them).
     """
 
     mesh: jax.sharding.Mesh

@@ -64,7 +64,12 @@ def route(
 ) -> tuple[jax.Array, jax.Array]:
     """``[T, E]`` router logits -> (expert ids ``[T, k]`` int32, weights ``[T, k]`` float32).
 
-    Ties between equal scores go to the lower expert index (``lax.top_k``).
+    The scores are ``config.score_function`` of the float32 logits; the ``k`` experts
+    with the highest ``scores + score_bias`` are chosen (``score_bias`` ``[E]``, the
+    selection-only bias, may be None), and their weights are the *unbiased* scores,
+    normalised and scaled as ``config`` says. Ties go to the lower expert index
+    (``lax.top_k``). Differentiable in ``logits`` through the weights. Feed the
+    result to :func:`permute`.
     """
     logits = logits.astype(jnp.float32)
     if config.score_function is ScoreFunction.SOFTMAX:
