@@ -87,13 +87,33 @@ def device_description() -> dict:
     return {"platform": d.platform, "device_kind": d.device_kind, "jax": jax.__version__}
 
 
+def library_commit() -> str:
+    """The library's git commit: ``$JGM_COMMIT`` (set it where the tree travels without
+    ``.git``, as on the device machine), else ``git rev-parse HEAD``, else "unknown"."""
+    import os
+    import subprocess
+
+    if os.environ.get("JGM_COMMIT"):
+        return os.environ["JGM_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=pathlib.Path(__file__).resolve().parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def gemm_report(what: str, script: str, argv: list[str]) -> dict:
-    """The header of a GEMM benchmark's JSON: what, the command, GPU, jax, host, timing."""
+    """The header of a benchmark's JSON: what, the command, library commit, date, GPU, jax,
+    host, timing."""
+    import datetime
     import platform
 
     return {
         "what": what,
         "command": "PYTHONPATH=. python3 " + " ".join([script, *argv]),
+        "commit": library_commit(),
+        "date": datetime.date.today().isoformat(),
         "gpu": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "host": platform.node(),

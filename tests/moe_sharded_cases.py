@@ -340,3 +340,24 @@ def test_stats_and_shared_expert_match_single_device(single_device_results, layo
     s = 1.0 / (1.0 + np.exp(-logits))
     lb = E * np.sum(load / (T * config.top_k) * (s / s.sum(1, keepdims=True)).mean(0))
     np.testing.assert_allclose(float(got.load_balancing_loss), lb, rtol=1e-5)
+
+
+def test_flax_moe_block_shared_expert_and_aux_loss_expert_parallel():
+    from flax import nnx
+
+    config = RoutingConfig(2, "sigmoid", True, 2.5)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 21, 32)), jnp.bfloat16)
+    kw = dict(routing=config, recipe="bf16", shared_ffn=40, load_balancing_coef=0.5, z_loss_coef=0.1)
+    single = MoEBlock(8, 32, 48, **kw, rngs=nnx.Rngs(0))
+    sharded = MoEBlock(8, 32, 48, **kw, rngs=nnx.Rngs(0), parallel=ExpertParallel(mesh_of(2, 2), "expert", ("data",)))
+
+    def run(m, v):
+        y = m(v)
+        inter = nnx.pop(m, nnx.Intermediate)
+        return y, inter["aux_loss"].get_value(), inter["router_stats"].get_value().expert_load
+
+    y1, aux1, load1 = nnx.jit(run)(single, x)
+    y2, aux2, load2 = nnx.jit(run)(sharded, x)
+    assert rel_err(y2, y1) <= EXACT
+    np.testing.assert_allclose(float(aux2), float(aux1), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(load2), np.asarray(load1))

@@ -6,6 +6,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks import bench_offload, buffer_assignment  # noqa: E402
@@ -64,6 +66,7 @@ def test_protobuf_reader():
 
 
 def test_tiny_run_end_to_end(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra (pip install .[bench])")
     out = tmp_path / "offload.json"
     png = tmp_path / "offload.png"
     argv = ["--tokens", "128", "--hidden", "32", "--ffn", "64", "--experts", "4", "--layers", "1",

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -23,6 +29,20 @@ def test_params_and_forward(rng):
     want = jgm.grouped_mlp(x, m.w1[...].astype(jnp.bfloat16), m.w2[...].astype(jnp.bfloat16), gs)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
     assert np.all(np.asarray(y[35:], np.float32) == 0)
+
+
+def test_float32_params_get_float32_gradients(rng):
+    """Default float32 params: the gradient is the op's float32 weight gradient (float32
+    sums), not a bf16-rounded one cast back (what a cast before the op would give)."""
+    m = GroupedMLP(3, 32, 64, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    x = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
+    gs = jnp.asarray([10, 7, 23], jnp.int32)
+    grads = nnx.grad(lambda mdl: jnp.sum(mdl(x, gs).astype(jnp.float32) ** 2))(m)
+    g1 = grads["w1"][...]
+    assert g1.dtype == jnp.float32
+    want = jax.grad(lambda w: jnp.sum(jgm.grouped_mlp(x, w, m.w2[...], gs).astype(jnp.float32) ** 2))(m.w1[...])
+    np.testing.assert_array_equal(np.asarray(g1), np.asarray(want))
+    assert np.any(np.asarray(g1) != np.asarray(g1.astype(jnp.bfloat16), np.float32))
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
@@ -56,3 +76,27 @@ def test_bad_constructor_arguments():
         GroupedMLP(0, 8, 8, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="recipe must be one of"):
         GroupedMLP(2, 8, 8, recipe="int8", rngs=nnx.Rngs(0))
+
+
+def test_sharded_cases_on_four_cpu_devices():
+    """``flax_sharded_cases.py`` in a fresh interpreter with 4 simulated CPU devices.
+
+    AdamW on an expert-parallel ``MoEBlock`` built without ``jax.set_mesh`` follows the
+    single-device trajectory; a model of the modules sharded FSDP/TP-style from their
+    logical axis metadata matches one device. (The device-count flag only acts before
+    jax starts its CPU backend; see ``test_moe_sharded.py``.)
+    """
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here.parent), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+           str(here / "flax_sharded_cases.py")]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=here.parent, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"sharded Flax cases timed out after {err.timeout}s:\n{err.stdout or ''}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"sharded Flax cases failed (rc={proc.returncode}):\n{out[-20000:]}"
+    assert "skipped" not in out.splitlines()[-1], f"sharded Flax cases were skipped:\n{out[-5000:]}"

@@ -191,3 +191,33 @@ def test_weights_in_gemm_rule():
     assert not mlp._weights_in_gemm(Recipe.MXFP8, 16, 0)
     assert not mlp._weights_in_gemm(Recipe.BF16, 16, 4)
     assert mlp._weights_in_gemm(Recipe.MXFP8, object(), 4)  # symbolic M
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+def test_float32_weights_take_the_bf16_path(rng, recipe, monkeypatch):
+    """float32 (master) weights: every primitive sees bf16 weights (so the CUDA kernels
+    take them), y / dx / dprobs are the bits of the op on the bf16-rounded weights, and
+    the weight gradients come back in float32, rounding to the bf16 run's gradients."""
+    from jax_grouped_mlp._src import primitives
+
+    x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
+    w1_32 = (w1.astype(jnp.float32) + jnp.asarray(rng.standard_normal(w1.shape) * 1e-4, jnp.float32))
+    w2_32 = (w2.astype(jnp.float32) + jnp.asarray(rng.standard_normal(w2.shape) * 1e-4, jnp.float32))
+    seen: list = []
+    for name in ("fake_quantize", "grouped_gemm", "grouped_gemm_qw", "fc1_fused", "dgrad_fused"):
+        fn = getattr(primitives, name)
+
+        def spy(*args, _fn=fn, **kw):
+            seen.extend(a.dtype for a in args if hasattr(a, "ndim") and a.ndim == 3)
+            return _fn(*args, **kw)
+
+        monkeypatch.setattr(primitives, name, spy)
+    y32, g32 = run_op(x, w1_32, w2_32, gs, probs, dy, recipe)
+    assert seen and all(d == jnp.bfloat16 for d in seen), seen
+    yb, gb = run_op(x, w1_32.astype(jnp.bfloat16), w2_32.astype(jnp.bfloat16), gs, probs, dy, recipe)
+    assert g32[1].dtype == jnp.float32 and g32[2].dtype == jnp.float32
+    for got, want in zip((y32, g32[0], g32[3], g32[1].astype(jnp.bfloat16), g32[2].astype(jnp.bfloat16)),
+                         (yb, gb[0], gb[3], gb[1], gb[2])):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # float32 sums, not bf16-rounded ones: the float32 gradient carries more bits.
+    assert np.any(np.asarray(g32[1]) != np.asarray(g32[1].astype(jnp.bfloat16), np.float32))

@@ -321,6 +321,8 @@ def test_flax_moe_block_sows_stats_and_shared_expert(rng):
                      load_balancing_coef=0.01, z_loss_coef=1e-3, rngs=nnx.Rngs(0))
     assert block.shared_w1.shape == (32, 48) and block.shared_w2.shape == (48, 32)
     assert isinstance(block.shared_w1, nnx.Param)
+    assert block.shared_w1.get_metadata("out_sharding") == ("embed", "mlp")  # the experts' logical names
+    assert block.shared_w2.get_metadata("out_sharding") == ("mlp", "embed")
     x = jnp.asarray(rng.standard_normal((2, 10, 32)), jnp.bfloat16)
     block.score_bias[...] = jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32)
     y = block(x)

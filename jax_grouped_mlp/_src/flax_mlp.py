@@ -1,12 +1,27 @@
-"""Flax NNX shell over :func:`grouped_mlp`: holds the stacked expert weights."""
+"""Flax NNX shell over :func:`grouped_mlp`: holds the stacked expert weights.
+
+Sharding: every param carries Flax's ``out_sharding`` metadata in *logical* axis names
+(:class:`AxisNames`; defaults :data:`EXPERT_AXIS`, :data:`EMBED_AXIS`,
+:data:`MLP_AXIS`, the MaxText/Flax names), which ``nnx.logical_axis_rules`` maps to
+mesh axes. How a param is placed at construction depends on the mesh known then
+(``mesh=``, or the one ``jax.set_mesh`` set): with none, the param stays where it was
+created and carries only the names (no mesh is needed later, e.g. to build an
+optimizer); with one, each name resolves through the active logical axis rules, else
+to the mesh axis of that name, else to ``None`` (replicated), the param is sharded so
+(Flax's eager sharding), and the resolved rules and the mesh are recorded on it
+(``sharding_rules`` / ``mesh`` metadata), so later Variable copies such as
+``nnx.Optimizer``'s state shard the same way without a mesh context.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.mlp import grouped_mlp
@@ -18,18 +33,83 @@ default_kernel_init = nnx.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
 )
 
+EXPERT_AXIS = "expert"
+"""Default logical name of the expert axis (axis 0 of ``w1``/``w2``)."""
+EMBED_AXIS = "embed"
+"""Default logical name of the hidden (model) axis: ``w1`` axis 1, ``w2`` axis 2, ``router`` axis 0."""
+MLP_AXIS = "mlp"
+"""Default logical name of the expert FFN axis: ``w1`` axis 2, ``w2`` axis 1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisNames:
+    """The logical axis names the Flax modules' params carry as ``out_sharding`` metadata.
+
+    ``w1 [E, H, F]`` gets ``(expert, hidden, ffn)``, ``w2 [E, F, H]``
+    ``(expert, ffn, hidden)`` and ``MoEBlock``'s ``router [H, E]`` ``(hidden, None)``
+    (the router is used whole by every token, so its expert axis is never split).
+    ``None`` for a field: that axis is never sharded.
+    """
+
+    expert: str | None = EXPERT_AXIS
+    hidden: str | None = EMBED_AXIS
+    ffn: str | None = MLP_AXIS
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"AxisNames.{field.name} must be a non-empty str or None, got {field.name}={value!r}")
+        names = [n for n in (self.expert, self.hidden, self.ffn) if n is not None]
+        if len(set(names)) != len(names):
+            raise ValueError(f"AxisNames must be distinct, got {self!r}")
+
+
+def _context_mesh() -> jax.sharding.Mesh | None:
+    """The concrete mesh ``jax.set_mesh`` set, if any (under a trace only the abstract one is known)."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:
+        return None
+    return None if mesh is None or mesh.empty else mesh
+
+
+def sharded_param(value: jax.Array, names: tuple[str | None, ...], mesh: jax.sharding.Mesh | None) -> nnx.Param:
+    """``nnx.Param(value)`` annotated with logical ``names``, placed as the module docstring says."""
+    mesh = mesh if mesh is not None else _context_mesh()
+    axes_of = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if axes_of.empty:
+        # No mesh to shard over: names only. eager_sharding=False, or Flax would
+        # demand a mesh here and again for every copy (the optimizer's state).
+        return nnx.Param(value, out_sharding=names, eager_sharding=False)
+    rules = dict(flax_spmd.get_logical_axis_rules())
+    mesh_axes = set(axes_of.axis_names)
+    resolved = tuple(
+        (n, rules[n] if n in rules else (n if n in mesh_axes else None)) for n in names if n is not None
+    )
+    metadata: dict[str, Any] = {"out_sharding": names, "sharding_rules": resolved}
+    if mesh is not None:
+        metadata["mesh"] = mesh
+    return nnx.Param(value, **metadata)
+
 
 class GroupedMLP(nnx.Module):
     """The squared-ReLU expert MLP of an MoE layer, over tokens already sorted by expert.
 
     Params: ``w1 [num_experts, hidden, ffn]`` and ``w2 [num_experts, ffn, hidden]``,
-    stored in ``param_dtype`` and cast to ``dtype`` for the computation (with
-    ``recipe="mxfp8"`` the GEMMs quantize them to MXFP8 anyway). ``recipe`` and
+    stored in ``param_dtype`` (float32 master weights by default, or bfloat16): the
+    op reads them as bf16 (MXFP8 with ``recipe="mxfp8"``) and returns their
+    gradients in ``param_dtype``; ``dtype`` is the dtype of the tokens. ``recipe`` and
     ``fuse_fc1_epilogue`` are :func:`jax_grouped_mlp.grouped_mlp`'s.
 
     Call as ``module(x, group_sizes, probs=None)`` with ``x [M, hidden]``; see
     :func:`jax_grouped_mlp.grouped_mlp`. Use under ``nnx.jit`` and ``nnx.remat``
     with :func:`jax_grouped_mlp.offload_policy` to place the residuals.
+
+    Sharding: ``w1`` carries ``out_sharding=(expert, hidden, ffn)`` and ``w2``
+    ``(expert, ffn, hidden)`` in the logical names of ``axis_names``
+    (:class:`AxisNames`); ``mesh`` (default: the mesh set by ``jax.set_mesh``, if
+    any) is where they are placed at construction (see this module's docstring).
     """
 
     def __init__(
@@ -43,6 +123,8 @@ class GroupedMLP(nnx.Module):
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
         kernel_init: nnx.Initializer = default_kernel_init,
+        axis_names: AxisNames = AxisNames(),
+        mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
     ):
         num_experts = checks.positive_int("num_experts", num_experts)
@@ -55,16 +137,27 @@ class GroupedMLP(nnx.Module):
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
-        self.w1 = nnx.Param(kernel_init(rngs.params(), (num_experts, hidden, ffn), self.param_dtype))
-        self.w2 = nnx.Param(kernel_init(rngs.params(), (num_experts, ffn, hidden), self.param_dtype))
+        if not isinstance(axis_names, AxisNames):
+            raise TypeError(f"axis_names must be an AxisNames, got axis_names={axis_names!r}")
+        if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got mesh={type(mesh).__name__}")
+        e_, h_, f_ = axis_names.expert, axis_names.hidden, axis_names.ffn
+        self.w1 = sharded_param(
+            kernel_init(rngs.params(), (num_experts, hidden, ffn), self.param_dtype), (e_, h_, f_), mesh
+        )
+        self.w2 = sharded_param(
+            kernel_init(rngs.params(), (num_experts, ffn, hidden), self.param_dtype), (e_, f_, h_), mesh
+        )
 
     def __call__(
         self, x: jax.Array, group_sizes: jax.Array, probs: jax.Array | None = None
     ) -> jax.Array:
         return grouped_mlp(
             jnp.asarray(x).astype(self.dtype),
-            self.w1[...].astype(self.dtype),
-            self.w2[...].astype(self.dtype),
+            # Params go in as stored: the op rounds float32 weights to bf16 itself and
+            # returns their gradients in float32 (a cast here would round them to bf16).
+            self.w1[...],
+            self.w2[...],
             group_sizes,
             probs,
             recipe=self.recipe,

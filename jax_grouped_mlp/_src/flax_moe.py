@@ -7,9 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
-from jax_grouped_mlp._src.flax_mlp import GroupedMLP, default_kernel_init
+from jax_grouped_mlp._src.flax_mlp import AxisNames, GroupedMLP, default_kernel_init, sharded_param
 from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
 from jax_grouped_mlp._src.recipes import Recipe
 from jax_grouped_mlp._src.router_stats import update_score_bias
@@ -47,8 +48,19 @@ class MoEBlock(nnx.Module):
 
     Call as ``block(x)`` with ``x [..., hidden]``; see :func:`jax_grouped_mlp.moe_block`.
     With ``parallel=ExpertParallel(mesh, expert_axis, data_axes)`` the experts are
-    split over ``expert_axis`` (the params carry that ``out_sharding`` metadata) and
-    tokens travel by all-to-all. Works under ``nnx.jit`` and ``nnx.remat`` with
+    split over ``expert_axis`` and tokens travel by all-to-all.
+
+    Sharding: the params carry ``out_sharding`` metadata in the logical names of
+    ``axis_names`` (:class:`AxisNames`): ``router (hidden, None)``, ``w1 (expert,
+    hidden, ffn)``, ``w2 (expert, ffn, hidden)``, ``shared_w1 (hidden, ffn)``,
+    ``shared_w2 (ffn, hidden)``; ``score_bias`` is replicated. With
+    ``parallel``, the logical expert name maps to ``parallel.expert_axis`` and the
+    params are placed on ``parallel.mesh`` when built (other names follow
+    ``nnx.logical_axis_rules`` if set, else stay replicated), so no
+    ``jax.set_mesh`` is needed, for the block nor for ``nnx.Optimizer``. Without
+    ``parallel`` they are placed on the mesh ``jax.set_mesh`` set, if any, else left
+    on one device with the names only (shard them with ``nnx.get_partition_spec``
+    under ``nnx.logical_axis_rules``). Works under ``nnx.jit`` and ``nnx.remat`` with
     :func:`jax_grouped_mlp.offload_policy`; under a policy that recomputes
     "fc2_input", pass ``fuse_fc1_epilogue=False`` (see
     :func:`jax_grouped_mlp.grouped_mlp`; ``OffloadPlan.fuse_fc1_epilogue`` gives it).
@@ -69,6 +81,7 @@ class MoEBlock(nnx.Module):
         param_dtype: Any = jnp.float32,
         kernel_init: nnx.Initializer = default_kernel_init,
         router_init: nnx.Initializer = default_router_init,
+        axis_names: AxisNames = AxisNames(),
         shared_ffn: int | None = None,
         sow_stats: bool = False,
         load_balancing_coef: float = 0.0,
@@ -87,25 +100,43 @@ class MoEBlock(nnx.Module):
                     f"num_experts={num_experts} must be divisible by the size of "
                     f"expert_axis={parallel.expert_axis!r} ({parallel.expert_size})"
                 )
-        self.experts = GroupedMLP(
-            num_experts, hidden, ffn, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue, dtype=dtype,
-            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
-        )
+        if not isinstance(axis_names, AxisNames):
+            raise TypeError(f"axis_names must be an AxisNames, got axis_names={axis_names!r}")
+        rules = tuple(flax_spmd.get_logical_axis_rules())
+        mesh = None
+        if parallel is not None:
+            mesh = parallel.mesh
+            if axis_names.expert is None:
+                raise ValueError(f"with parallel, axis_names.expert must name the expert axis, got {axis_names!r}")
+            given = dict(rules).get(axis_names.expert, parallel.expert_axis)
+            if given != parallel.expert_axis:
+                raise ValueError(
+                    f"the logical axis rules map {axis_names.expert!r} to {given!r}, but "
+                    f"parallel.expert_axis={parallel.expert_axis!r}"
+                )
+            rules = (*rules, (axis_names.expert, parallel.expert_axis))
+        with flax_spmd.logical_axis_rules(rules):
+            self.experts = GroupedMLP(
+                num_experts, hidden, ffn, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue, dtype=dtype,
+                param_dtype=param_dtype, kernel_init=kernel_init, axis_names=axis_names, mesh=mesh, rngs=rngs,
+            )
+            self.router = sharded_param(
+                router_init(rngs.params(), (hidden, num_experts), jnp.float32), (axis_names.hidden, None), mesh
+            )
         self.routing = routing
         self.parallel = parallel
-        self._init_shared_and_stats(
-            hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype, rngs
-        )
+        with flax_spmd.logical_axis_rules(rules):
+            self._init_shared_and_stats(
+                hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype,
+                axis_names, mesh, rngs,
+            )
         self.recipe = Recipe.parse(recipe).value
         self.dtype = jnp.dtype(dtype)
-        self.router = nnx.Param(router_init(rngs.params(), (hidden, num_experts), jnp.float32))
         self.score_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if use_score_bias else None
-        if parallel is not None:
-            for param in (self.experts.w1, self.experts.w2):
-                param.set_metadata(out_sharding=(parallel.expert_axis, None, None))
 
     def _init_shared_and_stats(
-        self, hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype, rngs
+        self, hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype,
+        axis_names, mesh, rngs,
     ) -> None:
         if not isinstance(sow_stats, bool):
             raise TypeError(f"sow_stats must be a bool, got sow_stats={sow_stats!r}")
@@ -118,9 +149,13 @@ class MoEBlock(nnx.Module):
         w1 = w2 = None
         if shared_ffn is not None:
             shared_ffn = checks.positive_int("shared_ffn", shared_ffn)
-            # kernel_init is written for stacked [E, in, out] weights: one expert's worth.
-            w1 = nnx.Param(kernel_init(rngs.params(), (1, hidden, shared_ffn), jnp.dtype(param_dtype))[0])
-            w2 = nnx.Param(kernel_init(rngs.params(), (1, shared_ffn, hidden), jnp.dtype(param_dtype))[0])
+            # kernel_init is written for stacked [E, in, out] weights: one expert's worth,
+            # with the experts' hidden/ffn logical names (no expert axis: replicated).
+            h_, f_ = axis_names.hidden, axis_names.ffn
+            w1 = sharded_param(kernel_init(rngs.params(), (1, hidden, shared_ffn), jnp.dtype(param_dtype))[0],
+                               (h_, f_), mesh)
+            w2 = sharded_param(kernel_init(rngs.params(), (1, shared_ffn, hidden), jnp.dtype(param_dtype))[0],
+                               (f_, h_), mesh)
         self.shared_w1, self.shared_w2 = nnx.data(w1), nnx.data(w2)
 
     def __call__(self, x: jax.Array) -> jax.Array:

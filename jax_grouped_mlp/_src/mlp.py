@@ -105,8 +105,20 @@ def _fc2(a_row, w2, group_sizes, recipe: Recipe, out_dtype):
     return _weight_gemm(a_row, w2, group_sizes, recipe, out_dtype)
 
 
+def _compute_weight(w: jax.Array) -> jax.Array:
+    """The weight as the GEMMs read it: bfloat16 (float32 master weights are rounded once).
+
+    Every GEMM multiplies bf16 (MXFP8 weights are quantized from these bf16 values),
+    so a float32 weight costs one cast pass per use of this function and then takes
+    the same CUDA path as a bf16 one; its gradient still comes back in float32 (the
+    weight-gradient kernels write float32 sums). A no-op for bf16 weights.
+    """
+    return w.astype(jnp.bfloat16)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
+    w1, w2 = _compute_weight(w1), _compute_weight(w2)
     if _fused(recipe, fuse, x, w1.shape[0]):
         _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, probs)
     else:
@@ -129,6 +141,11 @@ def _fused(recipe: Recipe, fuse: bool, x: jax.Array, group_count: int) -> bool:
 
 
 def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
+    # The residuals keep the bf16 weights the GEMMs read (the very arrays for bf16
+    # weights; one bf16 copy for float32 ones) and the weights' own dtypes, as zero-size
+    # arrays (custom_vjp residuals must be arrays), for the gradients' dtype.
+    w_dtypes = (jnp.zeros((0,), w1.dtype), jnp.zeros((0,), w2.dtype))
+    w1, w2 = _compute_weight(w1), _compute_weight(w2)
     x_row, x_col = recipe.row_and_col(x, group_sizes, keep_col=True)
     if _fused(recipe, fuse, x, w1.shape[0]):
         # One kernel: h and both MXFP8 copies of a. a is not computed from the tagged
@@ -139,11 +156,11 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
         h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
     y = _fc2(a_row, w2, group_sizes, recipe, x.dtype)
-    return y, (_tag(x_col, FC1_INPUT), h, _tag(a_col, FC2_INPUT), w1, w2, group_sizes, probs)
+    return y, (_tag(x_col, FC1_INPUT), h, _tag(a_col, FC2_INPUT), w1, w2, group_sizes, probs, w_dtypes)
 
 
 def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
-    x_col, h, a_col, w1, w2, group_sizes, probs = res
+    x_col, h, a_col, w1, w2, group_sizes, probs, (w1_dtype, w2_dtype) = res
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
     if recipe is Recipe.MXFP8 and not _weights_in_gemm(recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
@@ -155,8 +172,8 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
     w1, dh_row = _after(w1, dh_row)
     dx = _weight_gemm(dh_row, w1, group_sizes, recipe, dy.dtype, transpose_rhs=True)
-    dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
-    dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
+    dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2_dtype.dtype)
+    dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1_dtype.dtype)
     # dx leaves this layer only with both weight gradients done (an optimization
     # barrier: the same arithmetic). Otherwise XLA's scheduler defers every layer's
     # weight gradients to the end of the step, and their operands (fc1_input,
@@ -218,11 +235,14 @@ def grouped_mlp(
     Raises:
       TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes or recipe.
 
-    Performance: on CUDA every GEMM runs on the Hopper kernels when ``x`` and the
-    weights are bfloat16 and H, F are multiples of 8. Float32 weights are fine for
-    the bf16 recipe (their gradients come out in float32) but take the pure-JAX
-    quantizer in the mxfp8 recipe; a float32 ``x`` makes FC2 and the FC1 dgrad use
-    the pure-JAX GEMM (float32 output). Cast ``x`` to bfloat16 for speed.
+    Weights: bfloat16 or float32 (master weights), the same path either way. The
+    GEMMs read bf16, so float32 weights are rounded to bfloat16 once per step (one
+    cast pass; the MXFP8 recipe quantizes those bf16 values), and their gradients
+    come back in float32 from float32 sums.
+
+    Performance: on CUDA every GEMM runs on the Hopper kernels when ``x`` is
+    bfloat16 and H, F are multiples of 8; a float32 ``x`` makes FC2 and the FC1
+    dgrad use the pure-JAX GEMM (float32 output). Cast ``x`` to bfloat16 for speed.
     """
     recipe_ = Recipe.parse(recipe)
     x = as_array("x", x)
