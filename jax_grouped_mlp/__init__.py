@@ -10,6 +10,9 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 * :func:`moe_block` - the whole MoE layer (router, top-k, permute, experts, combine),
   with :class:`RoutingConfig`, :class:`ScoreFunction`, and :class:`ExpertParallel` /
   :class:`Exchange` for experts sharded over a mesh axis (docs/moe.md);
+  :class:`RouterStats` (its ``return_stats``) and :func:`update_score_bias`;
+* :func:`route`, :func:`permute`, :func:`combine`, :class:`Permutation` - the
+  block's routing, sort by expert and un-permute, for your own router or experts;
 * :func:`plan_offload` - picks the policy from a cost model (docs/offload.md), with
   :class:`OffloadPlan`, :class:`LayerShape`, :class:`LayerTime`, :func:`measure_host_bandwidth` and
   :func:`measure_layer_time`;
@@ -33,7 +36,8 @@ from jax_grouped_mlp._src.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.placement import residual_placements
 from jax_grouped_mlp._src.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
 from jax_grouped_mlp._src.policy import offload_policy
-from jax_grouped_mlp._src.routing import RoutingConfig, ScoreFunction
+from jax_grouped_mlp._src.router_stats import RouterStats, update_score_bias
+from jax_grouped_mlp._src.routing import Permutation, RoutingConfig, ScoreFunction, combine, permute, route
 
 __all__ = [
     "Exchange",
@@ -42,9 +46,12 @@ __all__ = [
     "LayerTime",
     "MXFP8Tensor",
     "OffloadPlan",
+    "Permutation",
     "RESIDUAL_NAMES",
+    "RouterStats",
     "RoutingConfig",
     "ScoreFunction",
+    "combine",
     "dequantize",
     "export_disabled_checks",
     "grouped_mlp",
@@ -52,9 +59,12 @@ __all__ = [
     "measure_layer_time",
     "moe_block",
     "offload_policy",
+    "permute",
     "plan_offload",
     "quantize_mxfp8",
     "quantize_mxfp8_grouped",
     "residual_placements",
+    "route",
+    "update_score_bias",
 ]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.flax_mlp import AxisNames, GroupedMLP, default_kernel_init, sharded_param
 from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
 from jax_grouped_mlp._src.recipes import Recipe
+from jax_grouped_mlp._src.router_stats import update_score_bias
 from jax_grouped_mlp._src.routing import RoutingConfig
 
 default_router_init = nnx.initializers.normal(stddev=0.02)
@@ -22,7 +23,8 @@ class RouterBias(nnx.Variable):
     """Selection-only router bias (DeepSeek-V3 / Nemotron-3 ``e_score_correction_bias``).
 
     Not an ``nnx.Param``: it gets no gradient. Load balancing updates it outside the
-    optimizer (for example ``block.score_bias.value += rate * (mean_load - load)``).
+    optimizer: ``block.update_score_bias(expert_load, rate)`` (see
+    :func:`jax_grouped_mlp.update_score_bias`).
     """
 
 
@@ -32,7 +34,17 @@ class MoEBlock(nnx.Module):
     Params: ``router [hidden, num_experts]`` (float32 logits) and ``experts``, a
     :class:`GroupedMLP` holding ``w1 [num_experts, hidden, ffn]`` and
     ``w2 [num_experts, ffn, hidden]``. With ``use_score_bias=True`` also a
-    :class:`RouterBias` ``score_bias [num_experts]``.
+    :class:`RouterBias` ``score_bias [num_experts]``. With ``shared_ffn=Fs`` also a
+    shared expert, ``shared_w1 [hidden, Fs]`` and ``shared_w2 [Fs, hidden]`` (see
+    ``moe_block``'s ``shared_w1``), initialised by ``kernel_init`` as one expert.
+
+    Router statistics: with ``sow_stats=True``, or a non-zero ``load_balancing_coef``
+    or ``z_loss_coef``, each call also sows into ``nnx.Intermediate``
+    ``router_stats`` (:class:`jax_grouped_mlp.RouterStats`) and ``aux_loss``
+    (``load_balancing_coef * load_balancing_loss + z_loss_coef * z_loss``, float32,
+    differentiable in the router), each replacing the previous call's value. Read
+    them with ``nnx.pop(block, nnx.Intermediate)`` (inside the loss function, to add
+    ``aux_loss`` to the loss; docs/moe.md has the loop) or ``nnx.capture``.
 
     Call as ``block(x)`` with ``x [..., hidden]``; see :func:`jax_grouped_mlp.moe_block`.
     With ``parallel=ExpertParallel(mesh, expert_axis, data_axes)`` the experts are
@@ -40,7 +52,8 @@ class MoEBlock(nnx.Module):
 
     Sharding: the params carry ``out_sharding`` metadata in the logical names of
     ``axis_names`` (:class:`AxisNames`): ``router (hidden, None)``, ``w1 (expert,
-    hidden, ffn)``, ``w2 (expert, ffn, hidden)``; ``score_bias`` is replicated. With
+    hidden, ffn)``, ``w2 (expert, ffn, hidden)``, ``shared_w1 (hidden, ffn)``,
+    ``shared_w2 (ffn, hidden)``; ``score_bias`` is replicated. With
     ``parallel``, the logical expert name maps to ``parallel.expert_axis`` and the
     params are placed on ``parallel.mesh`` when built (other names follow
     ``nnx.logical_axis_rules`` if set, else stay replicated), so no
@@ -69,6 +82,10 @@ class MoEBlock(nnx.Module):
         kernel_init: nnx.Initializer = default_kernel_init,
         router_init: nnx.Initializer = default_router_init,
         axis_names: AxisNames = AxisNames(),
+        shared_ffn: int | None = None,
+        sow_stats: bool = False,
+        load_balancing_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
         rngs: nnx.Rngs,
     ):
         if not isinstance(routing, RoutingConfig):
@@ -109,12 +126,41 @@ class MoEBlock(nnx.Module):
             )
         self.routing = routing
         self.parallel = parallel
+        with flax_spmd.logical_axis_rules(rules):
+            self._init_shared_and_stats(
+                hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype,
+                axis_names, mesh, rngs,
+            )
         self.recipe = Recipe.parse(recipe).value
         self.dtype = jnp.dtype(dtype)
         self.score_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if use_score_bias else None
 
+    def _init_shared_and_stats(
+        self, hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype,
+        axis_names, mesh, rngs,
+    ) -> None:
+        if not isinstance(sow_stats, bool):
+            raise TypeError(f"sow_stats must be a bool, got sow_stats={sow_stats!r}")
+        for name, coef in (("load_balancing_coef", load_balancing_coef), ("z_loss_coef", z_loss_coef)):
+            if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+                raise ValueError(f"{name} must be a float >= 0, got {name}={coef!r}")
+        self.load_balancing_coef = float(load_balancing_coef)
+        self.z_loss_coef = float(z_loss_coef)
+        self.sow_stats = sow_stats or self.load_balancing_coef > 0 or self.z_loss_coef > 0
+        w1 = w2 = None
+        if shared_ffn is not None:
+            shared_ffn = checks.positive_int("shared_ffn", shared_ffn)
+            # kernel_init is written for stacked [E, in, out] weights: one expert's worth,
+            # with the experts' hidden/ffn logical names (no expert axis: replicated).
+            h_, f_ = axis_names.hidden, axis_names.ffn
+            w1 = sharded_param(kernel_init(rngs.params(), (1, hidden, shared_ffn), jnp.dtype(param_dtype))[0],
+                               (h_, f_), mesh)
+            w2 = sharded_param(kernel_init(rngs.params(), (1, shared_ffn, hidden), jnp.dtype(param_dtype))[0],
+                               (f_, h_), mesh)
+        self.shared_w1, self.shared_w2 = nnx.data(w1), nnx.data(w2)
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        return moe_block(
+        out = moe_block(
             jnp.asarray(x).astype(self.dtype),
             self.router[...],
             # Params go in as stored: grouped_mlp casts/quantizes them itself, and their
@@ -126,4 +172,31 @@ class MoEBlock(nnx.Module):
             recipe=self.recipe,
             parallel=self.parallel,
             fuse_fc1_epilogue=self.experts.fuse_fc1_epilogue,
+            shared_w1=None if self.shared_w1 is None else self.shared_w1[...],
+            shared_w2=None if self.shared_w2 is None else self.shared_w2[...],
+            return_stats=self.sow_stats,
         )
+        if not self.sow_stats:
+            return out
+        y, stats = out
+        aux = self.load_balancing_coef * stats.load_balancing_loss + self.z_loss_coef * stats.z_loss
+        self.sow(nnx.Intermediate, "router_stats", stats, reduce_fn=_replace, init_fn=_none)
+        self.sow(nnx.Intermediate, "aux_loss", aux, reduce_fn=_replace, init_fn=_none)
+        return y
+
+    def update_score_bias(self, expert_load: jax.Array, rate: float | jax.Array) -> None:
+        """One auxiliary-loss-free balancing step on ``score_bias`` (see
+        :func:`jax_grouped_mlp.update_score_bias`); call it outside the gradient, for
+        example with ``router_stats.expert_load`` after the optimizer step."""
+        if self.score_bias is None:
+            raise ValueError("update_score_bias needs a score bias: build the block with use_score_bias=True")
+        self.score_bias[...] = update_score_bias(self.score_bias[...], expert_load, rate)
+
+
+def _replace(_old: Any, new: Any) -> Any:
+    """sow's reduce: the newest value replaces the last (no tuple growing across calls)."""
+    return new
+
+
+def _none() -> None:
+    return None

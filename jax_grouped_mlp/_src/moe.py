@@ -13,6 +13,11 @@ host. Drop-free by default: the receive buffer holds ``axis_size * tokens * top_
 rows, the worst case of every pair in the axis choosing this device. ``grouped_mlp``
 only computes the rows its ``group_sizes`` cover, but its residuals are allocated at
 the buffer's size; ``capacity_factor`` trades that memory for dropped pairs.
+
+Both paths are ``route -> permute -> grouped_mlp -> combine`` (the public pieces in
+:mod:`routing`); an optional shared expert runs as one more ``grouped_mlp`` call over
+a device's own tokens, and router statistics (:mod:`router_stats`) are partial sums
+per token shard, added outside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_grouped_mlp._src import checks
+from jax_grouped_mlp._src import checks, router_stats
 from jax_grouped_mlp._src import routing as routing_lib
 from jax_grouped_mlp._src.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
 from jax_grouped_mlp._src.mlp import grouped_mlp
+from jax_grouped_mlp._src.router_stats import RouterStats
 from jax_grouped_mlp._src.routing import RoutingConfig
 
 
@@ -46,7 +52,7 @@ class ExpertParallel:
     (a Python or NumPy number; use None, not ``inf``, for drop-free). Pairs that do not
     fit are dropped (they contribute zero and get zero gradient): a device accepts
     its peers' blocks in rank order along the expert axis, each block ordered by
-    local expert then token, and drops the tail.
+    local expert then token, and drops the tail (``RouterStats.dropped`` counts them).
     """
 
     mesh: jax.sharding.Mesh
@@ -107,7 +113,11 @@ def moe_block(
     recipe: str = "mxfp8",
     parallel: ExpertParallel | None = None,
     fuse_fc1_epilogue: bool = True,
-) -> jax.Array:
+    shared_w1: jax.Array | None = None,
+    shared_w2: jax.Array | None = None,
+    return_stats: bool = False,
+    return_router_probs: bool = False,
+) -> jax.Array | tuple[jax.Array, RouterStats]:
     """A mixture-of-experts layer of squared-ReLU experts; drop-free unless a capacity is set.
 
     Args:
@@ -122,9 +132,18 @@ def moe_block(
         holds the optional ``capacity_factor``), or None for one device.
       fuse_fc1_epilogue: ``grouped_mlp``'s; False when the remat policy recomputes
         "fc2_input" (``OffloadPlan.fuse_fc1_epilogue`` says which).
+      shared_w1: ``[H, Fs]`` and shared_w2: ``[Fs, H]``, an optional shared expert
+        (both or neither): a squared-ReLU MLP over every token, weight 1, added to
+        the routed output. It runs as ``grouped_mlp`` with one group of all tokens
+        (same recipe, same residual names); under expert parallelism on each
+        device's own tokens, with the weights replicated.
+      return_stats: also return :class:`RouterStats` (expert load, load-balancing
+        and z losses, dropped pairs); the losses are differentiable.
+      return_router_probs: with ``return_stats``, fill ``RouterStats.router_probs``.
 
     Returns:
-      ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)``, summed in float32.
+      ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)`` (plus the shared
+      expert's output), summed in float32. With ``return_stats``: ``(y, stats)``.
 
     Raises:
       TypeError, ValueError: at trace time, naming the argument, for bad shapes,
@@ -135,20 +154,24 @@ def moe_block(
     if parallel is not None and not isinstance(parallel, ExpertParallel):
         raise TypeError(f"parallel must be an ExpertParallel or None, got parallel={type(parallel).__name__}")
     _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel)
+    shared = _check_extras(x, shared_w1, shared_w2, return_stats, return_router_probs)
     lead_shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if score_bias is not None:
         score_bias = jax.lax.stop_gradient(score_bias)
+    opts = _Options(
+        routing=routing, recipe=recipe, fuse=fuse_fc1_epilogue, stats=return_stats, router_probs=return_router_probs
+    )
     if parallel is None:
-        y = _moe_local(
-            x2, router_kernel, score_bias, w1, w2, None, routing=routing, recipe=recipe, fuse=fuse_fc1_epilogue
-        )
+        y, sums, probs = _moe_local(x2, router_kernel, score_bias, w1, w2, shared, opts)
     else:
-        y = _moe_sharded(
-            x2, router_kernel, score_bias, w1, w2, routing=routing, recipe=recipe, parallel=parallel,
-            fuse=fuse_fc1_epilogue,
-        )
-    return y.reshape(*lead_shape, x.shape[-1])
+        y, sums, probs = _moe_sharded(x2, router_kernel, score_bias, w1, w2, shared, opts, parallel)
+    y = y.reshape(*lead_shape, x.shape[-1])
+    if not return_stats:
+        return y
+    if probs is not None:
+        probs = probs.reshape(*lead_shape, probs.shape[-1])
+    return y, router_stats.finish(sums, x2.shape[0], routing.top_k, probs)
 
 
 def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None:
@@ -181,38 +204,82 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
         )
 
 
-def _combine(y_sorted: jax.Array, inverse: jax.Array, num_tokens: int, top_k: int, dtype) -> jax.Array:
-    """Sorted per-pair outputs (already weighted inside grouped_mlp) -> per-token sums."""
-    y = y_sorted[inverse].reshape(num_tokens, top_k, y_sorted.shape[-1])
-    return jnp.sum(y.astype(jnp.float32), axis=1).astype(dtype)
+def _check_extras(x, shared_w1, shared_w2, return_stats, return_router_probs):
+    """Checks the shared expert and the stats flags; returns ``(w1, w2)`` or None."""
+    for name, flag in (("return_stats", return_stats), ("return_router_probs", return_router_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {name}={flag!r}")
+    if return_router_probs and not return_stats:
+        raise ValueError("return_router_probs=True needs return_stats=True (the probs travel in RouterStats)")
+    if (shared_w1 is None) != (shared_w2 is None):
+        raise ValueError(
+            "shared_w1 and shared_w2 go together: got "
+            f"shared_w1={'None' if shared_w1 is None else 'an array'}, "
+            f"shared_w2={'None' if shared_w2 is None else 'an array'}"
+        )
+    if shared_w1 is None:
+        return None
+    for name, arr in (("shared_w1", shared_w1), ("shared_w2", shared_w2)):
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise TypeError(f"{name} must be an array, got {name}={type(arr).__name__}")
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a float array, got {name}.dtype={arr.dtype}")
+    h = x.shape[-1]
+    if shared_w1.ndim != 2 or shared_w1.shape[0] != h:
+        raise ValueError(f"shared_w1 must be [H, Fs] with H={h}, got shared_w1.shape={shared_w1.shape}")
+    fs = shared_w1.shape[1]
+    if shared_w2.shape != (fs, h):
+        raise ValueError(f"shared_w2 must be [Fs, H]={(fs, h)}, got shared_w2.shape={shared_w2.shape}")
+    return shared_w1, shared_w2
 
 
-def _route_pairs(x, router_kernel, score_bias, num_valid, routing):
-    """Router on local tokens -> flat expert ids ``[T*k]`` and weights ``[T*k]``.
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The block's static choices, passed down as one value."""
 
-    Rows at or past ``num_valid`` (padding) get expert id E: they sort last and
-    count towards no group.
-    """
-    logits = jnp.dot(
+    routing: RoutingConfig
+    recipe: str
+    fuse: bool
+    stats: bool
+    router_probs: bool
+
+
+def _router_logits(x, router_kernel):
+    """``x @ router`` in float32 at HIGHEST precision (TF32 could change the winners)."""
+    return jnp.dot(
         x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
-    expert_ids, weights = routing_lib.route(logits, routing, score_bias)
-    if num_valid is not None:
-        valid = jnp.arange(x.shape[0]) < num_valid
-        expert_ids = jnp.where(valid[:, None], expert_ids, router_kernel.shape[1])
-    return expert_ids.reshape(-1), weights.reshape(-1)
 
 
-def _moe_local(x, router_kernel, score_bias, w1, w2, num_valid, *, routing, recipe, fuse=True):
-    t, k, e = x.shape[0], routing.top_k, w1.shape[0]
-    expert_ids, weights = _route_pairs(x, router_kernel, score_bias, num_valid, routing)
-    perm = routing_lib.sort_by_expert(expert_ids, e)
-    xs = x[perm.order // k]
-    ys = grouped_mlp(xs, w1, w2, perm.group_sizes, weights[perm.order], recipe=recipe, fuse_fc1_epilogue=fuse)
-    return _combine(ys, perm.inverse, t, k, x.dtype)
+def _shared_expert(x, shared, num_valid, opts):
+    """The shared expert over the first ``num_valid`` rows of ``x`` (None: all), float32."""
+    w1, w2 = shared
+    rows = x.shape[0] if num_valid is None else jnp.clip(num_valid, 0, x.shape[0])
+    sizes = jnp.asarray(rows, jnp.int32).reshape(1)
+    y = grouped_mlp(x, w1[None], w2[None], sizes, None, recipe=opts.recipe, fuse_fc1_epilogue=opts.fuse)
+    return y.astype(jnp.float32)
 
 
-def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, parallel, fuse=True):
+def _moe_local(x, router_kernel, score_bias, w1, w2, shared, opts: _Options):
+    """One device: ``(y, StatSums or None, router probs or None)``."""
+    e = w1.shape[0]
+    logits = _router_logits(x, router_kernel)
+    expert_ids, weights = routing_lib.route(logits, opts.routing, score_bias)
+    xs, ps, group_sizes, perm = routing_lib.permute(x, expert_ids, weights, e)
+    ys = grouped_mlp(xs, w1, w2, group_sizes, ps, recipe=opts.recipe, fuse_fc1_epilogue=opts.fuse)
+    y = routing_lib.combine_f32(ys, perm)
+    if shared is not None:
+        y = y + _shared_expert(x, shared, None, opts)
+    y = y.astype(x.dtype)
+    if not opts.stats:
+        return y, None, None
+    probs = router_stats.balance_probs(logits, opts.routing)
+    sums = router_stats.sums(logits, probs, group_sizes, None)
+    return y, sums, probs if opts.router_probs else None
+
+
+def _moe_sharded(x, router_kernel, score_bias, w1, w2, shared, opts: _Options, parallel: ExpertParallel):
+    """Expert parallel: ``(y, StatSums or None, router probs or None)``, as ``_moe_local``."""
     mesh, token_axes = parallel.mesh, parallel.token_axes
     t = x.shape[0]
     shards = parallel.token_shards
@@ -221,9 +288,7 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, paral
         x = jnp.pad(x, ((0, t_pad - t), (0, 0)))
     platform = mesh.devices.flat[0].platform
     body = _ExpertParallelBody(
-        routing=routing,
-        recipe=recipe,
-        fuse=fuse,
+        opts=opts,
         axis=parallel.expert_axis,
         data_axes=parallel.data_axes,
         num_tokens=t,
@@ -233,16 +298,24 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, *, routing, recipe, paral
     tok, exp = P(token_axes, None), P(parallel.expert_axis, None, None)
     if score_bias is None:
         score_bias = jnp.zeros((router_kernel.shape[1],), jnp.float32)  # selection-neutral
-    args = (x, router_kernel, score_bias, w1, w2)
-    specs = (tok, P(None, None), P(None), exp, exp)
+    args = (x, router_kernel, score_bias, w1, w2, *(shared or ()))
+    specs = (tok, P(None, None), P(None), exp, exp, *((P(None, None),) * len(shared or ())))
     args = tuple(_reshard(a, mesh, s) for a, s in zip(args, specs))
+    # Stats leave as one row of partial sums per token shard (summed below, outside the
+    # shard_map: an ordinary reduction, so the losses' gradients need no psum transpose).
+    out_specs = (tok, P(token_axes), tok if opts.router_probs else None) if opts.stats else tok
     # check_vma=False: grouped_mlp is a custom_vjp (and on GPU an FFI call) whose
     # internals need not carry shard_map's varying-axes types. The transpose then sums
     # the replicated inputs' gradients (router, and weights over the data axes) itself.
-    y = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tok, check_vma=False)(*args)
+    out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
+    y, sums, probs = out if opts.stats else (out, None, None)
+    if sums is not None:
+        sums = jax.tree.map(lambda a: jnp.sum(a, axis=0), sums)
     if t_pad != t:  # an explicit mesh cannot slice a sharded axis to a non-multiple
         y = _reshard(y, mesh, P(None, None))[:t]
-    return y
+        if probs is not None:
+            probs = _reshard(probs, mesh, P(None, None))[:t]
+    return y, sums, probs
 
 
 def _reshard(a, mesh, spec):
@@ -257,17 +330,15 @@ def _reshard(a, mesh, spec):
 class _ExpertParallelBody:
     """The per-device program of the expert-parallel block (runs inside shard_map)."""
 
-    routing: RoutingConfig
-    recipe: str
-    fuse: bool
+    opts: _Options
     axis: str
     data_axes: tuple[str, ...]
     num_tokens: int
     exchange: Exchange
     capacity_factor: float | None
 
-    def __call__(self, x, router_kernel, score_bias, w1, w2):
-        k = self.routing.top_k
+    def __call__(self, x, router_kernel, score_bias, w1, w2, *shared):
+        k = self.opts.routing.top_k
         ep = jax.lax.axis_size(self.axis)
         t_local, h = x.shape
         e_local = w1.shape[0]
@@ -278,19 +349,24 @@ class _ExpertParallelBody:
 
         # 1. Route local tokens; padding rows (past num_tokens globally) go nowhere.
         first_row = jax.lax.axis_index((*self.data_axes, self.axis)) * t_local
-        expert_ids, weights = _route_pairs(x, router_kernel, score_bias, self.num_tokens - first_row, self.routing)
+        num_valid = self.num_tokens - first_row
+        valid = jnp.arange(t_local) < num_valid
+        logits = _router_logits(x, router_kernel)
+        expert_ids, weights = routing_lib.route(logits, self.opts.routing, score_bias)
+        expert_ids = jnp.where(valid[:, None], expert_ids, ep * e_local)
         # Global expert order is also owner order: expert e lives on device e // e_local.
-        perm = routing_lib.sort_by_expert(expert_ids, ep * e_local)
-        xs = x[perm.order // k]
-        ps = weights[perm.order]
+        xs, ps, group_sizes, perm = routing_lib.permute(x, expert_ids, weights, ep * e_local)
 
         # 2. Block sizes: per (peer, local expert) counts out, the transposed counts in.
-        counts_out = perm.group_sizes.reshape(ep, e_local)
+        counts_out = group_sizes.reshape(ep, e_local)
         counts_in = jax.lax.all_to_all(counts_out, self.axis, 0, 0, tiled=True)  # [source, e_local]
         send_offsets = exclusive_cumsum(counts_out.sum(axis=1))  # block starts in xs
         recv_sizes = counts_in.sum(axis=1)
+        dropped = jnp.zeros((), jnp.int32)
         if rows < ep * n:  # keep what fits, in source order; each block loses its tail
+            arrived = jnp.sum(recv_sizes)
             recv_sizes = jnp.minimum(recv_sizes, jnp.maximum(rows - exclusive_cumsum(recv_sizes), 0))
+            dropped = arrived - jnp.sum(recv_sizes)
             kept = jnp.minimum(jnp.cumsum(counts_in, axis=1), recv_sizes[:, None])
             counts_in = jnp.diff(kept, axis=1, prepend=jnp.zeros_like(kept[:, :1]))
             send_sizes = jax.lax.all_to_all(recv_sizes, self.axis, 0, 0, tiled=True)
@@ -316,15 +392,24 @@ class _ExpertParallelBody:
         local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
         local = routing_lib.sort_by_expert(local_ids, e_local)
         y_local = grouped_mlp(
-            x_in[local.order], w1, w2, local.group_sizes, p_in[local.order], recipe=self.recipe,
-            fuse_fc1_epilogue=self.fuse,
+            x_in[local.order], w1, w2, local.group_sizes, p_in[local.order], recipe=self.opts.recipe,
+            fuse_fc1_epilogue=self.opts.fuse,
         )
         y_in = y_local[local.inverse]
 
-        # 4. Results go back to where their pairs came from, then combine per token.
+        # 4. Results go back to where their pairs came from, then combine per token
+        # (plus the shared expert, on this device's own tokens).
         ys = ragged_all_to_all(
             y_in, jnp.zeros((n, h), y_in.dtype), recv_offsets, recv_sizes, back_offsets, send_sizes,
             axis_name=self.axis, exchange=self.exchange,
         )
-        return _combine(ys, perm.inverse, t_local, k, x.dtype)
-
+        y = routing_lib.combine_f32(ys, perm)
+        if shared:
+            y = y + _shared_expert(x, shared, num_valid, self.opts)
+        y = y.astype(x.dtype)
+        if not self.opts.stats:
+            return y
+        probs = router_stats.balance_probs(logits, self.opts.routing)
+        sums = router_stats.sums(logits, probs, group_sizes, valid, dropped)
+        sums = jax.tree.map(lambda a: a[None], sums)  # one row per token shard
+        return y, sums, probs if self.opts.router_probs else None

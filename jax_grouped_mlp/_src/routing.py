@@ -62,7 +62,12 @@ def route(
 ) -> tuple[jax.Array, jax.Array]:
     """``[T, E]`` router logits -> (expert ids ``[T, k]`` int32, weights ``[T, k]`` float32).
 
-    Ties between equal scores go to the lower expert index (``lax.top_k``).
+    The scores are ``config.score_function`` of the float32 logits; the ``k`` experts
+    with the highest ``scores + score_bias`` are chosen (``score_bias`` ``[E]``, the
+    selection-only bias, may be None), and their weights are the *unbiased* scores,
+    normalised and scaled as ``config`` says. Ties go to the lower expert index
+    (``lax.top_k``). Differentiable in ``logits`` through the weights. Feed the
+    result to :func:`permute`.
     """
     logits = logits.astype(jnp.float32)
     if config.score_function is ScoreFunction.SOFTMAX:
@@ -81,23 +86,108 @@ def route(
 
 @dataclasses.dataclass(frozen=True)
 class Permutation:
-    """(token, choice) pairs sorted by expert.
+    """(token, choice) pairs sorted by expert; a pytree (``top_k`` is static).
 
-    ``order[i]`` is the flat pair index (``token * k + choice``) at sorted position
-    ``i``; ``inverse`` undoes it. ``group_sizes[e]`` counts the pairs of expert ``e``;
-    pairs with an expert id outside ``[0, num_experts)`` (padding tokens) sort last
-    and are counted nowhere.
+    ``order[i]`` is the flat pair index (``token * top_k + choice``) at sorted
+    position ``i``; ``inverse`` undoes it. ``group_sizes[e]`` counts the pairs of
+    expert ``e``; pairs with an expert id outside ``[0, num_experts)`` (padding or
+    skipped pairs) sort last and are counted nowhere.
     """
 
     order: jax.Array
     inverse: jax.Array
     group_sizes: jax.Array
+    top_k: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.order.shape[0] // self.top_k
 
 
-def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> Permutation:
+jax.tree_util.register_dataclass(
+    Permutation, data_fields=["order", "inverse", "group_sizes"], meta_fields=["top_k"]
+)
+
+
+def sort_by_expert(expert_ids: jax.Array, num_experts: int, top_k: int = 1) -> Permutation:
     """Stable device-side sort of flat expert ids ``[N]`` (ids may be ``num_experts`` = dropped)."""
     n = expert_ids.shape[0]
     order = jnp.argsort(expert_ids, stable=True).astype(jnp.int32)
     inverse = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[expert_ids].add(1, mode="drop")
-    return Permutation(order=order, inverse=inverse, group_sizes=group_sizes)
+    return Permutation(order=order, inverse=inverse, group_sizes=group_sizes, top_k=top_k)
+
+
+def permute(
+    x: jax.Array, expert_ids: jax.Array, weights: jax.Array | None, num_experts: int
+) -> tuple[jax.Array, jax.Array | None, jax.Array, Permutation]:
+    """Sorts the (token, choice) pairs by expert: what a grouped expert op takes.
+
+    Args:
+      x: ``[T, H]`` tokens.
+      expert_ids: ``[T, k]`` integer expert of each pair (:func:`route`'s first
+        output). Ids outside ``[0, num_experts)`` mark pairs to skip: they sort last,
+        count in no group, and :func:`combine` gives them zero.
+      weights: ``[T, k]`` routing weights (:func:`route`'s second output), or None.
+      num_experts: ``E``, a static int.
+
+    Returns:
+      ``(x_sorted [T*k, H], weights_sorted [T*k] or None, group_sizes [E] int32,
+      permutation)``. Row ``i`` of ``x_sorted`` is token ``permutation.order[i] // k``;
+      expert ``e`` owns the ``group_sizes[e]`` rows after those of experts ``0..e-1``,
+      in token order (stable sort), and the skipped pairs come last. Everything stays
+      on the device with static shapes.
+    """
+    num_experts = checks.positive_int("num_experts", num_experts)
+    if getattr(expert_ids, "ndim", None) != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"expert_ids must be an integer [T, k] array, got expert_ids.shape="
+            f"{getattr(expert_ids, 'shape', None)}, dtype={getattr(expert_ids, 'dtype', None)}"
+        )
+    t, k = expert_ids.shape
+    if getattr(x, "ndim", None) != 2 or x.shape[0] != t:
+        raise ValueError(f"x must be [T, H] with T={t} (expert_ids' rows), got x.shape={getattr(x, 'shape', None)}")
+    if weights is not None and getattr(weights, "shape", None) != (t, k):
+        raise ValueError(f"weights must be [T, k]={(t, k)} like expert_ids, got weights.shape={weights.shape}")
+    ids = expert_ids.astype(jnp.int32)
+    ids = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).reshape(-1)
+    perm = sort_by_expert(ids, num_experts, top_k=k)
+    x_sorted = x[perm.order // k]
+    w_sorted = None if weights is None else weights.reshape(-1)[perm.order]
+    return x_sorted, w_sorted, perm.group_sizes, perm
+
+
+def combine(
+    y_sorted: jax.Array, permutation: Permutation, weights_sorted: jax.Array | None = None, *, dtype=None
+) -> jax.Array:
+    """Undoes :func:`permute`: per-pair outputs ``[T*k, H]`` -> per-token sums ``[T, H]``.
+
+    ``y[t] = sum over t's k pairs of w * y_sorted[pair]``, summed in float32 and
+    cast to ``dtype`` (default ``y_sorted.dtype``). ``w`` is ``weights_sorted`` (as
+    :func:`permute` returned them) or 1 when None: pass None when the expert op has
+    already multiplied its rows by the weights (``grouped_mlp``'s ``probs`` does),
+    the weights when it has not. Rows at or past ``sum(group_sizes)`` (the skipped
+    pairs) contribute zero whatever they hold. Differentiable in ``y_sorted`` and
+    ``weights_sorted``.
+    """
+    n = permutation.order.shape[0]
+    if getattr(y_sorted, "ndim", None) != 2 or y_sorted.shape[0] != n:
+        raise ValueError(
+            f"y_sorted must be [T*k, H] with T*k={n} (the permutation's pairs), "
+            f"got y_sorted.shape={getattr(y_sorted, 'shape', None)}"
+        )
+    if weights_sorted is not None and weights_sorted.shape != (n,):
+        raise ValueError(f"weights_sorted must be [T*k]=({n},), got weights_sorted.shape={weights_sorted.shape}")
+    y = combine_f32(y_sorted, permutation, weights_sorted)
+    return y.astype(y_sorted.dtype if dtype is None else dtype)
+
+
+def combine_f32(y_sorted: jax.Array, permutation: Permutation, weights_sorted: jax.Array | None = None) -> jax.Array:
+    """:func:`combine` without the checks and the final cast (float32 out)."""
+    n = permutation.order.shape[0]
+    valid = jnp.arange(n, dtype=jnp.int32) < jnp.sum(permutation.group_sizes)
+    y = jnp.where(valid[:, None], y_sorted.astype(jnp.float32), 0.0)
+    if weights_sorted is not None:
+        y = y * weights_sorted.astype(jnp.float32)[:, None]
+    y = y[permutation.inverse].reshape(permutation.num_tokens, permutation.top_k, y_sorted.shape[-1])
+    return jnp.sum(y, axis=1)
