@@ -36,9 +36,8 @@ class MoEBlock(nnx.Module):
     With ``parallel=ExpertParallel(mesh, expert_axis, data_axes)`` the experts are
     split over ``expert_axis`` (the params carry that ``out_sharding`` metadata) and
     tokens travel by all-to-all. Works under ``nnx.jit`` and ``nnx.remat`` with
-    :func:`jax_grouped_mlp.offload_policy`; under a policy that recomputes
-    "fc2_input", pass ``fuse_fc1_epilogue=False`` (see
-    :func:`jax_grouped_mlp.grouped_mlp`; ``OffloadPlan.fuse_fc1_epilogue`` gives it).
+    :func:`jax_grouped_mlp.offload_policy` (the policy alone decides what is
+    recomputed; ``fuse_fc1_epilogue`` does not change it).
     """
 
     def __init__(

@@ -139,8 +139,17 @@ def _fused(recipe: Recipe, fuse: bool, x: jax.Array, group_count: int) -> bool:
     )
 
 
+def _exact(x: jax.Array) -> jax.Array:
+    """``x`` rounded to its own dtype. XLA may compute a bf16 producer of ``x`` (the
+    previous layer's residual add, say) in float32 and fuse it into the quantization
+    here without rounding ("excess precision"), while a backward pass that recomputes
+    "fc1_input" quantizes the rounded ``x`` it was given: the two would differ."""
+    finfo = jnp.finfo(x.dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+
+
 def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
-    x_row, x_col = recipe.row_and_col(x, group_sizes, keep_col=True)
+    x_row, x_col = recipe.row_and_col(_exact(x), group_sizes, keep_col=True)
     if _fused(recipe, fuse, x, w1.shape[0]):
         # One kernel: h and both MXFP8 copies of a. a_col's tag rebuilds it from the
         # tagged h when it is recomputed, so this kernel is never rerun for it.
@@ -154,8 +163,19 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
     return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, group_sizes, probs)
 
 
+def _leaves(op: Operand) -> list:
+    return [op.data, op.scale] if isinstance(op, MXFP8Tensor) else [op]
+
+
+def _with_leaves(op: Operand, leaves) -> Operand:
+    return MXFP8Tensor(*leaves, op.axis, op.group_sizes) if isinstance(op, MXFP8Tensor) else leaves[0]
+
+
 def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs = res
+    # (residuals.RELOAD_AFTER_COTANGENT: h and fc2_input come back once dy exists.)
+    (h, *a_leaves), dy = residuals.after_cotangent([h, *_leaves(a_col)], dy)
+    a_col = _with_leaves(a_col, a_leaves)
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
     if recipe is Recipe.MXFP8 and not _weights_in_gemm(recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
@@ -167,6 +187,9 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
     w1, dh_row = _after(w1, dh_row)
     dx = _weight_gemm(dh_row, w1, group_sizes, recipe, dy.dtype, transpose_rhs=True)
+    # (fc1_input, needed last, once dh's columns exist.)
+    x_leaves, dh_col = residuals.after_cotangent(_leaves(x_col), dh_col)
+    x_col = _with_leaves(x_col, x_leaves)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1.dtype)
     # dx leaves this layer only with both weight gradients done (an optimization

@@ -112,8 +112,8 @@ def moe_block(
       recipe: ``grouped_mlp``'s recipe, ``"mxfp8"`` or ``"bf16"``.
       parallel: expert parallelism over a mesh (:class:`ExpertParallel`, which also
         holds the optional ``capacity_factor``), or None for one device.
-      fuse_fc1_epilogue: ``grouped_mlp``'s; False when the remat policy recomputes
-        "fc2_input" (``OffloadPlan.fuse_fc1_epilogue`` says which).
+      fuse_fc1_epilogue: ``grouped_mlp``'s (same numbers and the same recompute
+        cost either way).
 
     Returns:
       ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)``, summed in float32.

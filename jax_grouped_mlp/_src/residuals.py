@@ -47,6 +47,12 @@ to_device_p.multiple_results = True
 
 _GPU_TPU = ("cuda", "rocm", "tpu")
 
+# Prototype (issue 17's lever; off by default, for measuring on the GPU): an offloaded
+# residual comes back only in the op's backward rule, after the layer's cotangent
+# exists (``after_cotangent``), instead of where remat's backward program starts,
+# which XLA's scheduler is free to hoist. Read at trace time.
+RELOAD_AFTER_COTANGENT = False
+
 
 @dataclasses.dataclass(frozen=True)
 class Rebuild:
@@ -73,17 +79,19 @@ def tag(values: Sequence[jax.Array], name: str, *, rebuild: Rebuild | None = Non
     if rebuild is None and extra:
         raise ValueError("extra inputs need a rebuild function")
     return residual_p.bind(*values, *extra, name=name, num_values=len(values), mode="value",
-                           rebuild=rebuild, out_avals=None, memory_kind=None)
+                           rebuild=rebuild, jaxpr=None, out_avals=None, memory_kind=None)
 
 
 def _host_aval(aval):
     return aval.update(memory_space=core.MemorySpace.Host)
 
 
-def _abstract_eval(*avals, name, num_values, mode, rebuild, out_avals, memory_kind):
-    del name, rebuild, memory_kind
+def _abstract_eval(*avals, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind):
+    del name, rebuild, jaxpr, memory_kind
     if mode == "rebuild":
         return list(out_avals)
+    if mode == "on_host":  # a host copy handed on as is (RELOAD_AFTER_COTANGENT)
+        return [a.update(memory_space=core.MemorySpace.Device) for a in avals[:num_values]]
     values = list(avals[:num_values])
     if mode == "offload":
         return values + [_host_aval(a) for a in values]
@@ -91,6 +99,9 @@ def _abstract_eval(*avals, name, num_values, mode, rebuild, out_avals, memory_ki
 
 
 residual_p.def_abstract_eval(_abstract_eval)
+# The rebuild program (a parameter in "rebuild" mode) holds only ordinary operations;
+# newer JAX would otherwise ask for a "to_lojax" rule because a parameter is a program.
+residual_p.is_high = lambda *avals, **params: False
 to_device_p.def_abstract_eval(lambda *avals, memory_kind: [a.update(memory_space=core.MemorySpace.Device) for a in avals])
 
 
@@ -120,10 +131,13 @@ def _annotate(x: ir.Value, memory_kind: str) -> ir.Value:
     return op.result
 
 
-def _lowering(ctx, *args, name, num_values, mode, rebuild, out_avals, memory_kind, annotate):
-    del name, out_avals
+def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, annotate):
+    del name, rebuild, out_avals
     if mode == "rebuild":
-        return mlir.lower_fun(rebuild.fn, multiple_results=True)(ctx, *args[num_values:])
+        extra = args[num_values:]
+        if annotate and RELOAD_AFTER_COTANGENT:  # an input may still be a host copy
+            extra = [_annotate(v, "device") for v in extra]
+        return mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *extra)
     values = list(args[:num_values])
     if mode == "offload":
         host = [_annotate(v, memory_kind) for v in values] if annotate else values
@@ -186,19 +200,39 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
             eqn.invars, [*eqn.outvars, *host], residual_p,
             {**params, "mode": "offload", "memory_kind": case.dst}, eqn.effects, eqn.source_info,
         )  # fmt: skip
-        reload = core.new_jaxpr_eqn(host, list(eqn.outvars), to_device_p, {"memory_kind": case.src}, frozenset(),
-                                    eqn.source_info)  # fmt: skip
+        if RELOAD_AFTER_COTANGENT:  # stays on the host until after_cotangent
+            reload = core.new_jaxpr_eqn(host, list(eqn.outvars), residual_p,
+                                        {**params, "mode": "on_host", "rebuild": None}, frozenset(),
+                                        eqn.source_info)  # fmt: skip
+        else:
+            reload = core.new_jaxpr_eqn(host, list(eqn.outvars), to_device_p, {"memory_kind": case.src},
+                                        frozenset(), eqn.source_info)  # fmt: skip
         return known, reload, [False] * n, [True] * n, host
     # Recompute.
     if params["rebuild"] is None:
         return eqn, eqn, [False] * n, [True] * n, _needs(inst_in, eqn.invars)
     extra_vars, extra_inst = eqn.invars[n:], inst_in[n:]
+    # The rebuild as a program in the backward pass (what it runs is visible there).
+    jaxpr = jax.make_jaxpr(params["rebuild"].fn)(*[v.aval for v in extra_vars])
     staged = core.new_jaxpr_eqn(
         extra_vars, list(eqn.outvars), residual_p,
-        {**params, "num_values": 0, "mode": "rebuild", "out_avals": tuple(v.aval for v in eqn.outvars)},
+        {**params, "num_values": 0, "mode": "rebuild", "jaxpr": jaxpr,
+         "out_avals": tuple(v.aval for v in eqn.outvars)},
         eqn.effects, eqn.source_info,
     )  # fmt: skip
     return eqn, staged, [False] * n, [True] * n, _needs(extra_inst, extra_vars)
 
 
 pe.partial_eval_jaxpr_custom_rules[residual_p] = _partial_eval_custom
+
+
+def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:
+    """With ``RELOAD_AFTER_COTANGENT``: the residual arrays, each on the device, usable
+    only once ``cotangent`` (any pytree) exists. An optimization barrier ties the
+    (possibly host) arrays to the cotangent, then each is moved to the device; XLA
+    drops the move for an array that was on the device already. Otherwise the identity.
+    """
+    if not RELOAD_AFTER_COTANGENT:
+        return list(residual_arrays), cotangent
+    arrays, cotangent = jax.lax.optimization_barrier((list(residual_arrays), cotangent))
+    return to_device_p.bind(*arrays, memory_kind="device"), cotangent
