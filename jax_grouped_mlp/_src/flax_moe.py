@@ -61,9 +61,8 @@ class MoEBlock(nnx.Module):
     ``parallel`` they are placed on the mesh ``jax.set_mesh`` set, if any, else left
     on one device with the names only (shard them with ``nnx.get_partition_spec``
     under ``nnx.logical_axis_rules``). Works under ``nnx.jit`` and ``nnx.remat`` with
-    :func:`jax_grouped_mlp.offload_policy`; under a policy that recomputes
-    "fc2_input", pass ``fuse_fc1_epilogue=False`` (see
-    :func:`jax_grouped_mlp.grouped_mlp`; ``OffloadPlan.fuse_fc1_epilogue`` gives it).
+    :func:`jax_grouped_mlp.offload_policy` (the policy alone decides what is
+    recomputed; ``fuse_fc1_epilogue`` does not change it).
     """
 
     def __init__(

@@ -7,10 +7,12 @@ Forward (per recipe, see :mod:`recipes`)::
     y = FC2(row(a), w2)                 x.dtype
 
 The forward rule additionally keeps ``col(x)`` tagged "fc1_input" and ``col(a)``
-tagged "fc2_input" (the token-blocked operands of the two weight gradients). Because
-``a`` is computed from the *tagged* ``h``, a remat policy that recomputes
-"fc2_input" rebuilds it from "activation_input" alone, without rerunning FC1.
-Weights, ``probs`` and ``group_sizes`` are never tagged.
+tagged "fc2_input" (the token-blocked operands of the two weight gradients). The tags
+are :mod:`residuals`' (the remat policy sees them as ``checkpoint_name``s); the
+"fc2_input" tag says how to rebuild ``col(a)`` from the tagged ``h``, so a policy
+that recomputes "fc2_input" costs one elementwise pass from "activation_input",
+whichever kernel produced ``col(a)`` in the forward pass (the fused FC1 kernel
+included). Weights, ``probs`` and ``group_sizes`` are never tagged.
 
 Backward::
 
@@ -35,9 +37,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
-from jax_grouped_mlp._src import groups, primitives
+from jax_grouped_mlp._src import groups, primitives, residuals
 from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
 from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
 from jax_grouped_mlp._src.primitives import Operand
@@ -64,13 +65,23 @@ QUANTIZE_WEIGHTS_IN_GEMM = True
 QW_MAX_ROWS_PER_GROUP = 512
 
 
-def _tag(op: Operand, name: str) -> Operand:
-    """``checkpoint_name`` on the arrays of an operand (never on its group sizes)."""
+def _tag(op: Operand, name: str, *, rebuild: residuals.Rebuild | None = None, extra=()) -> Operand:
+    """The residual tag on the arrays of an operand (never on its group sizes)."""
     if isinstance(op, MXFP8Tensor):
-        return MXFP8Tensor(
-            checkpoint_name(op.data, name), checkpoint_name(op.scale, name), op.axis, op.group_sizes
-        )
-    return checkpoint_name(op, name)
+        data, scale = residuals.tag([op.data, op.scale], name, rebuild=rebuild, extra=extra)
+        return MXFP8Tensor(data, scale, op.axis, op.group_sizes)
+    (out,) = residuals.tag([op], name, rebuild=rebuild, extra=extra)
+    return out
+
+
+def _fc2_input_rebuild(recipe: Recipe) -> residuals.Rebuild:
+    """``col(a)`` from the tagged ``h``: what recomputing "fc2_input" runs (elementwise)."""
+
+    def fn(h, probs, group_sizes):
+        _, a_col = recipe.row_and_col(primitives.srelu_scaled(h, probs), group_sizes, keep_col=True)
+        return [a_col.data, a_col.scale] if isinstance(a_col, MXFP8Tensor) else [a_col]
+
+    return residuals.Rebuild(fn, (FC2_INPUT, recipe))
 
 
 def _weights_in_gemm(recipe: Recipe, m, num_groups) -> bool:
@@ -96,7 +107,7 @@ def _weight_gemm(lhs, w, group_sizes, recipe: Recipe, out_dtype, *, transpose_rh
 def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe):
     """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
     h = _weight_gemm(x_row, w1, group_sizes, recipe, jnp.bfloat16)
-    h = checkpoint_name(h, ACTIVATION_INPUT)
+    h = _tag(h, ACTIVATION_INPUT)
     a = primitives.srelu_scaled(h, probs)
     return h, a
 
@@ -140,27 +151,48 @@ def _fused(recipe: Recipe, fuse: bool, x: jax.Array, group_count: int) -> bool:
     )
 
 
+def _exact(x: jax.Array) -> jax.Array:
+    """``x`` rounded to its own dtype. XLA may compute a bf16 producer of ``x`` (the
+    previous layer's residual add, say) in float32 and fuse it into the quantization
+    here without rounding ("excess precision"), while a backward pass that recomputes
+    "fc1_input" quantizes the rounded ``x`` it was given: the two would differ."""
+    finfo = jnp.finfo(x.dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+
+
 def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
     # The residuals keep the bf16 weights the GEMMs read (the very arrays for bf16
     # weights; one bf16 copy for float32 ones) and the weights' own dtypes, as zero-size
     # arrays (custom_vjp residuals must be arrays), for the gradients' dtype.
     w_dtypes = (jnp.zeros((0,), w1.dtype), jnp.zeros((0,), w2.dtype))
     w1, w2 = _compute_weight(w1), _compute_weight(w2)
-    x_row, x_col = recipe.row_and_col(x, group_sizes, keep_col=True)
+    x_row, x_col = recipe.row_and_col(_exact(x), group_sizes, keep_col=True)
     if _fused(recipe, fuse, x, w1.shape[0]):
-        # One kernel: h and both MXFP8 copies of a. a is not computed from the tagged
-        # h here, so recomputing "fc2_input" reruns this kernel (hence the flag).
+        # One kernel: h and both MXFP8 copies of a. a_col's tag rebuilds it from the
+        # tagged h when it is recomputed, so this kernel is never rerun for it.
         h, a_row, a_col = primitives.fc1_fused(x_row, recipe.weight(w1, 1), group_sizes, probs)
-        h = checkpoint_name(h, ACTIVATION_INPUT)
+        h = _tag(h, ACTIVATION_INPUT)
     else:
         h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
     y = _fc2(a_row, w2, group_sizes, recipe, x.dtype)
-    return y, (_tag(x_col, FC1_INPUT), h, _tag(a_col, FC2_INPUT), w1, w2, group_sizes, probs, w_dtypes)
+    a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes))
+    return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, group_sizes, probs, w_dtypes)
+
+
+def _leaves(op: Operand) -> list:
+    return [op.data, op.scale] if isinstance(op, MXFP8Tensor) else [op]
+
+
+def _with_leaves(op: Operand, leaves) -> Operand:
+    return MXFP8Tensor(*leaves, op.axis, op.group_sizes) if isinstance(op, MXFP8Tensor) else leaves[0]
 
 
 def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs, (w1_dtype, w2_dtype) = res
+    # (residuals.RELOAD_AFTER_COTANGENT: h and fc2_input come back once dy exists.)
+    (h, *a_leaves), dy = residuals.after_cotangent([h, *_leaves(a_col)], dy)
+    a_col = _with_leaves(a_col, a_leaves)
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
     if recipe is Recipe.MXFP8 and not _weights_in_gemm(recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
@@ -172,6 +204,9 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
     w1, dh_row = _after(w1, dh_row)
     dx = _weight_gemm(dh_row, w1, group_sizes, recipe, dy.dtype, transpose_rhs=True)
+    # (fc1_input, needed last, once dh's columns exist.)
+    x_leaves, dh_col = residuals.after_cotangent(_leaves(x_col), dh_col)
+    x_col = _with_leaves(x_col, x_leaves)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2_dtype.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1_dtype.dtype)
     # dx leaves this layer only with both weight gradients done (an optimization
@@ -221,13 +256,12 @@ def grouped_mlp(
       recipe: ``"mxfp8"`` (both GEMMs in MXFP8, forward and backward) or ``"bf16"``.
       fuse_fc1_epilogue: with ``"mxfp8"`` on CUDA, FC1's kernel also writes ``a``'s
         two MXFP8 copies (FC2's operand and the "fc2_input" residual), so no separate
-        pass reads ``h`` again. Same numbers either way. Set it to False when the
-        remat policy recomputes "fc2_input" (``offload_policy(fc2_input="recompute")``):
-        then "fc2_input" is rebuilt from "activation_input" by one cheap pass, whereas
-        with the fused kernel recomputing it reruns FC1 (its GEMM and the quantization
-        of ``x`` and ``w1``). No effect when the groups are small (at most
-        ``mlp.QW_MAX_ROWS_PER_GROUP`` = 512 rows on average): then the GEMM kernels
-        quantize the weights themselves and FC1 always runs unfused.
+        pass reads ``h`` again. Same numbers either way, and no effect on what the
+        remat policy costs: recomputing "fc2_input" always rebuilds it from
+        "activation_input" by one elementwise pass, never by rerunning FC1. No
+        effect when the groups are small (at most ``mlp.QW_MAX_ROWS_PER_GROUP`` = 512
+        rows on average): then the GEMM kernels quantize the weights themselves and
+        FC1 always runs unfused.
 
     Returns:
       ``[M, H]`` in ``x.dtype``. Rows at or past ``sum(group_sizes)`` are zero, and

@@ -130,8 +130,8 @@ def moe_block(
       recipe: ``grouped_mlp``'s recipe, ``"mxfp8"`` or ``"bf16"``.
       parallel: expert parallelism over a mesh (:class:`ExpertParallel`, which also
         holds the optional ``capacity_factor``), or None for one device.
-      fuse_fc1_epilogue: ``grouped_mlp``'s; False when the remat policy recomputes
-        "fc2_input" (``OffloadPlan.fuse_fc1_epilogue`` says which).
+      fuse_fc1_epilogue: ``grouped_mlp``'s (same numbers and the same recompute
+        cost either way).
       shared_w1: ``[H, Fs]`` and shared_w2: ``[Fs, H]``, an optional shared expert
         (both or neither): a squared-ReLU MLP over every token, weight 1, added to
         the routed output. It runs as ``grouped_mlp`` with one group of all tokens

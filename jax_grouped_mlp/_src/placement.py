@@ -3,10 +3,13 @@
 Under ``jax.grad``, ``jax.checkpoint`` (remat) with a policy leaves one ``name``
 equation per tagged value in the forward pass, follows it with a ``device_put`` to
 host memory when the policy offloads it, and repeats the ``name`` equation inside the
-differentiated remat body when the policy recomputes it. Counting those three
-things per name (through jit, scan, shard_map and other nested programs) tells where
-each residual lives, without running anything and without having to link values
-across program boundaries. This is what the tests, the demo and the planner use to
+differentiated remat body when the policy recomputes it. The op's own residual tags
+(:mod:`residuals`) leave one tag equation per residual in the forward pass, in its
+"offload" mode when the policy offloads it (the tag writes the host copy itself), and
+a tag equation inside the remat body when it is recomputed. Counting those things per
+name (through jit, scan, shard_map and other nested programs) tells where each
+residual lives, without running anything and without having to link values across
+program boundaries. This is what the tests, the demo and the planner use to
 show that a policy did what it says.
 
 A tagged value that the backward pass does not need at all is reported as
@@ -24,6 +27,7 @@ import jax
 from jax.extend import core as jex_core
 
 UNNAMED_OFFLOAD = "<unnamed>"
+_RESIDUAL_TAG = "grouped_mlp_residual"  # residuals.residual_p
 # Value-preserving primitives that may sit between a ``name`` and its host copy.
 _ALIASES = frozenset({"reduce_precision", "copy", "copy_p"})
 
@@ -48,7 +52,21 @@ def _walk(jaxpr, counts: dict[str, collections.Counter], in_body: bool) -> None:
     named: dict[Any, str] = {}
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
-        if prim == "name":
+        if prim == _RESIDUAL_TAG:
+            name, mode = eqn.params["name"], eqn.params["mode"]
+            if mode == "on_host":  # the backward's handle on a host copy (not a recompute)
+                continue
+            values = eqn.outvars[: len(eqn.outvars) // 2] if mode == "offload" else eqn.outvars
+            nbytes = sum(_nbytes(v) for v in values)
+            if in_body:
+                counts[name]["recompute"] += 1
+            else:
+                counts[name]["forward"] += 1
+                counts[name]["forward_bytes"] += nbytes
+                if mode == "offload":
+                    counts[name]["offload"] += 1
+                    counts[name]["host_bytes"] += nbytes
+        elif prim == "name":
             name = eqn.params["name"]
             named[eqn.outvars[0]] = name
             if in_body:

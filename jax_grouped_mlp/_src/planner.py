@@ -255,13 +255,12 @@ class OffloadPlan:
 
     @property
     def fuse_fc1_epilogue(self) -> bool:
-        """The ``fuse_fc1_epilogue`` to run the layers with under :attr:`policy`.
-
-        False when the plan recomputes "fc2_input": the plan costs that recompute as
-        the cheap rebuild from "activation_input", which only the unfused FC1 gives
-        (the fused kernel's output is recomputed by rerunning FC1).
+        """The ``fuse_fc1_epilogue`` to run the layers with under :attr:`policy`: always
+        True (kept for compatibility). Recomputing "fc2_input" rebuilds it from
+        "activation_input" by one elementwise pass with either FC1 path, as the plan
+        costs it, so the fused kernel is never the worse choice.
         """
-        return self.placement[FC2_INPUT] != "recompute"
+        return True
 
     def candidate(self, **placement: str) -> Candidate:
         """The candidate with these placements, e.g. ``candidate(fc1_input="offload", ...)``."""

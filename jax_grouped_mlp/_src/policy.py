@@ -44,14 +44,20 @@ def offload_policy(
     Each residual is ``"offload"`` (copied to pinned host memory after the forward
     pass and back before the backward pass), ``"device"`` (kept in device memory) or
     ``"recompute"`` (rebuilt in the backward pass: "fc2_input" from
-    "activation_input", which is cheap, when :func:`grouped_mlp` runs with
-    ``fuse_fc1_epilogue=False``; with the default fused FC1 epilogue, and for the
-    other residuals, by rerunning what produced them).
+    "activation_input" by one elementwise pass, whatever kernel wrote it; the
+    other residuals by rerunning what produced them).
     Everything offloads by default. Weights are never offloaded.
 
     Values the policy does not name are recomputed, as with any
     ``save_and_offload_only_these_names`` policy; ``extra_saveable`` and
     ``extra_offloadable`` add your own ``checkpoint_name`` tags.
+
+    The op copies its own offloaded residuals to the host (the copies JAX's
+    ``device_put`` to ``pinned_host`` makes, without a memory-space transfer in the
+    traced program), so a jitted train step does not compile again on its second call.
+    Your own names in ``extra_offloadable`` are offloaded by JAX and do bring that
+    back (``jax.jit`` then commits the step's outputs; place the step's inputs on the
+    device with ``jax.device_put`` before the first call to avoid it).
 
     Example::
 
