@@ -91,10 +91,18 @@ def _grad_of_grad(recipe, cs):
 
 
 def _assert_same(got, want):
+    """Equal up to float32 rounding where both paths run the same arithmetic (CPU: the
+    kernels' branch is traced but the reference runs). On a GPU the kernels sum in
+    another order than XLA's reference GEMMs, which moves bf16 (and MXFP8) roundings:
+    there the paths agree within the first-order GPU tests' band instead."""
+    on_gpu = jax.default_backend() == "gpu"
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all() and np.isfinite(w).all()
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+        if on_gpu:
+            assert np.linalg.norm(g - w) <= 3e-2 * np.linalg.norm(w), np.linalg.norm(g - w) / np.linalg.norm(w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
