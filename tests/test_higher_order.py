@@ -179,7 +179,7 @@ def test_vmap_same_on_every_path(rng, recipe, cuda_impls):
 def test_first_order_lowering_is_unchanged_by_the_derivative_rule():
     """The custom_jvp that makes the primitives differentiable is not on the first-order
     path: jit(grad), lowered for CUDA, is the same module as with the primitives'
-    platform_dependent called directly."""
+    platform_dependent calling the CUDA implementations directly."""
     if not ffi.available():
         pytest.skip("the CUDA extension is not built")
     m, h, f, g = 256, 64, 96, 4
@@ -196,9 +196,9 @@ def test_first_order_lowering_is_unchanged_by_the_derivative_rule():
     for recipe in ("bf16", "mxfp8"):
         text = lowered(recipe)
         assert "jgm_grouped_gemm" in text
-        saved = primitives._kernel_or_reference
-        primitives._kernel_or_reference = lambda name, static, *a: primitives._per_platform(name, static)(*a)
+        saved = primitives._cuda_branch
+        primitives._cuda_branch = lambda name, static, *a: primitives._CUDA_IMPLS[name](*a, **dict(static))
         try:
             assert lowered(recipe) == text
         finally:
-            primitives._kernel_or_reference = saved
+            primitives._cuda_branch = saved

@@ -15,6 +15,7 @@ accumulation: the same arithmetic a bf16-MMA kernel does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Literal, Union
 
@@ -50,47 +51,77 @@ def _dispatch(name: OpName, *args, **static):
     ref = _REFERENCE[name]
     if name not in _CUDA_IMPLS:
         return ref(*args, **static)
-    return _kernel_or_reference(name, tuple(sorted(static.items())), *args)
+    kw = tuple(sorted(static.items()))
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=lambda *a: _cuda_branch(name, kw, *a),
+        default=lambda *a: ref(*a, **static),
+    )
+
+
+# Which argument is the group sizes that a primitive's group-aware MXFP8 outputs carry.
+_GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2}
+
+
+def _cuda_branch(name: OpName, static: tuple, *args):
+    """The CUDA implementation, differentiable and batchable (:func:`_kernel`).
+
+    The group sizes of a group-aware output are passed through outside the wrapper, as
+    the unwrapped implementations do, so that ``platform_dependent`` still sees them
+    forwarded from its operands in both branches (and does not make them an output).
+    """
+    out = _kernel(name, static, *args)
+    if name not in _GROUP_SIZES_ARG:
+        return out
+    return _with_group_sizes(out, args[_GROUP_SIZES_ARG[name]])
+
+
+def _with_group_sizes(out, group_sizes: jax.Array):
+    """``out`` with its group-aware MXFP8 tensors carrying ``group_sizes`` (as int32)
+    itself: what a custom_jvp / custom_vmap wrapper returned is no longer visibly the
+    operand, and a ``cond`` (``platform_dependent``) would then return it as an output,
+    which a remat policy cannot save (so it recomputes the whole primitive)."""
+    gs = group_sizes.astype(jnp.int32)
+    return jax.tree.map(
+        lambda t: dataclasses.replace(t, group_sizes=gs) if isinstance(t, MXFP8Tensor) and t.is_grouped else t,
+        out, is_leaf=lambda t: isinstance(t, MXFP8Tensor),
+    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _kernel_or_reference(name: OpName, static: tuple, *args):
-    """The CUDA implementation of ``name`` when lowered for CUDA, the reference elsewhere.
+def _kernel(name: OpName, static: tuple, *args):
+    """The CUDA implementation of ``name``, with the reference's derivative and a batching rule.
 
-    A ``custom_jvp`` whose derivative is the reference's (:func:`_reference_jvp`): the
-    FFI custom call has no derivative of its own, and ``platform_dependent``
-    differentiates both branches, so without it anything that differentiates a
-    primitive (grad of the MLP's backward, ``jax.hessian``) would fail whenever the
-    extension is built, even on CPU. A first-order gradient never differentiates a
-    primitive (the MLP's ``custom_vjp`` rules call them), so this adds nothing there.
+    The FFI custom calls have neither a derivative nor a batching rule, and
+    ``platform_dependent`` differentiates and batches both of its branches, so without
+    these anything that differentiates a primitive (grad of the MLP's backward,
+    ``jax.hessian``) or vmaps one would fail whenever the extension is built, even on
+    CPU. The derivative (:func:`_reference_jvp`) is the reference's; under ``vmap`` the
+    kernel runs once per batch element (:func:`_sequential_kernel`). A first-order
+    gradient never differentiates a primitive (the MLP's ``custom_vjp`` rules call
+    them), and these wrappers lower to nothing, so the program is the same there.
     """
-    return _per_platform(name, static)(*args)
+    return _sequential_kernel(name, static)(*args)
 
 
-@_kernel_or_reference.defjvp
+@_kernel.defjvp
 def _reference_jvp(name: OpName, static: tuple, primals, tangents):
-    """Primal from the kernel (on CUDA), tangent from the reference's own derivative:
-    the derivative the reference path has, so every path differentiates alike."""
-    out = _kernel_or_reference(name, static, *primals)
+    """Primal from the kernel, tangent from the reference's derivative (the one the
+    reference path has, so every path differentiates alike)."""
+    out = _kernel(name, static, *primals)
     ref = functools.partial(_REFERENCE[name], **dict(static))
     _, tangent = jax.jvp(ref, primals, tangents)
     return out, tangent
 
 
-def _per_platform(name: OpName, static: tuple) -> Callable:
-    """``platform_dependent(cuda=kernel, default=reference)`` for ``name``, with a batching rule.
-
-    The FFI custom calls have no batching rule of their own. Under ``vmap`` the CUDA
-    branch runs the kernel once per batch element (``lax.map``; nested ``vmap`` nests
-    the loops) and the reference branch is vmapped as usual.
-    """
-    kw = dict(static)
-    ref = functools.partial(_REFERENCE[name], **kw)
-    cuda = functools.partial(_CUDA_IMPLS[name], **kw)
+def _sequential_kernel(name: OpName, static: tuple) -> Callable:
+    """The CUDA implementation of ``name``; under ``vmap``, once per batch element
+    (``lax.map``; a nested ``vmap`` nests the loops)."""
+    cuda = functools.partial(_CUDA_IMPLS[name], **dict(static))
 
     @jax.custom_batching.custom_vmap
     def call(*args):
-        return jax.lax.platform_dependent(*args, cuda=cuda, default=ref)
+        return cuda(*args)
 
     @call.def_vmap
     def _batched(axis_size, in_batched, *args):
@@ -98,19 +129,11 @@ def _per_platform(name: OpName, static: tuple) -> Callable:
         flags = jax.tree.leaves(in_batched)
         assert len(flags) == len(leaves), (name, in_batched)
 
-        def with_leaves(fn):
-            def run(*batched_leaves):
-                it = iter(batched_leaves)
-                return fn(*jax.tree.unflatten(tree, [next(it) if b else x for x, b in zip(leaves, flags)]))
-            return run
+        def one(batched_leaves):
+            it = iter(batched_leaves)
+            return call(*jax.tree.unflatten(tree, [next(it) if b else x for x, b in zip(leaves, flags)]))
 
-        def sequential(*batched_leaves):
-            return jax.lax.map(lambda bl: with_leaves(call)(*bl), batched_leaves)
-
-        batched = [x for x, b in zip(leaves, flags) if b]
-        out = jax.lax.platform_dependent(
-            *batched, cuda=sequential, default=jax.vmap(with_leaves(ref))
-        )
+        out = jax.lax.map(one, [x for x, b in zip(leaves, flags) if b])
         return out, jax.tree.map(lambda _: True, out)
 
     return call
@@ -162,11 +185,11 @@ def _ref_fake_quantize(x: jax.Array, *, axis: int) -> jax.Array:
 
 
 def _ref_quantize_both(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
-    return _st_quantize_both(x, group_sizes)
+    return _with_group_sizes(_st_quantize_both(x, group_sizes), group_sizes)
 
 
 def _ref_fake_quantize_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp8: bool):
-    return _st_fake_quantize_pair(x, group_sizes, keep_col_fp8)
+    return _with_group_sizes(_st_fake_quantize_pair(x, group_sizes, keep_col_fp8), group_sizes)
 
 
 def _fp8_tangent(q: MXFP8Tensor, x_dot: jax.Array) -> MXFP8Tensor:
