@@ -295,7 +295,14 @@ def measure_policy(label: str, stack, opts) -> dict:
 
     # 4. The residual arrays a jitted forward really returns, by memory kind.
     if opts.runtime_check:
-        vjp_fn = jax.jit(lambda *a: jax.vjp(loss, *a)[1])(*args)
+        # Residuals returned by jit get their memory kind only from JAX's own transfers.
+        from jax_grouped_mlp._src import residuals
+
+        residuals.OWN_TRANSFERS = False
+        try:
+            vjp_fn = jax.jit(lambda *a: jax.vjp(loss, *a)[1])(*args)
+        finally:
+            residuals.OWN_TRANSFERS = True
         kinds: collections.Counter = collections.Counter()
         for a in jax.tree.leaves(vjp_fn):
             if isinstance(a, jax.Array):

@@ -91,7 +91,14 @@ def measure_policy(loss, args) -> tuple[dict, object]:
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
     mem = step.memory_analysis()
     kept = residual_bytes_kept(loss, *args, argnums=(0, 1))
-    vjp_fn = jax.jit(lambda *a: jax.vjp(loss, *a)[1])(*args)
+    # Residuals returned by jit get their memory kind only from JAX's own transfers.
+    from jax_grouped_mlp._src import residuals
+
+    residuals.OWN_TRANSFERS = False
+    try:
+        vjp_fn = jax.jit(lambda *a: jax.vjp(loss, *a)[1])(*args)
+    finally:
+        residuals.OWN_TRANSFERS = True
     host_runtime = sum(
         a.nbytes for a in jax.tree.leaves(vjp_fn) if a.sharding.memory_kind == "pinned_host"
     )

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 import jax
 from jax._src import core
+from jax.ad_checkpoint import checkpoint_name
 from jax._src.ad_checkpoint import name_p
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
@@ -46,6 +47,14 @@ to_device_p = core.Primitive("grouped_mlp_to_device")
 to_device_p.multiple_results = True
 
 _GPU_TPU = ("cuda", "rocm", "tpu")
+
+# False: tag with plain ``checkpoint_name`` and let JAX offload (the behaviour before
+# these tags: a jitted step's second call compiles again, and a recomputed
+# "fc2_input" reruns whatever wrote it). For comparing, and for programs that return
+# offloaded residuals from ``jax.jit`` (``jax.vjp`` under jit): JAX gives those
+# outputs the ``pinned_host`` memory kind only when it sees its own transfer.
+# Read at trace time.
+OWN_TRANSFERS = True
 
 # Prototype (issue 17's lever; off by default, for measuring on the GPU): an offloaded
 # residual comes back only in the op's backward rule, after the layer's cotangent
@@ -78,6 +87,8 @@ def tag(values: Sequence[jax.Array], name: str, *, rebuild: Rebuild | None = Non
     values, extra = list(values), list(extra)
     if rebuild is None and extra:
         raise ValueError("extra inputs need a rebuild function")
+    if not OWN_TRANSFERS:
+        return [checkpoint_name(v, name) for v in values]
     return residual_p.bind(*values, *extra, name=name, num_values=len(values), mode="value",
                            rebuild=rebuild, jaxpr=None, out_avals=None, memory_kind=None)
 
