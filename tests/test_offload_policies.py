@@ -181,6 +181,8 @@ def test_backward_recomputes_what_the_policy_says(rng, counting, monkeypatch, pa
     former; and one quantization of srelu(h) writing fc2_input only when fc2_input is
     recomputed: never a rerun of FC1 for it, also when the fused FC1 kernel wrote it in
     the forward pass."""
+    if jax.default_backend() != "cpu":  # the counting stubs replace the reference kernels,
+        pytest.skip("which run only where the platform is not CUDA (the H200 ran 0 of them)")
     monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", path == "weights_in_gemm")
     x, w1, w2, probs, gs = _make_inputs(rng, layers=1)
 
