@@ -19,6 +19,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def gpu():
+    """The first CUDA device; skips without one or without the built extension."""
+    import jax
+
+    from jax_grouped_mlp._src import ffi
+
+    devs = [d for d in jax.devices() if d.platform == "gpu"]
+    if not devs or not ffi.available():
+        pytest.skip("needs a GPU and the built extension")
+    return devs[0]
+
+
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     """A generator with a fresh seed (set JGM_SEED to reproduce a failure)."""

@@ -1,6 +1,11 @@
-"""What the GPU tests need to know about the machine they run on."""
+"""What the tests need to know about the machine they run on (a GPU; simulated CPU devices)."""
 
 from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 
@@ -11,3 +16,24 @@ def has_gpu() -> bool:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
         return False
+
+
+def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4) -> None:
+    """Runs the pytest file ``cases`` in a fresh interpreter that sees ``devices`` CPU
+    devices (the device count is fixed at JAX's start), and fails with its output
+    unless every case passed (a run whose last line reports skips fails too)."""
+    import pytest
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    root = cases.resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(cases)]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{what} timed out after {err.timeout}s:\n{err.stdout or ''}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{what} failed (rc={proc.returncode}):\n{out[-20000:]}"
+    assert "skipped" not in out.splitlines()[-1], f"{what} were skipped:\n{out[-5000:]}"

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import ffi
 from mlp_reference import group_slices, mlp_f64, rel_err
 from test_mlp import BANDS
 
@@ -43,14 +42,6 @@ SIZES = {
     "fewer_rows_than_a_tile": (5, 3, [2, 0, 3]),
     "random": (300, 6, None),
 }
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    devs = [d for d in jax.devices() if d.platform == "gpu"]
-    if not devs or not ffi.available():
-        pytest.skip("needs a GPU and the built extension")
-    return devs[0]
 
 
 def _inputs(rng, m, g, sizes, h=128, f=192):

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jax_grouped_mlp as jgm
+from gpu_helpers import run_cases_on_cpu_devices
 from jax_grouped_mlp.flax import GroupedMLP
 
 
@@ -86,17 +84,5 @@ def test_sharded_cases_on_four_cpu_devices():
     logical axis metadata matches one device. (The device-count flag only acts before
     jax starts its CPU backend; see ``test_moe_sharded.py``.)
     """
-    here = pathlib.Path(__file__).resolve().parent
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here.parent), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           str(here / "flax_sharded_cases.py")]  # fmt: skip
-    try:
-        proc = subprocess.run(cmd, cwd=here.parent, env=env, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"sharded Flax cases timed out after {err.timeout}s:\n{err.stdout or ''}")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"sharded Flax cases failed (rc={proc.returncode}):\n{out[-20000:]}"
-    assert "skipped" not in out.splitlines()[-1], f"sharded Flax cases were skipped:\n{out[-5000:]}"
+    run_cases_on_cpu_devices(pathlib.Path(__file__).resolve().parent / "flax_sharded_cases.py",
+                             "sharded Flax cases")

@@ -30,14 +30,6 @@ def _loss_and_grads(policy, fuse=True):
     return jax.jit(run)
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    devs = [d for d in jax.devices() if d.platform == "gpu"]
-    if not devs or not ffi.available():
-        pytest.skip("needs a GPU and the built extension")
-    return devs[0]
-
-
 @pytest.mark.parametrize("case", ["zeros_and_skew", "sum_above_m", "unaligned"])
 def test_matches_cpu_path_and_float64(gpu, rng, case):
     args = make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[s * 4 for s in SIZES[case]])

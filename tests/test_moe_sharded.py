@@ -8,27 +8,13 @@ pytest output is shown on failure. Set ``JGM_SEED`` to vary their inputs.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
-import pytest
+from gpu_helpers import run_cases_on_cpu_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = HERE / "moe_sharded_cases.py"
 
 
 def test_expert_parallel_cases_on_four_cpu_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(CASES)]
-    try:
-        proc = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"sharded MoE cases timed out after {err.timeout}s:\n{err.stdout or ''}")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"sharded MoE cases failed (rc={proc.returncode}):\n{out[-20000:]}"
-    assert "skipped" not in out.splitlines()[-1], f"sharded MoE cases were skipped:\n{out[-5000:]}"
+    run_cases_on_cpu_devices(CASES, "sharded MoE cases")
