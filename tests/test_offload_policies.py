@@ -300,3 +300,32 @@ def test_reload_after_cotangent_prototype(rng, monkeypatch, layout):
 def _grads_simple(layout, inputs, combo):
     fn = jax.jit(jax.grad(functools.partial(LAYOUTS[layout], jgm.offload_policy(*combo)), argnums=(0, 1, 2)))
     return [np.asarray(g.astype(jnp.float32)) for g in fn(*inputs)]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_rebuilt_fc2_input_under_vmap_and_second_order(rng, recipe, monkeypatch):
+    """A policy that recomputes fc2_input (the tag's rebuild program in the backward):
+    vmap of the gradient and grad of grad work, and give the bits of JAX's own
+    ``checkpoint_name`` mechanism (``residuals.OWN_TRANSFERS = False``)."""
+    from jax_grouped_mlp._src import residuals
+
+    m, h, f, g = 64, 32, 64, 2
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / np.sqrt(f), jnp.bfloat16)
+    gs = jnp.asarray([30, 34], jnp.int32)
+    p = jnp.asarray(rng.uniform(0.2, 1.0, m), jnp.float32)
+    c = jnp.asarray(rng.standard_normal(w1.shape), jnp.float32)
+    policy = jgm.offload_policy("device", "device", "recompute")
+
+    def results(own: bool) -> list:
+        monkeypatch.setattr(residuals, "OWN_TRANSFERS", own)
+        layer = jax.checkpoint(lambda x, w1: jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe), policy=policy)
+        loss = lambda x, w1: jnp.sum(layer(x, w1).astype(jnp.float32) ** 2)  # noqa: E731
+        inner = lambda x, w1: jnp.vdot(c, jax.grad(loss, argnums=1)(x, w1).astype(jnp.float32))  # noqa: E731
+        batched = jax.jit(jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None)))(jnp.stack([x, -0.5 * x]), w1)
+        return [batched, jax.jit(jax.grad(inner))(x, w1)]
+
+    for got, want in zip(results(True), results(False)):
+        assert np.abs(np.asarray(want, np.float32)).max() > 0
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -140,11 +140,9 @@ class MoEBlock(nnx.Module):
     ) -> None:
         if not isinstance(sow_stats, bool):
             raise TypeError(f"sow_stats must be a bool, got sow_stats={sow_stats!r}")
-        for name, coef in (("load_balancing_coef", load_balancing_coef), ("z_loss_coef", z_loss_coef)):
-            if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
-                raise ValueError(f"{name} must be a float >= 0, got {name}={coef!r}")
-        self.load_balancing_coef = float(load_balancing_coef)
-        self.z_loss_coef = float(z_loss_coef)
+        self.load_balancing_coef = checks.positive_float(
+            "load_balancing_coef", load_balancing_coef, allow_zero=True, float32=True)
+        self.z_loss_coef = checks.positive_float("z_loss_coef", z_loss_coef, allow_zero=True, float32=True)
         self.sow_stats = sow_stats or self.load_balancing_coef > 0 or self.z_loss_coef > 0
         w1 = w2 = None
         if shared_ffn is not None:

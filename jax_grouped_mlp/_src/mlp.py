@@ -130,6 +130,7 @@ def _compute_weight(w: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
     w1, w2 = _compute_weight(w1), _compute_weight(w2)
+    x = _exact(x)  # as the forward rule quantizes it: the same bits with and without grad
     if _fused(recipe, fuse, x, w1.shape[0]):
         _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, probs)
     else:

@@ -22,7 +22,7 @@ Outside remat the tag is the identity.
 
 This uses JAX internals (``partial_eval_jaxpr_custom_rules``, ``new_jaxpr_eqn``,
 ``mlir.custom_call``), stable since 2023 but not public API; the tests pin the
-behaviour (tests/test_policy.py, tests/test_offload_mechanism.py).
+behaviour (tests/test_policy.py, tests/test_offload_policies.py).
 """
 
 from __future__ import annotations
@@ -170,6 +170,10 @@ for _platform in _GPU_TPU:
 
 
 def _jvp(primals, tangents, *, num_values, **params):
+    if params["mode"] == "rebuild":  # differentiating the backward pass: the rebuild's own derivative
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        out, out_dot = jax.jvp(core.jaxpr_as_fun(params["jaxpr"]), list(primals), tangents)
+        return list(out), list(out_dot)
     out = residual_p.bind(*primals, num_values=num_values, **params)
     if params["mode"] != "value":
         raise NotImplementedError(f"differentiating a {params['mode']!r} residual tag")
@@ -180,8 +184,15 @@ ad.primitive_jvps[residual_p] = _jvp
 
 
 def _batch(args, dims, *, num_values, **params):
-    if params["mode"] == "rebuild":
-        raise NotImplementedError("vmap of a rebuilt residual")
+    if params["mode"] == "rebuild":  # the staged rebuild, batched: run its program under vmap
+        in_axes = [d if isinstance(d, int) else None for d in dims]
+        return list(jax.vmap(core.jaxpr_as_fun(params["jaxpr"]), in_axes=in_axes)(*args)), [0] * len(
+            params["out_avals"])
+    if params["rebuild"] is not None:
+        # A batched tag drops its rebuild (traced for the unbatched shapes): recomputing
+        # it then replays what produced the value, as a plain checkpoint_name would.
+        args, dims = args[:num_values], dims[:num_values]
+        params = {**params, "rebuild": None}
     out = residual_p.bind(*args, num_values=num_values, **params)
     out_dims = list(dims[:num_values])
     return out, out_dims * (2 if params["mode"] == "offload" else 1)
