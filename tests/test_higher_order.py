@@ -176,6 +176,15 @@ def test_vmap_same_on_every_path(rng, recipe, cuda_impls):
     _assert_same(got[0][1], jgm.grouped_mlp(xs[1], w1, w2, gs, p, recipe=recipe))
 
 
+def _direct_cuda_branch(name, static, *args):
+    """The CUDA implementation called directly (no derivative or batching wrapper), with
+    the group sizes passed through as ``primitives._cuda_branch`` passes them."""
+    out = primitives._CUDA_IMPLS[name](*args, **dict(static))
+    if name not in primitives._GROUP_SIZES_ARG:
+        return out
+    return primitives._with_group_sizes(out, args[primitives._GROUP_SIZES_ARG[name]])
+
+
 def test_first_order_lowering_is_unchanged_by_the_derivative_rule():
     """The custom_jvp that makes the primitives differentiable is not on the first-order
     path: jit(grad), lowered for CUDA, is the same module as with the primitives'
@@ -197,7 +206,7 @@ def test_first_order_lowering_is_unchanged_by_the_derivative_rule():
         text = lowered(recipe)
         assert "jgm_grouped_gemm" in text
         saved = primitives._cuda_branch
-        primitives._cuda_branch = lambda name, static, *a: primitives._CUDA_IMPLS[name](*a, **dict(static))
+        primitives._cuda_branch = _direct_cuda_branch
         try:
             assert lowered(recipe) == text
         finally:
