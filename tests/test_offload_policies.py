@@ -33,7 +33,10 @@ LAYERS = 3
 def _make_inputs(rng, layers=LAYERS):
     x = jnp.asarray(rng.standard_normal((M, H)), jnp.bfloat16)
     w1 = jnp.asarray(rng.standard_normal((layers, G, H, F)) / 8, jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((layers, G, F, H)) / 8, jnp.bfloat16)
+    # FC2 weights small enough that a stack of squared-ReLU layers stays well inside the
+    # float range (with /8 the output grows quadratically per layer and 6 layers reached
+    # inf in the gradient for some seeds).
+    w2 = jnp.asarray(rng.standard_normal((layers, G, F, H)) / 64, jnp.bfloat16)
     probs = jnp.asarray(rng.uniform(0.1, 1.0, size=M), jnp.float32)
     gs = jnp.asarray([40, 0, 50], jnp.int32)
     return x, w1, w2, probs, gs
@@ -242,7 +245,7 @@ def _grads(layout, combos, inputs):
 def _check_all_policies(layout, rng, combos):
     inputs = _make_inputs(rng, layers=3 if layout == "loop" else 6)
     want = _grads(layout, (ALL_DEVICE,) * 3, inputs)
-    assert all(np.abs(w).max() > 0 for w in want)  # a test that can fail
+    assert all(np.isfinite(w).all() and np.abs(w).max() > 0 for w in want)  # a test that can fail
     for i in range(0, len(combos), 3):
         group = tuple(combos[i : i + 3])
         got = _grads(layout, group, inputs)
