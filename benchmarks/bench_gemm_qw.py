@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi, gemm_ffi
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import RESULTS, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_problem, gemm_report, time_call  # noqa: E402

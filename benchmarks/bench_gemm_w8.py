@@ -27,7 +27,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import GEMM_SHAPES, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_problem, gemm_report, time_call  # noqa: E402

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import GEMM_SHAPES, bar_plot, gemm_entry, gemm_report, time_call  # noqa: E402
@@ -61,7 +62,7 @@ def _fc1_epilogue(a, b, gs, flops: float, iters: int) -> dict:
     out: dict = {}
     if not gemm_ffi.grouped_gemm_fc1_variants():
         return out
-    from jax_grouped_mlp._src.primitives import srelu_scaled as _srelu_scaled
+    from jax_grouped_mlp._src.op.primitives import srelu_scaled as _srelu_scaled
 
     probs = jax.random.uniform(jax.random.key(7), (a.shape[0],), jnp.float32)
     n = b.shape[2]

@@ -44,7 +44,7 @@ def _weight_passes(fn):
     """``fn`` traced with ``mlp.QUANTIZE_WEIGHTS_IN_GEMM`` off: a fake-quantize pass per
     weight use before the bf16 GEMMs (and the fused FC1 / FC2-dgrad epilogue kernels),
     the op as it was before the in-register weight quantization."""
-    from jax_grouped_mlp._src import mlp as mlp_module
+    from jax_grouped_mlp._src.op import mlp as mlp_module
 
     def run(*a):
         old = mlp_module.QUANTIZE_WEIGHTS_IN_GEMM

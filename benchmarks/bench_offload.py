@@ -92,7 +92,7 @@ LOSS_MODULE = "jit_loss"  # XLA's name for the jitted step (make_stack's ``loss`
 
 
 def default_placement() -> tuple[str, ...]:
-    from jax_grouped_mlp._src.policy import offload_policy
+    from jax_grouped_mlp._src.offload.policy import offload_policy
 
     sig = inspect.signature(offload_policy)
     return tuple(sig.parameters[n].default for n in PLACEMENT_NAMES)
@@ -125,8 +125,8 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     import jax
     import jax.numpy as jnp
 
-    from jax_grouped_mlp._src.mlp import grouped_mlp
-    from jax_grouped_mlp._src.policy import offload_policy
+    from jax_grouped_mlp._src.op.mlp import grouped_mlp
+    from jax_grouped_mlp._src.offload.policy import offload_policy
 
     m, h, f, g = shape["tokens"], shape["hidden"], shape["ffn"], shape["experts"]
     keys = jax.random.split(jax.random.key(seed), 2 * layers + 2)
@@ -219,8 +219,8 @@ def measure_policy(label: str, stack, opts) -> dict:
     """Everything measured for one policy (run it in a fresh process for a clean device peak)."""
     import jax
 
-    from jax_grouped_mlp._src.names import RESIDUAL_NAMES
-    from jax_grouped_mlp._src.placement import residual_report
+    from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
+    from jax_grouped_mlp._src.offload.placement import residual_report
 
     t_start = time.perf_counter()
     loss_for, args = stack
@@ -296,7 +296,7 @@ def measure_policy(label: str, stack, opts) -> dict:
     # 4. The residual arrays a jitted forward really returns, by memory kind.
     if opts.runtime_check:
         # Residuals returned by jit get their memory kind only from JAX's own transfers.
-        from jax_grouped_mlp._src import residuals
+        from jax_grouped_mlp._src.op import residuals
 
         residuals.OWN_TRANSFERS = False
         try:

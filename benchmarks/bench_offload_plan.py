@@ -33,16 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src.measure import (
+from jax_grouped_mlp._src.offload.measure import (
     _best_times,
     measure_host_bandwidth,
     measure_layer_time,
     residual_bytes_kept,
 )
-from jax_grouped_mlp._src.mlp import grouped_mlp
-from jax_grouped_mlp._src.names import RESIDUAL_NAMES
-from jax_grouped_mlp._src.planner import LayerShape, plan_offload
-from jax_grouped_mlp._src.policy import offload_policy
+from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.offload.planner import LayerShape, plan_offload
+from jax_grouped_mlp._src.offload.policy import offload_policy
 
 CPU_SHAPE = LayerShape(tokens=2048, hidden=256, ffn=384, num_experts=8)
 NANO_SHAPE = LayerShape(tokens=49152, hidden=2688, ffn=1856, num_experts=128)
@@ -92,7 +92,7 @@ def measure_policy(loss, args) -> tuple[dict, object]:
     mem = step.memory_analysis()
     kept = residual_bytes_kept(loss, *args, argnums=(0, 1))
     # Residuals returned by jit get their memory kind only from JAX's own transfers.
-    from jax_grouped_mlp._src import residuals
+    from jax_grouped_mlp._src.op import residuals
 
     residuals.OWN_TRANSFERS = False
     try:

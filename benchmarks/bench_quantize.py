@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi, mxfp8
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.formats import mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import RESULTS, time_call  # noqa: E402

@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi, mxfp8, primitives
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.op import primitives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import MLP_SHAPES, RESULTS, device_description, time_call, write_json  # noqa: E402

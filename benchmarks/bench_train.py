@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import routing as routing_lib
+from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp.flax import MoEBlock, RouterBias, default_kernel_init
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from jax_grouped_mlp._src import ffi, gemm_ffi  # noqa: E402
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi  # noqa: E402
 from common import MLP_SHAPES, RESULTS, gemm_cell, gemm_entry, gemm_report, routed_group_sizes, time_call, write_json  # noqa: E402
 
 

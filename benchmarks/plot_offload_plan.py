@@ -20,8 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_grouped_mlp._src.names import RESIDUAL_NAMES  # noqa: E402
-from jax_grouped_mlp._src.planner import (  # noqa: E402
+from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES  # noqa: E402
+from jax_grouped_mlp._src.offload.planner import (  # noqa: E402
     H200_HOST_BANDWIDTH,
     LayerShape,
     LayerTime,

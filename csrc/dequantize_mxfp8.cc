@@ -1,5 +1,5 @@
 // XLA FFI handler for the group-aware columnwise MXFP8 dequantize kernel
-// (jax_grouped_mlp/kernels/dequantize_mxfp8.py; Python side: _src/ffi.py).
+// (jax_grouped_mlp/kernels/dequantize_mxfp8.py; Python side: _src/cuda/ffi.py).
 //
 //   out = dequantize(MXFP8Tensor(data, scale, axis=0, group_sizes)) in bf16; rows past
 //   sum(group_sizes) are zero.

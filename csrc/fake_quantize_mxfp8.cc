@@ -1,5 +1,5 @@
 // XLA FFI handler for the MXFP8 fake-quantize kernel
-// (jax_grouped_mlp/kernels/fake_quantize_mxfp8.py; Python side: _src/ffi.py).
+// (jax_grouped_mlp/kernels/fake_quantize_mxfp8.py; Python side: _src/cuda/ffi.py).
 //
 //   out = the MXFP8 values of x, in bf16: rowwise (32-blocks along K) or group-aware
 //   columnwise (32-row blocks along M), by variant.

@@ -1,5 +1,5 @@
 // XLA FFI handler for the Hopper grouped GEMM over ragged M
-// (jax_grouped_mlp/kernels/grouped_gemm_sm90.py; Python side: _src/gemm_ffi.py).
+// (jax_grouped_mlp/kernels/grouped_gemm_sm90.py; Python side: _src/cuda/gemm_ffi.py).
 //
 //   out[m] = lhs[m] @ rhs[group(m)], rows at or past sum(group_sizes) are zero.
 //

@@ -1,5 +1,5 @@
 // XLA FFI handler for the Hopper grouped GEMM with the FC2-dgrad (dSReLU) epilogue
-// (jax_grouped_mlp/kernels/grouped_gemm_dgrad_sm90.py; Python side: _src/gemm_ffi.py).
+// (jax_grouped_mlp/kernels/grouped_gemm_dgrad_sm90.py; Python side: _src/cuda/gemm_ffi.py).
 // STATUS: GPU-tested on the H200 (tests/test_grouped_gemm_dgrad_gpu.py).
 //
 //   da[m] = dy[m] @ w2[group(m)]^T  (bf16-rounded exactly as jgm_grouped_gemm's _bk variants,

@@ -1,5 +1,5 @@
 // XLA FFI handler for the Hopper grouped GEMM with the FC1 epilogue
-// (jax_grouped_mlp/kernels/grouped_gemm_fc1_sm90.py; Python side: _src/gemm_ffi.py).
+// (jax_grouped_mlp/kernels/grouped_gemm_fc1_sm90.py; Python side: _src/cuda/gemm_ffi.py).
 // STATUS: GPU-tested on the H200 (tests/test_grouped_gemm_fc1_gpu.py).
 //
 //   h[m] = lhs[m] @ rhs[group(m)]  (bitwise what jgm_grouped_gemm writes), and from it

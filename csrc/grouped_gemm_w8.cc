@@ -1,5 +1,5 @@
 // XLA FFI handler for the Hopper grouped GEMM with MXFP8 weights converted in the kernel
-// (jax_grouped_mlp/kernels/grouped_gemm_w8_sm90.py; Python side: _src/gemm_ffi.py).
+// (jax_grouped_mlp/kernels/grouped_gemm_w8_sm90.py; Python side: _src/cuda/gemm_ffi.py).
 //
 //   out[m] = lhs[m] @ dequantize(rhs, rhs_scale)[group(m)], rows at or past
 //   sum(group_sizes) are zero; bitwise equal to jgm_grouped_gemm on dequantize(rhs).

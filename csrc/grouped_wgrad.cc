@@ -1,5 +1,5 @@
 // XLA FFI handler for the Hopper grouped weight gradient over ragged M
-// (jax_grouped_mlp/kernels/grouped_wgrad_sm90.py; Python side: _src/gemm_ffi.py).
+// (jax_grouped_mlp/kernels/grouped_wgrad_sm90.py; Python side: _src/cuda/gemm_ffi.py).
 //
 //   out[g] = lhs_g^T @ rhs_g over group g's rows; empty groups give zeros.
 //

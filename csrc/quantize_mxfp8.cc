@@ -1,5 +1,5 @@
 // XLA FFI handler for the one-pass MXFP8 quantize kernel
-// (jax_grouped_mlp/kernels/quantize_mxfp8.py; Python side: _src/ffi.py).
+// (jax_grouped_mlp/kernels/quantize_mxfp8.py; Python side: _src/cuda/ffi.py).
 //
 // Operands and results (row-major, as XLA lays them out by default):
 //   x            bf16   [M, K]            K % 8 == 0, M * K and (cdiv(M,32)+G) * K < 2^31

@@ -21,23 +21,23 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 * ``jax_grouped_mlp.flax`` - Flax NNX modules.
 """
 
-from jax_grouped_mlp._src.exchange import Exchange
-from jax_grouped_mlp._src.ffi import export_disabled_checks
-from jax_grouped_mlp._src.measure import measure_host_bandwidth, measure_layer_time
-from jax_grouped_mlp._src.mlp import grouped_mlp
-from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
-from jax_grouped_mlp._src.mxfp8 import (
+from jax_grouped_mlp._src.moe.exchange import Exchange
+from jax_grouped_mlp._src.cuda.ffi import export_disabled_checks
+from jax_grouped_mlp._src.offload.measure import measure_host_bandwidth, measure_layer_time
+from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.moe.block import ExpertParallel, moe_block
+from jax_grouped_mlp._src.formats.mxfp8 import (
     MXFP8Tensor,
     dequantize,
     quantize_mxfp8,
     quantize_mxfp8_grouped,
 )
-from jax_grouped_mlp._src.names import RESIDUAL_NAMES
-from jax_grouped_mlp._src.placement import residual_placements
-from jax_grouped_mlp._src.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
-from jax_grouped_mlp._src.policy import offload_policy
-from jax_grouped_mlp._src.router_stats import RouterStats, update_score_bias
-from jax_grouped_mlp._src.routing import Permutation, RoutingConfig, ScoreFunction, combine, permute, route
+from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.offload.placement import residual_placements
+from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
+from jax_grouped_mlp._src.offload.policy import offload_policy
+from jax_grouped_mlp._src.moe.router_stats import RouterStats, update_score_bias
+from jax_grouped_mlp._src.moe.routing import Permutation, RoutingConfig, ScoreFunction, combine, permute, route
 
 __all__ = [
     "Exchange",

@@ -1,7 +1,7 @@
 """Flax NNX modules (needs ``flax``; install the ``flax`` extra)."""
 
-from jax_grouped_mlp._src.flax_mlp import EMBED_AXIS, EXPERT_AXIS, MLP_AXIS, AxisNames, GroupedMLP, default_kernel_init
-from jax_grouped_mlp._src.flax_moe import MoEBlock, RouterBias, default_router_init
+from jax_grouped_mlp._src.flax.mlp import EMBED_AXIS, EXPERT_AXIS, MLP_AXIS, AxisNames, GroupedMLP, default_kernel_init
+from jax_grouped_mlp._src.flax.moe import MoEBlock, RouterBias, default_router_init
 
 __all__ = [
     "EMBED_AXIS",

@@ -24,7 +24,7 @@ def gpu():
     """The first CUDA device; skips without one or without the built extension."""
     import jax
 
-    from jax_grouped_mlp._src import ffi
+    from jax_grouped_mlp._src.cuda import ffi
 
     devs = [d for d in jax.devices() if d.platform == "gpu"]
     if not devs or not ffi.available():

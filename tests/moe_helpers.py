@@ -29,7 +29,7 @@ def host_copies(fn, *args) -> dict[str, collections.Counter]:
             if eqn.primitive.name == "name":
                 named[eqn.outvars[0]] = eqn.params["name"]
             elif eqn.primitive.name == "grouped_mlp_residual" and eqn.params["mode"] == "offload":
-                # The op's own host copies (jax_grouped_mlp._src.residuals), one per array.
+                # The op's own host copies (jax_grouped_mlp._src.op.residuals), one per array.
                 found[where][eqn.params["name"]] += eqn.params["num_values"]
             elif _to_host(eqn):
                 for v in eqn.invars:

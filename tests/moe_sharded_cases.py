@@ -33,8 +33,8 @@ import pytest  # noqa: E402
 
 import jax_grouped_mlp as jgm  # noqa: E402
 from jax_grouped_mlp import Exchange, ExpertParallel, RoutingConfig, moe_block  # noqa: E402
-from jax_grouped_mlp._src.exchange import ragged_all_to_all  # noqa: E402
-from jax_grouped_mlp._src.routing import route  # noqa: E402
+from jax_grouped_mlp._src.moe.exchange import ragged_all_to_all  # noqa: E402
+from jax_grouped_mlp._src.moe.routing import route  # noqa: E402
 from jax_grouped_mlp.flax import MoEBlock  # noqa: E402
 from moe_helpers import host_copies  # noqa: E402
 

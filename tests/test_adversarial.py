@@ -362,7 +362,7 @@ def test_checkpoint_policy_gives_the_same_gradients(rng):
 
 def _bindings():
     """(name, fn(sizes) -> pytree of arrays) for every CUDA binding that takes group sizes."""
-    from jax_grouped_mlp._src import ffi, gemm_ffi
+    from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 
     rng = np.random.default_rng(0)
     m, k, n, g = 200, 128, 192, 3
@@ -394,7 +394,7 @@ def _bits(tree) -> list[np.ndarray]:
 def test_cuda_bindings_see_clamped_sizes():
     """Each binding gives, for overflowing, negative or int64-range sizes, bit for bit
     what it gives for the clamped sizes (sums past 2**31 never reach a kernel)."""
-    from jax_grouped_mlp._src import ffi
+    from jax_grouped_mlp._src.cuda import ffi
 
     if not ffi.available():
         pytest.skip("needs the built CUDA extension")

@@ -21,7 +21,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import ffi, mxfp8, primitives
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.op import primitives
 from gpu_helpers import has_gpu
 from test_quantize_gpu import _assert_same, _poison, _random, _sizes
 

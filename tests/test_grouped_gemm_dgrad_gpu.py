@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8
 from gpu_helpers import has_gpu
 from test_fake_quantize_gpu import _assert_same_bits, _reference
 from test_quantize_gpu import _poison

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
-from jax_grouped_mlp._src.primitives import srelu_scaled as _srelu_scaled
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.op.primitives import srelu_scaled as _srelu_scaled
 from gpu_helpers import has_gpu
 from test_fake_quantize_gpu import _assert_same_bits
 from test_quantize_gpu import _assert_same, _poison

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8, reference
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.op import reference
 from gpu_helpers import has_gpu
 
 

@@ -19,8 +19,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8
-from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 from gpu_helpers import has_gpu
 
 needs_kernels = pytest.mark.skipif(

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import ffi, primitives
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.op import primitives
 from mlp_reference import group_slices, mlp_f64, rel_err
 from test_mlp import make_inputs
 

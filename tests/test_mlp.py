@@ -143,7 +143,7 @@ def test_backward_order_barrier(rng, recipe, monkeypatch):
     """The backward's two optimization barriers (w1 quantized for the FC1 dgrad only once
     dh exists; dx leaves the layer only with dW1 and dW2 done): present in the lowered
     gradient, and the results are the same bits with and without them."""
-    from jax_grouped_mlp._src import mlp
+    from jax_grouped_mlp._src.op import mlp
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
 
@@ -164,7 +164,7 @@ def test_weights_quantized_in_the_gemm_same_bits(rng, monkeypatch):
     """The MXFP8 op with the weights quantized inside the GEMMs (small groups) and with a
     quantize pass before each GEMM (and the fused FC1 / FC2-dgrad kernels): the same
     output and gradients, bit for bit, on this platform's path."""
-    from jax_grouped_mlp._src import mlp
+    from jax_grouped_mlp._src.op import mlp
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
 
@@ -180,8 +180,8 @@ def test_weights_quantized_in_the_gemm_same_bits(rng, monkeypatch):
 def test_weights_in_gemm_rule():
     """Weights are quantized in the kernel for MXFP8 with at most QW_MAX_ROWS_PER_GROUP
     rows per group on average (and a symbolic token count), never for bf16."""
-    from jax_grouped_mlp._src import mlp
-    from jax_grouped_mlp._src.recipes import Recipe
+    from jax_grouped_mlp._src.op import mlp
+    from jax_grouped_mlp._src.op.recipes import Recipe
 
     cap = mlp.QW_MAX_ROWS_PER_GROUP
     assert mlp._weights_in_gemm(Recipe.MXFP8, 128 * 384, 128)  # Nemotron-3-Nano
@@ -198,7 +198,7 @@ def test_float32_weights_take_the_bf16_path(rng, recipe, monkeypatch):
     """float32 (master) weights: every primitive sees bf16 weights (so the CUDA kernels
     take them), y / dx / dprobs are the bits of the op on the bf16-rounded weights, and
     the weight gradients come back in float32, rounding to the bf16 run's gradients."""
-    from jax_grouped_mlp._src import primitives
+    from jax_grouped_mlp._src.op import primitives
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
     w1_32 = (w1.astype(jnp.float32) + jnp.asarray(rng.standard_normal(w1.shape) * 1e-4, jnp.float32))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import ffi, gemm_ffi, mlp
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.op import mlp
 from mlp_reference import mlp_f64, rel_err
 from test_mlp import BANDS, SIZES, make_inputs
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 import jax_grouped_mlp as jgm
 from jax_grouped_mlp import ExpertParallel, RoutingConfig, moe_block
-from jax_grouped_mlp._src.routing import route, sort_by_expert
+from jax_grouped_mlp._src.moe.routing import route, sort_by_expert
 from jax_grouped_mlp.flax import MoEBlock
 from moe_helpers import host_copies
 
@@ -313,7 +313,7 @@ def test_fuse_fc1_epilogue_reaches_the_mlp(rng, monkeypatch, fuse):
     """moe_block and the Flax MoEBlock pass fuse_fc1_epilogue on to grouped_mlp (the flag
     that makes recomputing fc2_input cheap), with the same result either way. (Weights
     quantized by passes: with groups this small the op otherwise never fuses FC1.)"""
-    from jax_grouped_mlp._src import mlp, primitives
+    from jax_grouped_mlp._src.op import mlp, primitives
 
     monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", False)
 

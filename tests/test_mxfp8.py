@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import groups, mxfp8
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.formats import mxfp8
 
 try:  # JAX's own quantizer (private API; used only as an oracle)
     from jax._src.cudnn.scaled_matmul_stablehlo import BlockScaleConfig, quantize as jax_quantize
@@ -191,7 +192,7 @@ def test_grouped_with_no_groups_and_no_rows(rng):
 @pytest.mark.parametrize("shape", [(3, 64, 96), (2, 40, 24), (5, 33, 8), (70, 64), (1, 32, 32)])
 def test_quantize_via_both_matches_plain_quantize(rng, shape):
     """The one-pass row+col quantizer (the CUDA kernel's contract) gives both weight layouts."""
-    from jax_grouped_mlp._src import primitives
+    from jax_grouped_mlp._src.op import primitives
 
     x = _random(rng, shape, jnp.bfloat16)
     both = lambda a, gs: (jgm.quantize_mxfp8(a, axis=1), jgm.quantize_mxfp8_grouped(a, gs))  # noqa: E731

@@ -20,7 +20,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src import mlp, primitives
+from jax_grouped_mlp._src.op import mlp, primitives
 
 SETTINGS = ("offload", "device", "recompute")
 COMBOS = list(itertools.product(SETTINGS, repeat=3))
@@ -277,7 +277,7 @@ def test_reload_after_cotangent_prototype(rng, monkeypatch, layout):
     all-device ones (CPU)."""
     import re
 
-    from jax_grouped_mlp._src import residuals
+    from jax_grouped_mlp._src.op import residuals
 
     monkeypatch.setattr(residuals, "RELOAD_AFTER_COTANGENT", True)
     monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", False)  # the fused FC1 path
@@ -310,7 +310,7 @@ def test_rebuilt_fc2_input_under_vmap_and_second_order(rng, recipe, monkeypatch)
     """A policy that recomputes fc2_input (the tag's rebuild program in the backward):
     vmap of the gradient and grad of grad work, and give the bits of JAX's own
     ``checkpoint_name`` mechanism (``residuals.OWN_TRANSFERS = False``)."""
-    from jax_grouped_mlp._src import residuals
+    from jax_grouped_mlp._src.op import residuals
 
     m, h, f, g = 64, 32, 64, 2
     x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)

@@ -9,16 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src.measure import (
+from jax_grouped_mlp._src.offload.measure import (
     measure_host_bandwidth,
     measure_layer_time,
     residual_bytes_kept,
 )
-from jax_grouped_mlp._src.mlp import grouped_mlp
-from jax_grouped_mlp._src.names import RESIDUAL_NAMES
-from jax_grouped_mlp._src.placement import residual_placements
-from jax_grouped_mlp._src.planner import LayerShape, LayerTime, plan_offload
-from jax_grouped_mlp._src.policy import offload_policy
+from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.offload.placement import residual_placements
+from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, plan_offload
+from jax_grouped_mlp._src.offload.policy import offload_policy
 
 NANO = dict(tokens=49152, hidden=2688, ffn=1856, num_experts=128)
 GB = 1e9

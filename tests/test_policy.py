@@ -108,7 +108,7 @@ def test_recomputing_fc2_input_never_reruns_fc1(inputs, fuse, in_gemm, monkeypat
     from h (no GEMM in the recomputed part), whether FC1 ran fused (one kernel writes
     h and both copies of a) or not, and with the weights quantized inside the GEMMs
     (``mlp.QUANTIZE_WEIGHTS_IN_GEMM``) or by a pass; same gradients either way."""
-    from jax_grouped_mlp._src import mlp
+    from jax_grouped_mlp._src.op import mlp
 
     monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
     x, w1, w2, probs, gs = inputs

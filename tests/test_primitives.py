@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import ffi, primitives
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.op import primitives
 
 
 def test_unknown_primitive_is_rejected():
@@ -33,7 +34,7 @@ def test_cuda_impl_is_only_used_when_lowering_for_cuda(monkeypatch, rng):
 def test_every_called_target_is_registered():
     if not ffi.available():
         pytest.skip("the CUDA extension is not built")
-    from jax_grouped_mlp._src import gemm_ffi
+    from jax_grouped_mlp._src.cuda import gemm_ffi
 
     targets = (
         ffi.QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_PAIR_TARGET,
@@ -55,7 +56,8 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_pe
     if not ffi.available():
         pytest.skip("the CUDA extension is not built")
     import jax_grouped_mlp as jgm
-    from jax_grouped_mlp._src import gemm_ffi, mlp
+    from jax_grouped_mlp._src.cuda import gemm_ffi
+    from jax_grouped_mlp._src.op import mlp
 
     monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
     h, f, g = 128, 192, 4
@@ -109,7 +111,8 @@ def test_mxfp8_weights_converted_in_the_kernel_for_small_groups(rows_per_group, 
     the groups are small, else to a dequantize pass + the bf16 kernel."""
     if not ffi.available():
         pytest.skip("the CUDA extension is not built")
-    from jax_grouped_mlp._src import gemm_ffi, mxfp8
+    from jax_grouped_mlp._src.cuda import gemm_ffi
+    from jax_grouped_mlp._src.formats import mxfp8
 
     g, k, n = 4, 128, 192
     m = g * rows_per_group
@@ -199,7 +202,7 @@ def test_shape_polymorphic_export_of_the_gradient(rng, recipe):
 def test_fake_quantize_pair_reference(rng, keep):
     """The two-copy op on the reference path: rowwise MXFP8 values in bf16, and the
     group-aware columnwise copy as FP8 (kept) or as its bf16 values (used at once)."""
-    from jax_grouped_mlp._src import mxfp8
+    from jax_grouped_mlp._src.formats import mxfp8
 
     x = jnp.asarray(rng.standard_normal((70, 64)) * 3, jnp.bfloat16)
     gs = jnp.asarray([20, 0, 33], jnp.int32)  # 17 rows past the groups

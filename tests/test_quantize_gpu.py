@@ -14,7 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import ffi, mxfp8
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.formats import mxfp8
 from gpu_helpers import has_gpu
 
 
@@ -251,7 +252,8 @@ def test_every_called_target_is_registered_and_lowers_for_cuda():
 
 _GRAPH_SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
-from jax_grouped_mlp._src import ffi, mxfp8
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.formats import mxfp8
 x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.bfloat16)
 gs = jnp.asarray([100, 0, 90], jnp.int32)
 def f(x, gs):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_grouped_mlp._src import mxfp8
+from jax_grouped_mlp._src.formats import mxfp8
 
 PTX_PY = pathlib.Path(__file__).resolve().parents[1] / "jax_grouped_mlp" / "kernels" / "ptx.py"
 E_MAX_FINITE = 247  # RCEIL scale byte of the largest finite bf16 block amax

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src import groups, reference
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.op import reference
 from mlp_reference import group_slices
 
 SIZES = [[0, 0, 0], [5, 0, 70], [200, 0, 0], [1, 2, 3], [64, 64, 64], [-3, 40, 10]]

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_grouped_mlp._src import mxfp8
-from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
 PTX_PY = pathlib.Path(__file__).resolve().parents[1] / "jax_grouped_mlp" / "kernels" / "ptx.py"
 FAST_SCALE_MAX = 134

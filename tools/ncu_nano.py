@@ -22,7 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8  # noqa: E402
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8  # noqa: E402
 
 
 def main() -> int:

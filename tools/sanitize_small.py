@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
-from jax_grouped_mlp._src import ffi, gemm_ffi, mxfp8  # noqa: E402
+from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.formats import mxfp8  # noqa: E402
 
 
 def main() -> int:

@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_grouped_mlp._src import checks, router_stats
-from jax_grouped_mlp._src import routing as routing_lib
-from jax_grouped_mlp._src.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
-from jax_grouped_mlp._src.mlp import grouped_mlp
-from jax_grouped_mlp._src.router_stats import RouterStats
-from jax_grouped_mlp._src.routing import RoutingConfig
+from jax_grouped_mlp._src import checks
+from jax_grouped_mlp._src.moe import router_stats
+from jax_grouped_mlp._src.moe import routing as routing_lib
+from jax_grouped_mlp._src.moe.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
+from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.moe.router_stats import RouterStats
+from jax_grouped_mlp._src.moe.routing import RoutingConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,10 @@ import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import groups, mxfp8, reference
-from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.op import reference
+from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
 OpName = Literal[
@@ -402,7 +404,7 @@ def dgrad_fused(
 
 def _register_available_kernels() -> None:
     """Plugs in whatever the CUDA extension provides (nothing when it is not built)."""
-    from jax_grouped_mlp._src import ffi, gemm_ffi
+    from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 
     if not ffi.available():
         return

@@ -24,8 +24,8 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
-from jax_grouped_mlp._src.mlp import grouped_mlp
-from jax_grouped_mlp._src.recipes import Recipe
+from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.op.recipes import Recipe
 
 # He-style fan-in init per expert: the expert axis (0) is a batch axis, the
 # reduction axis (1) is fan-in.

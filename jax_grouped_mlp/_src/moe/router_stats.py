@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src.routing import RoutingConfig, ScoreFunction
+from jax_grouped_mlp._src.moe.routing import RoutingConfig, ScoreFunction
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import ffi, groups, mxfp8
-from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
@@ -275,7 +277,7 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_
     (``primitives``' own, decided at trace time) when the output is not bf16, an operand
     is neither MXFP8 nor bf16, or the shape is outside :func:`grouped_gemm_supported`.
     """
-    from jax_grouped_mlp._src import primitives  # the reference, whatever its operand rules
+    from jax_grouped_mlp._src.op import primitives  # the reference, whatever its operand rules
 
     a = _as_bf16(lhs)
     if _w8_pays(a, rhs, transpose_rhs, out_dtype):
@@ -370,7 +372,7 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
     sums); another ``out_dtype`` gets the float32 result cast. Shapes outside
     :func:`grouped_gemm_supported` or non-bf16 operands fall back to the reference.
     """
-    from jax_grouped_mlp._src import primitives
+    from jax_grouped_mlp._src.op import primitives
 
     a, b = _as_bf16(lhs), _as_bf16(rhs)
     bf16 = jnp.dtype(jnp.bfloat16)
@@ -528,7 +530,7 @@ def grouped_gemm_fc1_cuda(
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     if g == 0 or k == 0:
-        from jax_grouped_mlp._src.primitives import srelu_scaled
+        from jax_grouped_mlp._src.op.primitives import srelu_scaled
 
         h = jnp.zeros((m, n), jnp.bfloat16)
         a_row, a_col = mxfp8.fake_quantize_pair(srelu_scaled(h, probs), gs, keep_col_fp8=True)
@@ -552,7 +554,7 @@ def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array):
     fits :func:`grouped_gemm_supported`; otherwise the unfused composition of the other
     CUDA implementations (decided at trace time).
     """
-    from jax_grouped_mlp._src import primitives
+    from jax_grouped_mlp._src.op import primitives
 
     a, b = _as_bf16(lhs), _as_bf16(rhs)
     bf16 = jnp.dtype(jnp.bfloat16)
@@ -625,7 +627,7 @@ def grouped_gemm_dgrad_cuda(
         # zeros, NaN for non-finite h or probs), rows past the groups zeros, as the kernel.
         total = jnp.sum(gs)  # gs is clamped: its sum is at most M
         valid = jnp.arange(m, dtype=jnp.int32) < total
-        from jax_grouped_mlp._src.primitives import srelu_scaled_grad
+        from jax_grouped_mlp._src.op.primitives import srelu_scaled_grad
 
         dh, dprobs = srelu_scaled_grad(jnp.zeros((m, n), jnp.bfloat16), h, probs)
         dprobs = jnp.where(valid, dprobs, 0.0)
@@ -660,7 +662,7 @@ def dgrad_fused_cuda(dy_row, w2, group_sizes: jax.Array, h: jax.Array, probs: ja
     fits :func:`grouped_gemm_supported`; otherwise the reference composition over the
     other CUDA implementations (decided at trace time).
     """
-    from jax_grouped_mlp._src import primitives
+    from jax_grouped_mlp._src.op import primitives
 
     a, b = _as_bf16(dy_row), _as_bf16(w2)
     bf16 = jnp.dtype(jnp.bfloat16)

@@ -51,8 +51,8 @@ import math
 from typing import Mapping
 
 from jax_grouped_mlp._src import checks
-from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT, RESIDUAL_NAMES
-from jax_grouped_mlp._src.policy import PLACEMENTS, offload_policy
+from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT, RESIDUAL_NAMES
+from jax_grouped_mlp._src.offload.policy import PLACEMENTS, offload_policy
 
 BLOCK = 32  # MXFP8 block: 32 tokens share one e8m0 scale in the columnwise residuals
 RECIPES = ("mxfp8", "bf16")
@@ -368,7 +368,7 @@ def plan_offload(
 
     Predicts device memory and step time for all 27 placements of "fc1_input",
     "activation_input" and "fc2_input" (each "device", "offload" or "recompute") with
-    the cost model of :mod:`jax_grouped_mlp._src.planner` (also in docs/offload.md)
+    the cost model of :mod:`jax_grouped_mlp._src.offload.planner` (also in docs/offload.md)
     and returns the fastest placement whose residual memory fits ``budget_bytes``.
 
     Args:

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import groups, mxfp8
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.groups import cdiv
-from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
 QUANTIZE_TARGET = "jgm_quantize_mxfp8"
 FAKE_QUANTIZE_TARGET = "jgm_fake_quantize_mxfp8"

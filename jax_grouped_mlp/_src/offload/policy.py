@@ -6,7 +6,7 @@ from typing import Iterable, Literal, get_args
 
 import jax
 
-from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
+from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
 
 Placement = Literal["offload", "device", "recompute"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)

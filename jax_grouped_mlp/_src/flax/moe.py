@@ -10,11 +10,11 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
-from jax_grouped_mlp._src.flax_mlp import AxisNames, GroupedMLP, default_kernel_init, sharded_param
-from jax_grouped_mlp._src.moe import ExpertParallel, moe_block
-from jax_grouped_mlp._src.recipes import Recipe
-from jax_grouped_mlp._src.router_stats import update_score_bias
-from jax_grouped_mlp._src.routing import RoutingConfig
+from jax_grouped_mlp._src.flax.mlp import AxisNames, GroupedMLP, default_kernel_init, sharded_param
+from jax_grouped_mlp._src.moe.block import ExpertParallel, moe_block
+from jax_grouped_mlp._src.op.recipes import Recipe
+from jax_grouped_mlp._src.moe.router_stats import update_score_bias
+from jax_grouped_mlp._src.moe.routing import RoutingConfig
 
 default_router_init = nnx.initializers.normal(stddev=0.02)
 

@@ -22,8 +22,9 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src import checks, primitives
-from jax_grouped_mlp._src.primitives import Operand
+from jax_grouped_mlp._src import checks
+from jax_grouped_mlp._src.op import primitives
+from jax_grouped_mlp._src.op.primitives import Operand
 
 
 class Recipe(str, enum.Enum):

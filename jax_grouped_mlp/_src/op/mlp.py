@@ -38,12 +38,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src import groups, primitives, residuals
-from jax_grouped_mlp._src.mxfp8 import MXFP8Tensor
-from jax_grouped_mlp._src.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
-from jax_grouped_mlp._src.primitives import Operand
-from jax_grouped_mlp._src.recipes import Recipe
-from jax_grouped_mlp._src.validation import as_array, check_mlp_args
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.op import primitives, residuals
+from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
+from jax_grouped_mlp._src.op.primitives import Operand
+from jax_grouped_mlp._src.op.recipes import Recipe
+from jax_grouped_mlp._src.op.validation import as_array, check_mlp_args
 
 # Pin the backward pass's order (see _mlp_bwd). A module constant, not an argument: it
 # changes memory, never results; benchmarks flip it to measure what it saves.

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import placement
-from jax_grouped_mlp._src.names import RESIDUAL_NAMES
-from jax_grouped_mlp._src.planner import LayerShape, LayerTime, _check_positive_int, _check_recipe
+from jax_grouped_mlp._src.offload import placement
+from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, _check_positive_int, _check_recipe
 
 
 def _best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -82,7 +82,7 @@ class _Layer:
         return cls(shape, recipe, (x, w1, w2, jnp.asarray(sizes), probs))
 
     def forward(self):
-        from jax_grouped_mlp._src.mlp import grouped_mlp
+        from jax_grouped_mlp._src.op.mlp import grouped_mlp
 
         fwd = jax.jit(functools.partial(grouped_mlp, recipe=self.recipe))
         return lambda: fwd(*self.args)
@@ -93,8 +93,8 @@ class _Layer:
         The loss value is returned so that the forward pass is live: with ``jax.grad``
         alone XLA drops a lone layer's forward when everything is recomputed.
         """
-        from jax_grouped_mlp._src.mlp import grouped_mlp
-        from jax_grouped_mlp._src.policy import offload_policy
+        from jax_grouped_mlp._src.op.mlp import grouped_mlp
+        from jax_grouped_mlp._src.offload.policy import offload_policy
 
         layer = jax.checkpoint(
             functools.partial(grouped_mlp, recipe=self.recipe), policy=offload_policy(**placement)
@@ -146,7 +146,7 @@ def residual_bytes_kept(fun: Callable, *args, argnums=0) -> dict[str, dict[str, 
     "activation_input", "fc2_input", ``{"device_bytes": ..., "host_bytes": ...}``
     summed over all checkpoints (0 and 0 when recomputed; a checkpoint inside a
     ``scan`` body counts once, not once per iteration). Built on
-    :func:`jax_grouped_mlp._src.placement.residual_report`.
+    :func:`jax_grouped_mlp._src.offload.placement.residual_report`.
     """
     report = placement.residual_report(jax.grad(fun, argnums=argnums), *args)
     out = {n: {"device_bytes": 0, "host_bytes": 0} for n in RESIDUAL_NAMES}
