@@ -36,7 +36,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import GEMM_SHAPES, bar_plot, gemm_entry, gemm_report, time_call  # noqa: E402
+from common import GEMM_SHAPES, bar_plot, gemm_entry, gemm_report, time_call, write_report  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SHAPES = {**GEMM_SHAPES, "nano_fc1_ragged": GEMM_SHAPES["nano_fc1"]}
@@ -161,7 +161,7 @@ def bench_shape(name: str, iters: int, ragged_iters: int, skip_ragged: bool) -> 
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
-    bar_plot(report["shapes"], "tflops", "TFLOP/s", f"grouped GEMM, {report['gpu']}", path, figsize=(11, 4.5))
+    bar_plot(report["shapes"], "tflops", "TFLOP/s", f"grouped GEMM, {jax.devices()[0].device_kind}", path, figsize=(11, 4.5))
 
 
 def main(argv=None) -> int:
@@ -183,8 +183,7 @@ def main(argv=None) -> int:
     for name in ns.shapes.split(","):
         report["shapes"][name] = bench_shape(name, ns.iters, ns.ragged_iters, ns.skip_ragged)
         print(name, json.dumps(report["shapes"][name]), flush=True)
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, ns.out)
     nan = {"ms": float("nan")}
     print(f"{'shape':15} {'best bf16 variant':42} {'ms':>8} {'TFLOP/s':>8} {'ragged_dot ms':>14} {'x ragged':>9} "
           f"{'tokamax ms':>10} {'dense TF/s':>10} {'fc1 unfused':>11} {'fc1 fused':>9} {'mxfp8 TF/s':>10} {'bar':>5}")

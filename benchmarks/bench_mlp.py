@@ -23,7 +23,7 @@ import numpy as np
 import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import MLP_SHAPES, RESULTS, bar_plot, device_description, time_call, write_json  # noqa: E402
+from common import MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, time_call, write_result  # noqa: E402
 
 
 def ragged_dot_mlp(x, w1, w2, gs, probs):
@@ -129,11 +129,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     ns = ap.parse_args(argv)
     only = tuple(c for c in ns.only.split(",") if c)
-    report = {"command": "python3 benchmarks/bench_mlp.py " + " ".join(argv or sys.argv[1:]),
+    report = {"command": command_line("benchmarks/bench_mlp.py", argv or sys.argv[1:]),
               "device": device_description(), "shapes": {}}
     for name in ns.shapes.split(","):
         report["shapes"][name] = bench_shape(name, ns.iters, ns.seed, only)
-    write_json(report, ns.out)
+    write_result(ns.out, command=report["command"], results=report["shapes"])
     if ns.plot:
         _plot(report, ns.out.with_suffix(".png"))
     print(f"{'shape':8s} " + " ".join(f"{c:>22s}" for c in _candidates()))

@@ -27,7 +27,7 @@ import jax_grouped_mlp as jgm
 from jax_grouped_mlp.flax import MoEBlock
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, gemm_report, time_call, write_json  # noqa: E402
+from common import RESULTS, gemm_report, time_call, write_report  # noqa: E402
 
 NANO = {"hidden": 2688, "ffn": 1856, "experts": 128, "top_k": 6}
 SMALL = {"hidden": 128, "ffn": 64, "experts": 8, "top_k": 2}
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
             print(f"{name:28s} {e['ms']:8.2f} {temp:9.2f}")
         else:
             print(f"{name:28s} {e:8.2f}x")
-    write_json(report, args.out)
+    write_report({k: v for k, v in report.items() if k != "shapes"}, args.out, data_key="results")
 
 
 if __name__ == "__main__":

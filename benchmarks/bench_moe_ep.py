@@ -23,7 +23,7 @@ import numpy as np
 import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, device_description, time_call, write_json  # noqa: E402
+from common import RESULTS, command_line, device_description, time_call, write_result  # noqa: E402
 
 H, F, E, TOP_K = 2688, 1856, 128, 6
 ROUTING = jgm.RoutingConfig(top_k=TOP_K, score_function="sigmoid", normalize_weights=True,
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     counts = [n for n in (1, 2, 4, 8) if n <= len(jax.devices())]
-    report = {"command": "python3 benchmarks/bench_moe_ep.py " + " ".join(argv or sys.argv[1:]),
+    report = {"command": command_line("benchmarks/bench_moe_ep.py", argv or sys.argv[1:]),
               "device": device_description(), "num_devices": len(jax.devices()),
               "shape": {"hidden": H, "ffn": F, "experts": E, "top_k": TOP_K,
                         "tokens_per_gpu": ns.tokens_per_gpu, "recipe": ns.recipe}, "runs": {}}
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     for n, e in report["runs"].items():
         if base and "ms" in e:
             e["weak_scaling_efficiency"] = base / e["ms"]
-    write_json(report, ns.out)
+    write_result(ns.out, command=report["command"], results=report["runs"],
+                 extra={k: report[k] for k in ("num_devices", "shape")})
     return 0
 
 

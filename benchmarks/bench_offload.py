@@ -66,7 +66,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
 
 import numpy as np
 
-from benchmarks.common import RESULTS, time_call, write_json
+from benchmarks.common import RESULTS, time_call, write_result
 from benchmarks.buffer_assignment import temp_peak_report
 from benchmarks.hlo_text import host_placement_report, lowered_placement_report, parse_hlo
 from benchmarks.xla_dump import dump_flags, find_dump, temp_peak_from_dump
@@ -660,11 +660,15 @@ def main(argv=None) -> dict:
             "wall_s": time.perf_counter() - t0,
         }
 
+    def write(result, out):  # the device as the workers saw it: this parent need not start a backend
+        extra = {k: v for k, v in result.items() if k not in ("command", "rows", "device", "jax")}
+        write_result(out, command=result["command"], rows=result["rows"], extra=extra, device=result["device"])
+
     def save_partial(desc, rows):  # a run cut short still leaves what it measured
         out = opts.out or RESULTS / f"offload_{desc.get('platform', 'unknown')}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         result = result_for(desc, rows, False)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        write(result, out)
         if opts.plot and any("error" not in r for r in rows):
             from benchmarks.plot_offload import plot
 
@@ -682,7 +686,7 @@ def main(argv=None) -> dict:
     print_temp_question(rows)
     print_peaks(rows)
     print_peak_diff(rows)
-    write_json(result, opts.out or RESULTS / f"offload_{desc.get('platform', 'unknown')}.json")
+    write(result, opts.out or RESULTS / f"offload_{desc.get('platform', 'unknown')}.json")
     if opts.plot:
         from benchmarks.plot_offload import plot
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,9 @@ from jax_grouped_mlp._src.op.mlp import grouped_mlp
 from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.offload.planner import LayerShape, plan_offload
 from jax_grouped_mlp._src.offload.policy import offload_policy
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import command_line, write_result  # noqa: E402
 
 CPU_SHAPE = LayerShape(tokens=2048, hidden=256, ffn=384, num_experts=8)
 NANO_SHAPE = LayerShape(tokens=49152, hidden=2688, ffn=1856, num_experts=128)
@@ -208,9 +211,9 @@ def main(argv=None) -> dict:
         "rows": rows,
     }  # fmt: skip
     out = args.out or RESULTS / f"offload_plan_{platform}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {out}")
+    extra = {k: v for k, v in result.items() if k not in ("rows", "device", "jax")}
+    write_result(out, command=command_line("benchmarks/bench_offload_plan.py", sys.argv[1:] if argv is None else argv),
+                 rows=result["rows"], extra=extra)
     return result
 
 

@@ -36,7 +36,7 @@ from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import primitives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import MLP_SHAPES, RESULTS, device_description, time_call, write_json  # noqa: E402
+from common import MLP_SHAPES, RESULTS, command_line, device_description, time_call, write_result  # noqa: E402
 
 
 def _parts(m: int, h: int, f: int, g: int, seed: int):
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     g, rows, h, f = dims
     m = g * rows
     shape = {"name": "custom" if ns.dims else ns.shape, "groups": g, "rows_per_group": rows, "hidden": h, "ffn": f}
-    report = {"command": "python3 " + " ".join(sys.argv), "device": device_description(),
+    report = {"command": command_line("benchmarks/bench_step_parts.py", sys.argv[1:] if argv is None else argv), "device": device_description(),
               "shape": shape, "parts": {}}
     totals = {"gemm": 0.0, "fused": 0.0, "quantize": 0.0, "dequantize": 0.0, "fake_quantize": 0.0}
     print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     report["ms_per_step"] = totals
     print({k: round(v, 3) for k, v in totals.items()})
     out = ns.out or RESULTS / f"step_parts_{jax.devices()[0].platform}.json"
-    write_json(report, out)
+    write_result(out, command=report["command"], results=report["parts"],
+                 extra={"shape": report["shape"], "ms_per_step": report["ms_per_step"]})
     return 0
 
 

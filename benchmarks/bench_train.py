@@ -42,7 +42,7 @@ from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp.flax import MoEBlock, RouterBias, default_kernel_init
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, bar_plot, gemm_report, time_call, write_json  # noqa: E402
+from common import RESULTS, bar_plot, gemm_report, time_call, write_report  # noqa: E402
 
 NANO = {"hidden": 2688, "ffn": 1856, "experts": 128, "top_k": 6, "vocab": 4096}
 SMALL = {"hidden": 64, "ffn": 32, "experts": 8, "top_k": 2, "vocab": 128}
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> None:
             continue
         report["results"][name] = bench(name, make_moe, policy, shape, args.layers, args.tokens, args.iters)
         print(name, report["results"][name], flush=True)
-    write_json(report, args.out)
+    write_report({k: v for k, v in report.items() if k != "shapes"}, args.out, data_key="results")
     base = report["results"].get("tokamax_bf16", {}).get("ms")
     print(f"\n{'candidate':20s} {'ms/step':>9s} {'device GiB':>11s} {'vs tokamax':>10s}")
     for name, e in report["results"].items():
@@ -213,7 +213,7 @@ def main(argv: list[str]) -> None:
         shapes = {"step ms": {n: {"v": e["ms"]} for n, e in report["results"].items() if "ms" in e},
                   "device GiB": {n: {"v": e["device_bytes"] / 2**30} for n, e in report["results"].items()
                                  if e.get("device_bytes")}}
-        bar_plot(shapes, "v", "ms / GiB", f"{args.layers}-layer MoE training step, {report['gpu']}",
+        bar_plot(shapes, "v", "ms / GiB", f"{args.layers}-layer MoE training step, {jax.devices()[0].device_kind}",
                  args.out.with_suffix(".png"))
 
 

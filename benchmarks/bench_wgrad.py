@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi  # noqa: E402
-from common import MLP_SHAPES, RESULTS, gemm_cell, gemm_entry, gemm_report, routed_group_sizes, time_call, write_json  # noqa: E402
+from common import MLP_SHAPES, RESULTS, gemm_cell, gemm_entry, gemm_report, routed_group_sizes, time_call, write_report  # noqa: E402
 
 
 def bench_pair(lhs: jax.Array, rhs: jax.Array, gs: jax.Array, iters: int) -> dict:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                          sys.argv[1:] if argv is None else argv)
     for name in ns.shapes.split(","):
         report["shapes"][name] = bench_shape(name, ns.iters, ns.skew)
-    write_json(report, ns.out)
+    write_report(report, ns.out)
     for name, r in report["shapes"].items():
         for which in ("dW1", "dW2"):
             e = r[which]

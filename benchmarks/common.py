@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import time
 
 import jax
@@ -87,39 +88,117 @@ def device_description() -> dict:
     return {"platform": d.platform, "device_kind": d.device_kind, "jax": jax.__version__}
 
 
-def library_commit() -> str:
+def library_commit() -> str | None:
     """The library's git commit: ``$JGM_COMMIT`` (set it where the tree travels without
-    ``.git``, as on the device machine), else ``git rev-parse HEAD``, else "unknown"."""
+    ``.git``, as on the device machine), else ``git rev-parse HEAD`` with ``-dirty``
+    appended when tracked files differ from it, else None."""
     import os
     import subprocess
 
     if os.environ.get("JGM_COMMIT"):
         return os.environ["JGM_COMMIT"]
+    here = pathlib.Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=pathlib.Path(__file__).resolve().parent)
-        return out.stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=here)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=here).returncode
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty == 1 else "")
+
+
+# Every JSON under benchmarks/results is one of these (tests/test_bench_results.py checks
+# it); ``write_result`` is the one writer. The measurements go under "rows" (a list) or
+# "results" (a dict), anything else a script records (shape, timing, notes) beside them.
+RESULT_SCHEMA = 1
+RESULT_KEYS = ("schema", "command", "library_commit", "device", "date", "jax_version")
+RESULT_DATA_KEYS = ("rows", "results")
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """The command that reproduces a run, from the repository root: ``PYTHONPATH=. python3 script argv``."""
+    import shlex
+
+    return "PYTHONPATH=. python3 " + shlex.join([script, *argv])
+
+
+def check_result(data: object) -> list[str]:
+    """What is wrong with ``data`` as a results file (empty when it follows the schema)."""
+    if not isinstance(data, dict):
+        return [f"a results file is a JSON object, got {type(data).__name__}"]
+    errors = [f"missing key {k!r}" for k in RESULT_KEYS if k not in data]
+    if data.get("schema") != RESULT_SCHEMA:
+        errors.append(f"schema must be {RESULT_SCHEMA}, got schema={data.get('schema')!r}")
+    if not isinstance(data.get("command"), str) or not data.get("command"):
+        errors.append(f"command must be a non-empty string, got command={data.get('command')!r}")
+    for key in ("library_commit", "device", "date", "jax_version"):
+        if key in data and not (data[key] is None or (isinstance(data[key], str) and data[key])):
+            errors.append(f"{key} must be a non-empty string or null, got {key}={data[key]!r}")
+    date = data.get("date")
+    if isinstance(date, str) and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
+        errors.append(f"date must be YYYY-MM-DD, got date={date!r}")
+    present = [k for k in RESULT_DATA_KEYS if k in data]
+    if len(present) != 1:
+        errors.append(f"exactly one of {RESULT_DATA_KEYS} must be present, got {present}")
+    elif present == ["rows"] and not isinstance(data["rows"], list):
+        errors.append(f"rows must be a list, got rows={type(data['rows']).__name__}")
+    elif present == ["results"] and not isinstance(data["results"], dict):
+        errors.append(f"results must be a dict, got results={type(data['results']).__name__}")
+    return errors
+
+
+def write_result(path: pathlib.Path | str, *, command: str, rows: list | None = None, results: dict | None = None,
+                 extra: dict | None = None, device: str | None = None) -> dict:
+    """Writes one benchmark result to ``path`` (JSON) in the results schema and returns it.
+
+    ``{"schema": 1, "command", "library_commit", "device", "date", "jax_version"}``, then
+    ``rows`` (a list) or ``results`` (a dict), exactly one of them, then ``extra``'s keys.
+    ``device`` defaults to ``jax.devices()[0].device_kind``; pass it when this process
+    must not start a backend of its own (a parent of per-policy worker processes).
+    """
+    import datetime
+
+    if (rows is None) == (results is None):
+        raise ValueError(f"pass exactly one of rows and results, got rows={rows!r}, results={results!r}")
+    extra = dict(extra or {})
+    clash = sorted(set(extra) & {*RESULT_KEYS, *RESULT_DATA_KEYS})
+    if clash:
+        raise ValueError(f"extra must not set the schema's keys, got extra keys {clash}")
+    data = {
+        "schema": RESULT_SCHEMA,
+        "command": command,
+        "library_commit": library_commit(),
+        "device": jax.devices()[0].device_kind if device is None else device,
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "jax_version": jax.__version__,
+    }
+    data.update({"rows": rows} if rows is not None else {"results": results})
+    data.update(extra)
+    errors = check_result(data)
+    if errors:
+        raise ValueError(f"not a valid result for {path}: {'; '.join(errors)}")
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}")
+    return data
 
 
 def gemm_report(what: str, script: str, argv: list[str]) -> dict:
-    """The header of a benchmark's JSON: what, the command, library commit, date, GPU, jax,
-    host, timing."""
-    import datetime
-    import platform
-
+    """The in-memory report of a GEMM benchmark: what, the command, timing, and
+    ``shapes`` to fill; :func:`write_report` writes it."""
     return {
         "what": what,
-        "command": "PYTHONPATH=. python3 " + " ".join([script, *argv]),
-        "commit": library_commit(),
-        "date": datetime.date.today().isoformat(),
-        "gpu": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "host": platform.node(),
+        "command": command_line(script, argv),
         "timing": "median of 5 x (iters back-to-back dispatches / iters), after warm-up",
         "shapes": {},
     }
+
+
+def write_report(report: dict, path: pathlib.Path, data_key: str = "shapes") -> dict:
+    """Writes a :func:`gemm_report`-style report through :func:`write_result`:
+    ``report[data_key]`` becomes ``results``, the other keys (``command`` aside) extras."""
+    extra = {k: v for k, v in report.items() if k not in ("command", data_key)}
+    return write_result(path, command=report["command"], results=report[data_key], extra=extra)
 
 
 def bench_gemm_shapes(report: dict, names: str, bench, path: pathlib.Path) -> None:
@@ -128,18 +207,12 @@ def bench_gemm_shapes(report: dict, names: str, bench, path: pathlib.Path) -> No
     for name in names.split(","):
         report["shapes"][name] = bench(name)
         print(name, json.dumps(report["shapes"][name]), flush=True)
-    write_json(report, path)
+    write_report(report, path)
 
 
 def gemm_cell(e: dict, width: int = 6) -> str:
     """A table cell of a GEMM timing row: ms and TFLOP/s."""
     return f"{e['ms']:7.3f} {e['tflops']:{width}.0f}"
-
-
-def write_json(report: dict, path: pathlib.Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}")
 
 
 def bar_plot(shapes: dict, metric: str, ylabel: str, title: str, path: pathlib.Path, *,

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import bench_offload, buffer_assignment  # noqa: E402
+from benchmarks import bench_offload, buffer_assignment, common  # noqa: E402
 
 # What XLA:GPU's host offloader leaves in a compiled module: async copies to and from
 # memory space S(5), a synchronous copy, and a fusion whose body mentions S(5) (not
@@ -74,6 +74,7 @@ def test_tiny_run_end_to_end(tmp_path):
             "--out", str(out), "--plot", str(png)]  # fmt: skip
     result = bench_offload.main(argv)
     saved = json.loads(out.read_text())
+    assert common.check_result(saved) == []  # written through common.write_result
     assert png.stat().st_size > 0
     assert saved["argv"] == argv and saved["complete"] and saved["one_process_per_policy"]
     assert saved["device"] and saved["platform"] == result["platform"]

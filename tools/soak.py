@@ -18,7 +18,6 @@ Exits 1 when memory grew or a loss was not finite.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -28,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import jax_grouped_mlp as jgm  # noqa: E402
+from benchmarks.common import command_line, write_result  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -116,13 +116,9 @@ def main(argv=None) -> int:
     checked = bool(growths)
     max_growth = max(growths) if growths else None
     flat = not checked or max_growth <= args.slack_mib
-    result = dict(
-        device=str(device), jax=jax.__version__, config=vars(args), rows=rows,
-        memory_checked=checked, max_growth_mib=max_growth, slack_mib=args.slack_mib,
-        flat=flat, finite=finite, ok=flat and finite,
-    )
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_result(args.out, command=command_line("tools/soak.py", sys.argv[1:] if argv is None else argv), rows=rows,
+                 extra=dict(config=vars(args), memory_checked=checked, max_growth_mib=max_growth,
+                            slack_mib=args.slack_mib, flat=flat, finite=finite, ok=flat and finite))
     if not checked:
         print(f"{device.platform}: no memory stats, memory check skipped")
     else:
