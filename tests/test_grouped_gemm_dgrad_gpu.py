@@ -1,7 +1,7 @@
 """The FC2-dgrad grouped GEMM with the fused dSReLU epilogue (``gemm_ffi.grouped_gemm_dgrad_cuda``)
 against the reference composition of ``mlp._mlp_bwd``.
 
-Written before the kernel first ran; it passed on the H200 on 2026-11-30 (docs/gemm.md, "FC2 dgrad epilogue").
+Written before the kernel first ran; it passed on the H200 on 2026-11-30 (docs/notes/2026-11-30-grouped-gemm-kernels.md, "FC2 dgrad epilogue").
 
 For every case (fresh random inputs, outputs poisoned with two byte patterns first):
   * ``da`` = the plain K-major kernel with the same tile width

@@ -1,7 +1,7 @@
 """The FC1-epilogue grouped GEMM (``gemm_ffi.grouped_gemm_fc1_cuda``) against the plain
 kernel and the reference quantizers, bit for bit.
 
-Written before the kernel first ran; it passed on the H200 on 2026-11-30 (docs/gemm.md, "FC1 epilogue").
+Written before the kernel first ran; it passed on the H200 on 2026-11-30 (docs/notes/2026-11-30-grouped-gemm-kernels.md, "FC1 epilogue").
 
 For every case (fresh random inputs, outputs poisoned with two byte patterns first):
   * ``h`` equals the plain kernel's output with the same tile width, bit for bit;

@@ -1,7 +1,7 @@
 """The Hopper grouped GEMM kernel (FFI custom call) against ``reference.ragged_matmul``.
 
 Tests marked ``gpu`` need an NVIDIA Hopper GPU and the built extension
-(``python tools/build_kernels.py``; docs/gemm.md has the device command).
+(``python tools/build_kernels.py``; docs/gpu.md has the commands).
 
 Error bound: the kernel multiplies bf16 operands exactly and sums in fp32 (as does the
 reference, in another order), then rounds once to bf16. So the relative error of each
@@ -159,7 +159,7 @@ def test_mxfp8_operands_through_the_adapter(rng):
 @pytest.mark.gpu
 @needs_kernels
 def test_small_for_sanitizer(rng):
-    """Small and quick: the case compute-sanitizer runs (docs/gemm.md)."""
+    """Small and quick: the case compute-sanitizer runs (docs/gpu.md)."""
     a, b = _operands(rng, 300, 136, 200, 4)
     for variant in gemm_ffi.grouped_gemm_variants():
         _check(a, b, [100, 0, 150, 200], variant)  # last group overshoots M

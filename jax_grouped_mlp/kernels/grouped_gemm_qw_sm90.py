@@ -6,7 +6,7 @@ Same contract as :class:`~jax_grouped_mlp.kernels.grouped_gemm_sm90.GroupedGemmS
 the kernel multiplies by the MXFP8 values of the bf16 weight (what
 ``mxfp8.dequantize(quantize_mxfp8(w, axis=K))`` gives, bit for bit) instead of the
 weight itself, so no separate pass over the weights runs (at the Nemotron-3-Nano shape
-that pass costs as much as the GEMM: docs/gemm.md).
+that pass costs as much as the GEMM: docs/notes/2026-11-30-grouped-gemm-kernels.md).
 
 Roles are swapped against the plain kernel: the wgmma computes ``out^T = W^T A^T``.
   * A operand (wgmma M, from registers): 128 weight rows (output columns n) x 64 K per
@@ -35,7 +35,7 @@ the warp group's named barrier, the wgmmas take A from shared memory and feed tw
 192-token accumulators (the tokens arrive as two TMA boxes per stage). A tile with at
 most 192 tokens runs the first accumulator's wgmmas only. The conversion, which limits
 the register-A kernel (a warp issues in order, and its conversion takes longer than a
-stage's wgmmas), then has twice the MMA work to hide behind (docs/gemm.md).
+stage's wgmmas), then has twice the MMA work to hide behind (docs/notes/2026-11-30-grouped-gemm-kernels.md).
 
 Zero-filled K past the end (TMA) adds nothing to a block's amax, so a short last block
 is quantized like ``quantize_mxfp8``'s zero padding.

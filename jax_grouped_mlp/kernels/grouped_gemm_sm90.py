@@ -41,7 +41,7 @@ Warp roles (384 threads, 1 CTA per SM):
         so a tile never writes rows of the next group.
     Tail tiles (rows past ``sum(group_sizes)``) skip the mainloop and store zeros.
     Storing bf16 straight from the wgmma registers (2-byte scattered stores) cost
-    15-25% of the run time on the H200; see docs/gemm.md.
+    15-25% of the run time on the H200; see docs/notes/2026-11-30-grouped-gemm-kernels.md.
 
 Pipeline: ``stages`` shared-memory slots of (A tile, B tile), ``PipelineTmaAsync``
 (full barrier with TMA transaction bytes, empty barrier arrived by each consumer warp).

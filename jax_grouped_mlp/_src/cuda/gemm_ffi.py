@@ -78,7 +78,7 @@ def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
 
     ``names`` defaults to the forward GEMM's variants. On the H200 this picked the
     fastest measured variant (up to timing noise) at every benchmark shape: n256 for
-    N = 4096 and 1536, n192 for N = 1856 and 2688 (docs/gemm.md).
+    N = 4096 and 1536, n192 for N = 1856 and 2688 (docs/notes/2026-11-30-grouped-gemm-kernels.md).
     """
     names = grouped_gemm_variants() if names is None else names
     if not names:

@@ -215,7 +215,7 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     # barrier: the same arithmetic). Otherwise XLA's scheduler defers every layer's
     # weight gradients to the end of the step, and their operands (fc1_input,
     # fc2_input, dy's and dh's columns) stay live across the other layers' backward
-    # passes (measured on the H200: docs/performance.md, "The backward's order").
+    # passes (measured on the H200: docs/notes/2026-11-30-performance-history.md, "The backward's order").
     dx, dw1, dw2 = _after(dx, dw1, dw2)
     return dx, dw1, dw2, None, dprobs.astype(probs.dtype)
 
