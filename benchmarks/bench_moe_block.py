@@ -50,7 +50,7 @@ def _candidate(shape: dict, tokens: int, recipe: str, param_dtype, iters: int) -
     mem = compiled.memory_analysis()
     # The router's group sizes on this input (what the experts actually see).
     logits = x.astype(jnp.float32) @ params["router"][...]
-    ids, _ = jax.jit(lambda lg: jgm._src.routing.route(lg, routing, rest["score_bias"][...]))(logits)
+    ids, _ = jax.jit(lambda lg: jgm._src.moe.routing.route(lg, routing, rest["score_bias"][...]))(logits)
     load = np.bincount(np.asarray(ids).ravel(), minlength=shape["experts"])
     ms = time_call(compiled, params, x, iters=iters) * 1e3
     return {
