@@ -84,10 +84,6 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
         ("dequantize grouped col [M,H] (x kept)", 1, deq_kept, (x_col,)),
         ("dequantize grouped col [M,F] (a kept)", 1, deq_kept, (a_col,)),
         # What earlier versions ran instead (count 0: for comparison only):
-        ("quantize_both [M,H]", 0, q_both, (x, gs)),
-        ("quantize_both [M,F]", 0, q_both, (a, gs)),
-        ("quantize weight along K (fprop)", 0, q_w[1], (w1,)),
-        ("quantize weight along N (dgrad)", 0, q_w[2], (w1,)),
         ("dequantize grouped col [M,H] in XLA", 0, deq, (x_col,)),
         ("dequantize rowwise [M,H]", 0, deq, (x_row,)),
         ("dequantize rowwise [M,F]", 0, deq, (a_row,)),

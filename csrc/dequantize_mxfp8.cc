@@ -9,14 +9,12 @@
 //   scale        f8e8m0fnu [cdiv(M, 32) + G, K]
 //   group_sizes  s32       [G]                 read on the device only
 //   out          bf16      [M, K]
-// Attribute: variant (int32): index into JGM_DEQUANTIZE_VARIANTS (aot.py's
-// _dequantize_variants, same order).
-#include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
-#include "dequantize_mxfp8_col_v8_t128.h"
+// Attribute: variant (int32): index into JGM_DEQUANTIZE_VARIANTS (build/kernels/jgm_variants.h,
+// generated from jax_grouped_mlp/kernels/registry.py).
+// JGM_DEQUANTIZE_VARIANTS(X), X(name): generated from the registry.
+#include "jgm_variants.h"
 
 #include <algorithm>
-
-#define JGM_DEQUANTIZE_VARIANTS(X) X(dequantize_mxfp8_col_v8_t128)
 
 namespace jgm {
 

@@ -8,29 +8,19 @@
 //   x            bf16 [M, K]    K % 8 == 0, M * K < 2^31
 //   group_sizes  s32  [G]       read on the device only
 //   out          bf16 [M, K]
-// Attribute: variant (int32): index into JGM_FAKE_QUANTIZE_VARIANTS (the same list as
-// jax_grouped_mlp/kernels/aot.py's _fake_quantize_variants).
+// Attribute: variant (int32): index into JGM_FAKE_QUANTIZE_VARIANTS (build/kernels/
+// jgm_variants.h, generated from jax_grouped_mlp/kernels/registry.py).
 //
 // Second target (jgm_fake_quantize_pair): both copies from one read,
 //   out_row    bf16 [M, K]                the rowwise MXFP8 values
 //   out_col    bf16 [M, K] ("rowcol": the group-aware columnwise values) or
 //              f8e4m3fn [M, K] ("row_colq": the columnwise E4M3 data)
 //   col_scale  f8e8m0fnu [cdiv(M, 32) + G, K]   the columnwise scales
-// Attribute: variant: index into JGM_FAKE_QUANTIZE_PAIR_VARIANTS (aot.py's
-// _fake_quantize_pair_variants); X(name, col_type) gives out_col's element type.
-#include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
-#include "fake_quantize_mxfp8_col_v8_t128.h"
-#include "fake_quantize_mxfp8_row_colq_v8_t128.h"
-#include "fake_quantize_mxfp8_row_v8_t128.h"
-#include "fake_quantize_mxfp8_rowcol_v8_t128.h"
-
-#define JGM_FAKE_QUANTIZE_VARIANTS(X) \
-  X(fake_quantize_mxfp8_row_v8_t128)  \
-  X(fake_quantize_mxfp8_col_v8_t128)
-
-#define JGM_FAKE_QUANTIZE_PAIR_VARIANTS(X)          \
-  X(fake_quantize_mxfp8_rowcol_v8_t128, ffi::BF16) \
-  X(fake_quantize_mxfp8_row_colq_v8_t128, ffi::F8E4M3FN)
+// Attribute: variant: index into JGM_FAKE_QUANTIZE_PAIR_VARIANTS (the same header);
+// X(name, col_type) gives out_col's element type.
+// JGM_FAKE_QUANTIZE_VARIANTS(X), X(name), and JGM_FAKE_QUANTIZE_PAIR_VARIANTS(X),
+// X(name, col_type): generated from the registry.
+#include "jgm_variants.h"
 
 namespace jgm {
 

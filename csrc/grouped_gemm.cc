@@ -6,43 +6,15 @@
 // Operands and result (row-major, XLA's default layout):
 //   lhs          bf16 [M, K]       K % 8 == 0
 //   rhs          bf16 [G, K, N]    N % 8 == 0 (the kernel reads it N-contiguous), or
-//                bf16 [G, N, K]    for the "_bk" variants (a transposed weight as stored)
+//                bf16 [G, N, K]    for the rhs_k_major ("_bk") variants (a transposed weight as stored)
 //   group_sizes  s32  [G]          read on the device only (clamped there)
 //   out          bf16 [M, N]
-// Attribute: variant (int32): index into JGM_GROUPED_GEMM_VARIANTS (the compiled
-// tile configurations; jax_grouped_mlp/kernels/aot.py builds the same list).
-#include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
-#include "grouped_gemm_sm90_bf16_m128n128k64_s6.h"
-#include "grouped_gemm_sm90_bf16_m128n192k64_s5.h"
-#include "grouped_gemm_sm90_bf16_m128n192k64_s5_bk.h"
-#include "grouped_gemm_sm90_bf16_m128n256k64_s4.h"
-#include "grouped_gemm_sm90_bf16_m128n256k64_s4_bk.h"
-#include "grouped_gemm_sm90_bf16_m128n256k64_s4_p16.h"
-#include "grouped_gemm_sm90_bf16_m128n256k64_s4_p4.h"
-#include "grouped_gemm_sm90_qw_w128t192k64_s5.h"
-#include "grouped_gemm_sm90_qw_w128t192k64_s5_bk.h"
-#include "grouped_gemm_sm90_qw_w128t256k64_s4.h"
-#include "grouped_gemm_sm90_qw_w128t256k64_s4_bk.h"
-#include "grouped_gemm_sm90_qw_w128t384k64_s3_ss.h"
-#include "grouped_gemm_sm90_qw_w128t384k64_s3_ss_bk.h"
-
-// X(name, b_k_major): every exported variant, in the order of the `variant` attribute.
-// The "_qw_" variants (kernels/grouped_gemm_qw_sm90.py) take the same operands but
-// multiply by the MXFP8 values of rhs (quantized along K in the kernel), not rhs itself.
-#define JGM_GROUPED_GEMM_VARIANTS(X)                  \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4, false)     \
-  X(grouped_gemm_sm90_bf16_m128n192k64_s5, false)     \
-  X(grouped_gemm_sm90_bf16_m128n128k64_s6, false)     \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p4, false)  \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4_p16, false) \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4_bk, true)   \
-  X(grouped_gemm_sm90_bf16_m128n192k64_s5_bk, true)   \
-  X(grouped_gemm_sm90_qw_w128t192k64_s5, false)       \
-  X(grouped_gemm_sm90_qw_w128t192k64_s5_bk, true)     \
-  X(grouped_gemm_sm90_qw_w128t256k64_s4, false)       \
-  X(grouped_gemm_sm90_qw_w128t256k64_s4_bk, true)     \
-  X(grouped_gemm_sm90_qw_w128t384k64_s3_ss, false)    \
-  X(grouped_gemm_sm90_qw_w128t384k64_s3_ss_bk, true)
+// Attribute: variant (int32): index into JGM_GROUPED_GEMM_VARIANTS (the compiled tile
+// configurations: build/kernels/jgm_variants.h, generated from jax_grouped_mlp/kernels/registry.py).
+// JGM_GROUPED_GEMM_VARIANTS(X), X(name, rhs_k_major): generated from the registry. The
+// "_qw" variants (kernels/grouped_gemm_qw_sm90.py) take the same operands but multiply by
+// the MXFP8 values of rhs (quantized along K in the kernel), not rhs itself.
+#include "jgm_variants.h"
 
 namespace jgm {
 

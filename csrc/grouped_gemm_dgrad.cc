@@ -18,16 +18,10 @@
 //   dpart        f32  [ceil(N / tile_n), M]   tile_n of the variant
 // The kernel writes every element of the results (rows past the groups: zeros), so
 // nothing is cleared before a launch.
-// Attribute: variant (int32): index into JGM_GROUPED_GEMM_DGRAD_VARIANTS (the same list as
-// jax_grouped_mlp/kernels/aot.py's _grouped_gemm_dgrad_variants).
-#include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
-#include "grouped_gemm_sm90_bf16_m128n192k64_s5_bk_dsrelu.h"
-#include "grouped_gemm_sm90_bf16_m128n256k64_s4_bk_dsrelu.h"
-
-// X(name, tile_n): every exported variant, in the order of the `variant` attribute.
-#define JGM_GROUPED_GEMM_DGRAD_VARIANTS(X)             \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4_bk_dsrelu, 256) \
-  X(grouped_gemm_sm90_bf16_m128n192k64_s5_bk_dsrelu, 192)
+// Attribute: variant (int32): index into JGM_GROUPED_GEMM_DGRAD_VARIANTS (build/kernels/jgm_variants.h,
+// generated from jax_grouped_mlp/kernels/registry.py).
+// JGM_GROUPED_GEMM_DGRAD_VARIANTS(X), X(name, tile_n): generated from the registry.
+#include "jgm_variants.h"
 
 namespace jgm {
 

@@ -17,16 +17,10 @@
 //   a_col_scale  f8e8m0fnu (or u8) [ceil(M / 32) + G, N]
 // The scale output is cleared here (cudaMemsetAsync) before the launch: the kernel
 // writes only the blocks of the groups, unused scale rows stay byte 0.
-// Attribute: variant (int32): index into JGM_GROUPED_GEMM_FC1_VARIANTS (the same list as
-// jax_grouped_mlp/kernels/aot.py's _grouped_gemm_fc1_variants).
-#include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
-#include "grouped_gemm_sm90_bf16_m128n192k64_s5_fc1.h"
-#include "grouped_gemm_sm90_bf16_m128n256k64_s4_fc1.h"
-
-// X(name): every exported variant, in the order of the `variant` attribute.
-#define JGM_GROUPED_GEMM_FC1_VARIANTS(X)       \
-  X(grouped_gemm_sm90_bf16_m128n256k64_s4_fc1) \
-  X(grouped_gemm_sm90_bf16_m128n192k64_s5_fc1)
+// Attribute: variant (int32): index into JGM_GROUPED_GEMM_FC1_VARIANTS (build/kernels/jgm_variants.h,
+// generated from jax_grouped_mlp/kernels/registry.py).
+// JGM_GROUPED_GEMM_FC1_VARIANTS(X), X(name): generated from the registry.
+#include "jgm_variants.h"
 
 namespace jgm {
 

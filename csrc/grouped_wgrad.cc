@@ -8,24 +8,10 @@
 //   rhs          bf16 [M, N]       N % 8 == 0 (the kernel reads it as (N, M))
 //   group_sizes  s32  [G]          read on the device only (clamped there)
 //   out          bf16 or f32 [G, K, N]   (the variant's output type)
-// Attribute: variant (int32): index into JGM_GROUPED_WGRAD_VARIANTS (the same list
-// as jax_grouped_mlp/kernels/aot.py's _grouped_wgrad_variants).
-#include "kernels.h"  // first: it defines CUTE_DSL_CUDA_ERROR_CHECK for the headers below
-#include "grouped_wgrad_sm90_bf16_m128n192k64_s4_f32.h"
-#include "grouped_wgrad_sm90_bf16_m128n192k64_s5.h"
-#include "grouped_wgrad_sm90_bf16_m128n256k64_s4.h"
-#include "grouped_wgrad_sm90_bf16_m128n256k64_s4_f32.h"
-#include "grouped_wgrad_sm90_bf16_m128n256k64_s4_en64.h"
-#include "grouped_wgrad_sm90_bf16_m128n192k64_s4_en64.h"
-
-// X(name, output element type): every exported variant, in the order of `variant`.
-#define JGM_GROUPED_WGRAD_VARIANTS(X)              \
-  X(grouped_wgrad_sm90_bf16_m128n256k64_s4_en64, BF16) \
-  X(grouped_wgrad_sm90_bf16_m128n192k64_s4_en64, BF16) \
-  X(grouped_wgrad_sm90_bf16_m128n256k64_s4, BF16)     \
-  X(grouped_wgrad_sm90_bf16_m128n192k64_s5, BF16)     \
-  X(grouped_wgrad_sm90_bf16_m128n256k64_s4_f32, F32) \
-  X(grouped_wgrad_sm90_bf16_m128n192k64_s4_f32, F32)
+// Attribute: variant (int32): index into JGM_GROUPED_WGRAD_VARIANTS (build/kernels/
+// jgm_variants.h, generated from jax_grouped_mlp/kernels/registry.py).
+// JGM_GROUPED_WGRAD_VARIANTS(X), X(name, output element type): generated from the registry.
+#include "jgm_variants.h"
 
 namespace jgm {
 
@@ -47,7 +33,7 @@ ffi::Error LoadModule(int32_t variant) {
 
 ffi::DataType OutType(int32_t variant) {
   const ffi::DataType types[] = {
-#define JGM_TYPE(name, dtype) ffi::dtype,
+#define JGM_TYPE(name, dtype) dtype,
       JGM_GROUPED_WGRAD_VARIANTS(JGM_TYPE)
 #undef JGM_TYPE
   };

@@ -110,7 +110,9 @@ inline ffi::Error NumSms(const char* name, cudaStream_t stream, int32_t* num_sms
 
 // Each handler family lists its exported variants as an X-macro, LIST(X) expanding
 // X(name, ...) per variant in the order of the `variant` attribute (extra arguments
-// are per-variant facts the family's handler reads). With these, a family writes
+// are per-variant facts the family's handler reads). The lists are generated from
+// jax_grouped_mlp/kernels/registry.py into build/kernels/jgm_variants.h (with the
+// variants' exported headers) by tools/build_kernels.py. With these, a family writes
 //   const char* const kNames[] = {LIST(JGM_VARIANT_NAME)};
 //   LIST(JGM_VARIANT_MODULE)                      // at namespace scope
 //   int32_t i = 0; LIST(JGM_VARIANT_LOAD) ...     // in LoadModule(variant), with kName
@@ -145,9 +147,6 @@ inline ffi::Error LaunchResult(const char* name, int32_t ret) {
 }  // namespace jgm
 
 namespace jgm {
-// Names of the compiled quantize variants, indexed by the `variant` attribute.
-extern const char* const kQuantizeVariants[];
-extern const int kNumQuantizeVariants;
 // Names of the compiled grouped GEMM variants, indexed by the `variant` attribute.
 extern const char* const kGroupedGemmVariants[];
 extern const int kNumGroupedGemmVariants;
@@ -161,9 +160,6 @@ extern const int kNumFakeQuantizePairVariants;
 // Names of the compiled grouped weight-gradient variants, indexed by `variant`.
 extern const char* const kGroupedWgradVariants[];
 extern const int kNumGroupedWgradVariants;
-// Names of the compiled grouped GEMM variants with in-kernel MXFP8 weights, by `variant`.
-extern const char* const kGroupedGemmW8Variants[];
-extern const int kNumGroupedGemmW8Variants;
 // Names of the compiled grouped GEMM variants with the FC1 epilogue, by `variant`.
 extern const char* const kGroupedGemmFc1Variants[];
 extern const int kNumGroupedGemmFc1Variants;
@@ -173,8 +169,6 @@ extern const int kNumGroupedGemmDgradVariants;
 }  // namespace jgm
 
 // Handlers defined in the per-family .cc files (registered in module.cc).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8Instantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmQuantizeMxfp8);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemm);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizeInstantiate);
@@ -185,8 +179,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizePairInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmFakeQuantizePair);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgradInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedWgrad);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8Instantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmW8);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1Instantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmFc1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmGroupedGemmDgradInstantiate);

@@ -26,13 +26,11 @@ PYBIND11_MODULE(_kernels, m) {
       handlers["execute"] = Capsule(execute);
       d[target] = handlers;
     };
-    add("jgm_quantize_mxfp8", JgmQuantizeMxfp8Instantiate, JgmQuantizeMxfp8);
     add("jgm_fake_quantize_mxfp8", JgmFakeQuantizeInstantiate, JgmFakeQuantize);
     add("jgm_fake_quantize_pair", JgmFakeQuantizePairInstantiate, JgmFakeQuantizePair);
     add("jgm_dequantize_mxfp8", JgmDequantizeInstantiate, JgmDequantize);
     add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
     add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
-    add("jgm_grouped_gemm_w8", JgmGroupedGemmW8Instantiate, JgmGroupedGemmW8);
     add("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1Instantiate, JgmGroupedGemmFc1);
     add("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgradInstantiate, JgmGroupedGemmDgrad);
     return d;
@@ -42,7 +40,6 @@ PYBIND11_MODULE(_kernels, m) {
     for (int i = 0; i < count; ++i) out.append(list[i]);
     return py::tuple(out);
   };
-  m.attr("QUANTIZE_VARIANTS") = names(jgm::kQuantizeVariants, jgm::kNumQuantizeVariants);
   m.attr("FAKE_QUANTIZE_VARIANTS") =
       names(jgm::kFakeQuantizeVariants, jgm::kNumFakeQuantizeVariants);
   m.attr("DEQUANTIZE_VARIANTS") = names(jgm::kDequantizeVariants, jgm::kNumDequantizeVariants);
@@ -51,8 +48,6 @@ PYBIND11_MODULE(_kernels, m) {
   m.attr("GROUPED_GEMM_VARIANTS") = names(jgm::kGroupedGemmVariants, jgm::kNumGroupedGemmVariants);
   m.attr("GROUPED_WGRAD_VARIANTS") =
       names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);
-  m.attr("GROUPED_GEMM_W8_VARIANTS") =
-      names(jgm::kGroupedGemmW8Variants, jgm::kNumGroupedGemmW8Variants);
   m.attr("GROUPED_GEMM_FC1_VARIANTS") =
       names(jgm::kGroupedGemmFc1Variants, jgm::kNumGroupedGemmFc1Variants);
   m.attr("GROUPED_GEMM_DGRAD_VARIANTS") =

@@ -369,17 +369,14 @@ def _bindings():
     bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     x, w, w_t, wg = bf(m, k), bf(g, k, n) / 8, bf(g, n, k) / 8, bf(m, n)
     h, probs = bf(m, n), jnp.asarray(rng.uniform(0.1, 1, m), jnp.float32)
-    w8 = jgm.quantize_mxfp8(w, axis=1)
     xq = jgm.quantize_mxfp8_grouped(x, jnp.asarray([70, 60, 70], jnp.int32))  # scale rows for G = 3
     return {
         "gemm_bf16": lambda gs: gemm_ffi.grouped_gemm_bf16_cuda(x, w, gs),
         "gemm_bf16_bk": lambda gs: gemm_ffi.grouped_gemm_bf16_cuda(x, w_t, gs, transpose_rhs=True),
         "gemm_qw": lambda gs: gemm_ffi.grouped_gemm_qw_cuda(x, w, gs),
-        "gemm_w8": lambda gs: gemm_ffi.grouped_gemm_w8_cuda(x, w8, gs),
         "wgrad": lambda gs: gemm_ffi.grouped_wgrad_bf16_cuda(x, wg, gs),
         "fc1": lambda gs: gemm_ffi.grouped_gemm_fc1_cuda(x, w, gs, probs),
         "dgrad": lambda gs: gemm_ffi.grouped_gemm_dgrad_cuda(x, w_t, gs, h, probs),
-        "quantize_both": lambda gs: ffi.quantize_mxfp8_both_cuda(x, gs),
         "fake_quantize_col": lambda gs: ffi.fake_quantize_mxfp8_cuda(x, gs, mode="col"),
         "fake_quantize_pair": lambda gs: ffi.fake_quantize_pair_mxfp8_cuda(x, gs, keep_col_fp8=True),
         "dequantize": lambda gs: ffi.dequantize_grouped_mxfp8_cuda(jgm.MXFP8Tensor(xq.data, xq.scale, 0, gs)),

@@ -19,7 +19,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import mxfp8
 from gpu_helpers import has_gpu
 from test_fake_quantize_gpu import _assert_same_bits, _cpu, _special
-from test_quantize_gpu import _poison, _random, _sizes
+from mxfp8_gpu_helpers import _poison, _random, _sizes
 
 needs_kernels = pytest.mark.skipif(
     not (has_gpu() and ffi.available() and ffi.dequantize_variants()),

@@ -25,7 +25,7 @@ from jax_grouped_mlp._src.cuda import ffi
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import primitives
 from gpu_helpers import has_gpu
-from test_quantize_gpu import _assert_same, _poison, _random, _sizes
+from mxfp8_gpu_helpers import _assert_same, _poison, _random, _sizes
 
 needs_kernels = pytest.mark.skipif(
     not (has_gpu() and ffi.available() and ffi.fake_quantize_variants()),
@@ -75,7 +75,7 @@ def _check_pair(x, group_sizes, keep_col_fp8: bool) -> None:
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     m, k = x.shape
     want_row = _reference(x, gs, "row")
-    # The FP8 copy is checked against the reference run on the GPU, as in test_quantize_gpu.
+    # The FP8 copy is checked against the reference run on the GPU, as the quantize tests did.
     want_col = jax.jit(mxfp8.quantize_mxfp8_grouped)(x, gs) if keep_col_fp8 else _reference(x, gs, "col")
     shapes = [(m, 2 * k), (m, k if keep_col_fp8 else 2 * k), (mxfp8.grouped_scale_rows(m, gs.shape[0]), k)]
     for value in (0x5A, 0xFF):
@@ -167,3 +167,69 @@ def test_stacked_weights_both_axes(rng, axis):
         got = jax.jit(lambda w: ffi.fake_quantize_cuda(w, axis=axis))(w)
         want = _cpu(lambda w: primitives._REFERENCE["fake_quantize"](w, axis=axis), w)
         _assert_same_bits(got, want, f"weights {shape} axis {axis}")
+
+
+def test_reciprocal_multiply_matches_division_exhaustively():
+    """The kernels compute amax/448 as amax * f32(1/448) (``ptx.e8m0_rceil``); same bf16
+    for every bf16 amax."""
+    bits = np.arange(0, 0x7F81, dtype=np.uint32)  # every non-negative bf16, Inf included
+    a = (bits << 16).view(np.float32)
+    div = (a / np.float32(448)).astype(ml_dtypes.bfloat16).view(np.uint16)
+    mul = (a * (np.float32(1) / np.float32(448))).astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(div, mul)
+
+
+@pytest.mark.skipif(not (ffi.available() and ffi.fake_quantize_pair_variants()), reason="needs the built extension")
+def test_pair_target_is_registered_and_lowers_for_cuda():
+    """No GPU needed: the custom call lowers for CUDA wherever the extension loads."""
+    assert ffi.FAKE_QUANTIZE_PAIR_TARGET in ffi.registered_targets()
+    x = jnp.zeros((64, 64), jnp.bfloat16)
+    gs = jnp.asarray([64], jnp.int32)
+    exported = jax.export.export(
+        jax.jit(lambda x, gs: ffi.fake_quantize_pair_mxfp8_cuda(x, gs, keep_col_fp8=True)[1].scale),
+        platforms=["cuda"],
+        disabled_checks=ffi.export_disabled_checks(),
+    )(x, gs)
+    assert f"@{ffi.FAKE_QUANTIZE_PAIR_TARGET}" in exported.mlir_module()
+
+
+_GRAPH_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.formats import mxfp8
+x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.bfloat16)
+gs = jnp.asarray([100, 0, 90], jnp.int32)
+def f(x, gs):
+    row, col = ffi.fake_quantize_pair_mxfp8_cuda(x * 2, gs + 1, keep_col_fp8=True)
+    return row, col.data, col.scale
+def ref(x, gs):
+    row, col = mxfp8.fake_quantize_pair(x * 2, gs + 1, True)
+    return row, col.data, col.scale
+fj, rj = jax.jit(f), jax.jit(ref)
+want = [np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) for a in rj(x, gs)]
+for _ in range(3):
+    got = [np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) for a in fj(x, gs)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+print("graph-ok")
+"""
+
+
+@pytest.mark.gpu
+@needs_pair
+def test_inside_cuda_graph():
+    """With XLA's command buffers on for custom calls, programs holding the kernel still
+    give the reference bytes (the handlers are not marked graph-compatible, so XLA runs
+    them between graph segments; see csrc/grouped_gemm.cc)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "")
+        + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _GRAPH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "graph-ok" in out.stdout, out.stdout + out.stderr

@@ -35,7 +35,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import mxfp8
 from gpu_helpers import has_gpu
 from test_fake_quantize_gpu import _assert_same_bits, _reference
-from test_quantize_gpu import _poison
+from mxfp8_gpu_helpers import _poison
 
 VARIANTS = gemm_ffi.grouped_gemm_dgrad_variants() or ("none",)
 needs_kernels = pytest.mark.skipif(

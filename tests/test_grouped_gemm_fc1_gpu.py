@@ -30,7 +30,7 @@ from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op.primitives import srelu_scaled as _srelu_scaled
 from gpu_helpers import has_gpu
 from test_fake_quantize_gpu import _assert_same_bits
-from test_quantize_gpu import _assert_same, _poison
+from mxfp8_gpu_helpers import _assert_same, _poison
 
 VARIANTS = gemm_ffi.grouped_gemm_fc1_variants() or ("none",)
 needs_kernels = pytest.mark.skipif(

@@ -189,18 +189,3 @@ def test_grouped_with_no_groups_and_no_rows(rng):
     assert np.all(_u8(q0.scale) == 0), "unused scale rows must be byte 0 (not E8M0 NaN)"
 
 
-@pytest.mark.parametrize("shape", [(3, 64, 96), (2, 40, 24), (5, 33, 8), (70, 64), (1, 32, 32)])
-def test_quantize_via_both_matches_plain_quantize(rng, shape):
-    """The one-pass row+col quantizer (the CUDA kernel's contract) gives both weight layouts."""
-    from jax_grouped_mlp._src.op import primitives
-
-    x = _random(rng, shape, jnp.bfloat16)
-    both = lambda a, gs: (jgm.quantize_mxfp8(a, axis=1), jgm.quantize_mxfp8_grouped(a, gs))  # noqa: E731
-    for axis in (x.ndim - 2, x.ndim - 1):
-        got = mxfp8.quantize_via_both(x, axis, both)
-        want = jgm.quantize_mxfp8(x, axis=axis)
-        assert got.axis == want.axis and got.scale.shape == want.scale.shape
-        np.testing.assert_array_equal(_u8(got.data), _u8(want.data))
-        np.testing.assert_array_equal(_u8(got.scale), _u8(want.scale))
-    # And the registered CUDA adapter traces for such shapes (its branch is traced on CPU).
-    jax.make_jaxpr(lambda a: primitives.quantize(a, x.ndim - 2))(x)

@@ -37,8 +37,9 @@ def test_every_called_target_is_registered():
     from jax_grouped_mlp._src.cuda import gemm_ffi
 
     targets = (
-        ffi.QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_PAIR_TARGET,
-        gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET,
+        ffi.FAKE_QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_PAIR_TARGET, ffi.DEQUANTIZE_TARGET,
+        gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET, gemm_ffi.GROUPED_GEMM_FC1_TARGET,
+        gemm_ffi.GROUPED_GEMM_DGRAD_TARGET,
     )
     for target in targets:
         assert target in ffi.registered_targets(), target
@@ -103,38 +104,6 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_pe
         wgrad: 2,
     }
     assert calls == {k: v for k, v in want.items() if v}
-
-
-@pytest.mark.parametrize("rows_per_group,transpose", [(64, False), (64, True), (2048, False)])
-def test_mxfp8_weights_converted_in_the_kernel_for_small_groups(rows_per_group, transpose):
-    """grouped_gemm with an MXFP8 weight lowers (for CUDA) to the in-kernel conversion when
-    the groups are small, else to a dequantize pass + the bf16 kernel."""
-    if not ffi.available():
-        pytest.skip("the CUDA extension is not built")
-    from jax_grouped_mlp._src.cuda import gemm_ffi
-    from jax_grouped_mlp._src.formats import mxfp8
-
-    g, k, n = 4, 128, 192
-    m = g * rows_per_group
-    w_shape = (g, n, k) if transpose else (g, k, n)
-
-    def f(a, w, gs):
-        wq = mxfp8.quantize_mxfp8(w, axis=2 if transpose else 1)
-        return primitives.grouped_gemm(a, wq, gs, jnp.bfloat16, transpose_rhs=transpose)
-
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16),
-            jax.ShapeDtypeStruct((g,), jnp.int32))
-    text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=jax_grouped_mlp_checks())(*args).mlir_module()
-    calls = collections.Counter(re.findall(r"custom_call @(jgm_\w+)\(", text))
-    small = rows_per_group <= gemm_ffi.W8_MAX_ROWS_PER_GROUP
-    assert calls[gemm_ffi.GROUPED_GEMM_W8_TARGET] == int(small)
-    assert calls[gemm_ffi.GROUPED_GEMM_TARGET] == int(not small)
-
-
-def jax_grouped_mlp_checks():
-    import jax_grouped_mlp as jgm
-
-    return jgm.export_disabled_checks()
 
 
 def test_shape_polymorphic_export_for_cpu_and_cuda(rng):

@@ -4,10 +4,13 @@
     python tools/build_kernels.py            # with a Python that has nvidia-cutlass-dsl,
                                              # jax and pybind11 (the .so is for that Python)
 
-Steps: (1) compile every CuTe DSL kernel variant for sm_90a and export it to C
-(``jax_grouped_mlp/kernels/aot.py`` -> ``build/kernels/<name>.h/.o``); (2) compile
-the FFI handlers in ``csrc/`` against XLA's FFI headers (``jax.ffi.include_dir()``)
-and pybind11; (3) link them with the kernel objects, the DSL's static CUDA-dialect
+Steps: (1) compile every CuTe DSL kernel variant of the registry
+(``jax_grouped_mlp/kernels/registry.py``) for sm_90a and export it to C
+(``jax_grouped_mlp/kernels/aot.py`` -> ``build/kernels/<name>.h/.o``, and the manifest
+``kernels.json``); (2) generate the handlers' variant tables from the registry
+(``build/kernels/jgm_variants.h``: the exported headers' includes and one X-macro per
+family) and compile the FFI handlers in ``csrc/`` against XLA's FFI headers
+(``jax.ffi.include_dir()``) and pybind11; (3) link them with the kernel objects, the DSL's static CUDA-dialect
 runtime (whole archive) and the static CUDA runtime into one extension. The
 result needs only the NVIDIA driver at run time: no cutlass-dsl, no JIT.
 
@@ -32,9 +35,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 BUILD = ROOT / "build"
-SOURCES = ["quantize_mxfp8.cc", "fake_quantize_mxfp8.cc", "dequantize_mxfp8.cc", "grouped_gemm.cc",
-           "grouped_wgrad.cc", "grouped_gemm_w8.cc", "grouped_gemm_fc1.cc", "grouped_gemm_dgrad.cc",
-           "module.cc"]
+SOURCES = ["fake_quantize_mxfp8.cc", "dequantize_mxfp8.cc", "grouped_gemm.cc", "grouped_wgrad.cc",
+           "grouped_gemm_fc1.cc", "grouped_gemm_dgrad.cc", "module.cc"]
 
 
 def _missing() -> list[str]:
@@ -108,8 +110,15 @@ def main(argv=None) -> int:
     _run([sys.executable, "-m", "jax_grouped_mlp.kernels.aot", "--out", str(kdir)])
     # Only what this export wrote (kernels.json): stale objects of variants built from
     # other sources (another branch, a removed variant) stay out of the extension.
-    names = json.loads((kdir / "kernels.json").read_text())["kernels"]
+    from jax_grouped_mlp.kernels import registry
+
+    manifest = json.loads((kdir / "kernels.json").read_text())
+    names = manifest.pop("kernels")
+    if manifest != registry.manifest() or sorted(names) != sorted(v.name for v in registry.VARIANTS):
+        raise SystemExit(f"{kdir / 'kernels.json'} does not match jax_grouped_mlp/kernels/registry.py")
     kernel_objs = [kdir / f"{name}.o" for name in names]
+    header = kdir / "jgm_variants.h"
+    header.write_text(registry.cxx_header())
 
     # (2) handlers.
     home = aot.cuda_home()

@@ -17,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, ".")
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
-from jax_grouped_mlp._src.formats import mxfp8  # noqa: E402
+from jax_grouped_mlp.kernels import registry  # noqa: E402
 
 
 def main() -> int:
@@ -29,23 +29,14 @@ def main() -> int:
     gs = jnp.asarray([100, 0, 150, 200], jnp.int32)  # the last group overshoots M
     bad = 0
     for v in gemm_ffi.grouped_gemm_variants():
-        bk = v.endswith("_bk")
+        bk = registry.variant(v).rhs_k_major
         rhs = jnp.swapaxes(w, 1, 2) if bk else w
         out = gemm_ffi.grouped_gemm_bf16_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
     for v in gemm_ffi.grouped_gemm_qw_variants():  # the weight quantized in registers
-        bk = v.endswith("_bk")
+        bk = registry.variant(v).rhs_k_major
         rhs = jnp.swapaxes(w, 1, 2) if bk else w
         out = gemm_ffi.grouped_gemm_qw_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
-        bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
-    # MXFP8 weights (N, K multiples of 16 for these kernels: 144 x 208, neither a tile multiple).
-    k8, n8 = 208, 144
-    a8 = jnp.asarray(rng.standard_normal((m, k8)), jnp.bfloat16)
-    w8 = jnp.asarray(rng.standard_normal((4, k8, n8)) / 16, jnp.bfloat16)
-    for v in gemm_ffi.grouped_gemm_w8_variants():
-        bk = v.endswith("_bk")
-        wq = mxfp8.quantize_mxfp8(jnp.swapaxes(w8, 1, 2), axis=2) if bk else mxfp8.quantize_mxfp8(w8, axis=1)
-        out = gemm_ffi.grouped_gemm_w8_cuda(a8, wq, gs, variant=v, transpose_rhs=bk)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
     # FC1 epilogue (h, a_row, a_col): probs with zeros and negatives.
     probs = jnp.asarray(rng.uniform(-1.0, 1.0, m) * (rng.random(m) > 0.1), jnp.float32)
@@ -73,7 +64,7 @@ def main() -> int:
         col = ffi.dequantize_grouped_mxfp8_cuda(col) if keep else col
         bad += int(not np.isfinite(np.asarray(col, np.float32)).all())
     jax.block_until_ready(out)
-    n = len(gemm_ffi.grouped_gemm_variants()) + len(gemm_ffi.grouped_gemm_w8_variants())
+    n = len(gemm_ffi.grouped_gemm_variants())
     n += len(gemm_ffi.grouped_gemm_qw_variants())
     n += len(gemm_ffi.grouped_wgrad_variants()) + len(gemm_ffi.grouped_gemm_fc1_variants()) + 5
     n += len(gemm_ffi.grouped_gemm_dgrad_variants())

@@ -4,9 +4,10 @@ Run with the build venv's Python (nvidia-cutlass-dsl installed; no GPU needed):
 
     python -m jax_grouped_mlp.kernels.aot --out build/kernels
 
-For each variant it writes ``<name>.h`` and ``<name>.o`` (exported with
-``export_to_c``: a host launch wrapper taking the stream, the cubin, and a
-module load/unload pair) and one ``kernels.json`` listing them. M, K and G are
+For each variant of ``registry.VARIANTS`` it writes ``<name>.h`` and ``<name>.o``
+(exported with ``export_to_c``: a host launch wrapper taking the stream, the cubin,
+and a module load/unload pair) and the manifest ``kernels.json`` (the registry, and
+the names this run exported). M, K and G are
 symbolic, so one binary serves every shape (K must be a multiple of 8).
 
 ``export_to_c`` needs the DSL's CUDA-dialect runtime symbols in the process even
@@ -26,7 +27,9 @@ import subprocess
 import sys
 import time
 
-ARCH = "sm_90a"
+from jax_grouped_mlp.kernels import registry
+
+ARCH = registry.ARCH
 
 
 def dsl_libdir() -> pathlib.Path:
@@ -69,35 +72,6 @@ def _load_dialect_runtime(workdir: pathlib.Path) -> None:
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
-def _quantize_variants():
-    from jax_grouped_mlp.kernels.quantize_mxfp8 import QuantizeConfig
-
-    return (
-        QuantizeConfig(vec=8, threads=128),
-        QuantizeConfig(vec=8, threads=128, min_blocks=3),
-        QuantizeConfig(vec=4, threads=128),
-        QuantizeConfig(vec=4, threads=256, min_blocks=2),
-    )
-
-
-def _grouped_gemm_variants():
-    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
-
-    # Keep in the order of JGM_GROUPED_GEMM_VARIANTS in csrc/grouped_gemm.cc.
-    from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig
-
-    # Keep in the order of JGM_GROUPED_GEMM_VARIANTS in csrc/grouped_gemm.cc. The "_qw"
-    # configurations (GroupedGemmQwSm90: the weight fake-quantized in registers) share
-    # the handler, arguments and launch; only what they multiply by differs.
-    return (GroupedGemmConfig(tile_n=256), GroupedGemmConfig(tile_n=192), GroupedGemmConfig(tile_n=128),
-            GroupedGemmConfig(tile_n=256, panel_m=4), GroupedGemmConfig(tile_n=256, panel_m=16),
-            GroupedGemmConfig(tile_n=256, b_k_major=True), GroupedGemmConfig(tile_n=192, b_k_major=True),
-            GroupedGemmQwConfig(tile_t=192), GroupedGemmQwConfig(tile_t=192, w_k_major=True),
-            GroupedGemmQwConfig(tile_t=256), GroupedGemmQwConfig(tile_t=256, w_k_major=True),
-            GroupedGemmQwConfig(tile_t=384, smem_a=True), GroupedGemmQwConfig(tile_t=384, smem_a=True, w_k_major=True))
-
-
-
 def _fake(dtype, shape, order=None, align: int = 16):
     """A fake compact tensor to compile against: stride order ``order`` (default
     row-major), ``align``-byte aligned, 32-bit strides (every exported entry point)."""
@@ -125,46 +99,6 @@ def _grouped_gemm_args(b_k_major: bool = False):
             cutlass.Int32(132), make_fake_stream())
 
 
-def _grouped_gemm_w8_variants():
-    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
-
-    # Keep in the order of JGM_GROUPED_GEMM_W8_VARIANTS in csrc/grouped_gemm_w8.cc. The
-    # _c7 variants (7 converter warps, 512 threads; n192 only: at n256 the consumers do not
-    # fit the 128-register cap of 512 threads) come last, so the default rule (first of
-    # the least-padding widths) keeps the 3-warp ones until measured.
-    base = tuple(GroupedGemmConfig(tile_n=n, b_k_major=bk, b_fp8=True) for bk in (False, True) for n in (256, 192))
-    return base + tuple(GroupedGemmConfig(tile_n=192, b_k_major=bk, b_fp8=True, converter_warps=7) for bk in (False, True))
-
-
-def _grouped_gemm_w8_args(b_k_major: bool = False):
-    """Fake (lhs [M, K] bf16, rhs (N, K, G) uint8, rhs_scale (N, KB, G) uint8, out, group_sizes, num_ctas, stream).
-
-    rhs is N-contiguous (JAX's [G, K, N]) or K-contiguous ([G, N, K]) for ``b_k_major``;
-    rhs_scale is always N-contiguous (JAX's [G, KB, N]). N and K are multiples of 16
-    (16-byte TMA strides of the byte tensors).
-    """
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
-    t = _fake
-
-    m, g, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    n, k = cute.sym_int32(divisibility=16), cute.sym_int32(divisibility=16)
-    return (t(cutlass.BFloat16, (m, k), (1, 0)),
-            t(cutlass.Uint8, (n, k, g), (1, 0, 2) if b_k_major else (0, 1, 2)),
-            t(cutlass.Uint8, (n, kb, g), (0, 1, 2)),
-            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
-            cutlass.Int32(132), make_fake_stream())
-
-
-def _grouped_gemm_fc1_variants():
-    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
-
-    # Keep in the order of JGM_GROUPED_GEMM_FC1_VARIANTS in csrc/grouped_gemm_fc1.cc.
-    return tuple(GroupedGemmConfig(tile_n=n, fc1_epilogue=True) for n in (256, 192))
-
-
 def _grouped_gemm_fc1_args():
     """Fake (lhs [M, K], rhs (N, K, G) N-contiguous, h [M, N], a_row [M, N] bf16, a_col [M, N]
     uint8, a_scale [NB, N] uint8, probs [M] f32, group_sizes, num_ctas, stream)."""
@@ -181,13 +115,6 @@ def _grouped_gemm_fc1_args():
             t(cutlass.Uint8, (m, n), (1, 0)), t(cutlass.Uint8, (nb, n), (1, 0)),
             t(cutlass.Float32, (m,), (0,), align=4), t(cutlass.Int32, (g,), (0,), align=4),
             cutlass.Int32(132), make_fake_stream())
-
-
-def _grouped_gemm_dgrad_variants():
-    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig
-
-    # Keep in the order of JGM_GROUPED_GEMM_DGRAD_VARIANTS in csrc/grouped_gemm_dgrad.cc.
-    return tuple(GroupedGemmConfig(tile_n=n, b_k_major=True, dgrad_epilogue=True) for n in (256, 192))
 
 
 def _grouped_gemm_dgrad_args():
@@ -208,37 +135,6 @@ def _grouped_gemm_dgrad_args():
             cutlass.Int32(132), make_fake_stream())
 
 
-def _fake_quantize_variants():
-    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeConfig
-
-    # Keep in the order of JGM_FAKE_QUANTIZE_VARIANTS in csrc/fake_quantize_mxfp8.cc.
-    return tuple(FakeQuantizeConfig(vec=8, threads=128, mode=mode) for mode in ("row", "col"))
-
-
-def _fake_quantize_pair_variants():
-    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeConfig
-
-    # Keep in the order of JGM_FAKE_QUANTIZE_PAIR_VARIANTS in csrc/fake_quantize_mxfp8.cc.
-    return tuple(FakeQuantizeConfig(vec=8, threads=128, mode=mode) for mode in ("rowcol", "row_colq"))
-
-
-def _dequantize_variants():
-    from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeConfig
-
-    # Keep in the order of JGM_DEQUANTIZE_VARIANTS in csrc/dequantize_mxfp8.cc.
-    return (DequantizeConfig(vec=8, threads=128),)
-
-
-def _grouped_wgrad_variants():
-    from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig
-
-    # Keep in the order of JGM_GROUPED_WGRAD_VARIANTS in csrc/grouped_wgrad.cc.
-    # The _en64 variants first: the default choice takes the first of equal tile widths.
-    return tuple(GroupedWgradConfig(tile_n=n, epi_n=64) for n in (256, 192)) + tuple(
-        GroupedWgradConfig(tile_n=n, out_f32=f32) for f32 in (False, True) for n in (256, 192)
-    )
-
-
 def _grouped_wgrad_args(out_f32: bool):
     """Fake (X seen as (K, M), dY seen as (N, M), out seen as (K, N, G), group_sizes, num_ctas, stream)."""
     import cutlass
@@ -255,92 +151,99 @@ def _grouped_wgrad_args(out_f32: bool):
             cutlass.Int32(132), make_fake_stream())
 
 
-def variants():
-    """(name, kernel object, fake arguments) for every variant we ship."""
+def _kernel(v: registry.Variant):
+    """``(config, kernel object, fake arguments)`` for registry entry ``v``; the config is
+    the kernel module's own, built from the entry's fields."""
+    if isinstance(v, registry.GemmVariant):
+        from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
+
+        cfg = GroupedGemmConfig(
+            tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m, b_k_major=v.rhs_k_major,
+            fc1_epilogue=v.epilogue == "fc1", dgrad_epilogue=v.epilogue == "dgrad",
+        )
+        if v.epilogue == "fc1":
+            from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import GroupedGemmFc1Sm90
+
+            return cfg, GroupedGemmFc1Sm90(cfg), _grouped_gemm_fc1_args()
+        if v.epilogue == "dgrad":
+            from jax_grouped_mlp.kernels.grouped_gemm_dgrad_sm90 import GroupedGemmDgradSm90
+
+            return cfg, GroupedGemmDgradSm90(cfg), _grouped_gemm_dgrad_args()
+        return cfg, GroupedGemmSm90(cfg), _grouped_gemm_args(v.rhs_k_major)
+    if isinstance(v, registry.QwGemmVariant):
+        from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig, GroupedGemmQwSm90
+
+        cfg = GroupedGemmQwConfig(tile_t=v.tile_t, stages=v.stages, w_k_major=v.rhs_k_major, smem_a=v.smem_a)
+        return cfg, GroupedGemmQwSm90(cfg), _grouped_gemm_args(v.rhs_k_major)
+    if isinstance(v, registry.WgradVariant):
+        from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig, GroupedWgradSm90
+
+        cfg = GroupedWgradConfig(tile_n=v.tile_n, stages=v.stages, epi_n=v.epi_n, out_f32=v.out_f32)
+        return cfg, GroupedWgradSm90(cfg), _grouped_wgrad_args(v.out_f32)
+    if isinstance(v, registry.FakeQuantizeVariant):
+        from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import (
+            PAIR_MODES, FakeQuantizeConfig, FakeQuantizeMxfp8, FakeQuantizePairMxfp8,
+        )
+
+        cfg = FakeQuantizeConfig(vec=v.vec, threads=v.threads, mode=v.mode)
+        if v.mode in PAIR_MODES:
+            return cfg, FakeQuantizePairMxfp8(cfg), _fake_quantize_pair_args(v.mode == "rowcol")
+        return cfg, FakeQuantizeMxfp8(cfg), _fake_quantize_args()
+    if isinstance(v, registry.DequantizeVariant):
+        from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeColMxfp8, DequantizeConfig
+
+        cfg = DequantizeConfig(vec=v.vec, threads=v.threads)
+        return cfg, DequantizeColMxfp8(cfg), _dequantize_args()
+    raise TypeError(f"v must be a registry variant, got {v!r}")
+
+
+def _fake_quantize_args():
+    """Fake (x [M, K] bf16, group_sizes, out [M, K] bf16, stream)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    from jax_grouped_mlp.kernels.quantize_mxfp8 import QuantizeMxfp8
+    t = _fake
+    m, g = cute.sym_int32(), cute.sym_int32()
+    k = cute.sym_int32(divisibility=8)
+    return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
+            make_fake_stream())
 
-    QUANTIZE_VARIANTS = _quantize_variants()
+
+def _fake_quantize_pair_args(col_bf16: bool):
+    """Fake (x [M, K] bf16, group_sizes, row [M, K] bf16, col [M, K] bf16 or uint8, col_scale [NB, K], stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
     t = _fake
+    m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    k = cute.sym_int32(divisibility=8)
+    col = cutlass.BFloat16 if col_bf16 else cutlass.Uint8
+    return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
+            t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
 
-    for cfg in QUANTIZE_VARIANTS:
-        m = cute.sym_int32()
-        k = cute.sym_int32(divisibility=8)
-        kb = cute.sym_int32()
-        g = cute.sym_int32()
-        nb = cute.sym_int32()
-        args = (
-            t(cutlass.BFloat16, (m, k)),
-            t(cutlass.Int32, (g,), align=4),
-            t(cutlass.Uint8, (m, k)),
-            t(cutlass.Uint8, (m, kb), align=1),
-            t(cutlass.Uint8, (m, k)),
-            t(cutlass.Uint8, (nb, k)),
-            make_fake_stream(),
-        )
-        yield cfg.name, QuantizeMxfp8(cfg), args
 
-    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizeMxfp8
+def _dequantize_args():
+    """Fake (data [M, K] uint8, scale [NB, K] uint8, group_sizes, out [M, K] bf16, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
-    for cfg in _fake_quantize_variants():
-        m, g = cute.sym_int32(), cute.sym_int32()
-        k = cute.sym_int32(divisibility=8)
-        args = (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
-                make_fake_stream())
-        yield cfg.name, FakeQuantizeMxfp8(cfg), args
+    t = _fake
+    m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    k = cute.sym_int32(divisibility=8)
+    return (t(cutlass.Uint8, (m, k)), t(cutlass.Uint8, (nb, k)), t(cutlass.Int32, (g,), align=4),
+            t(cutlass.BFloat16, (m, k)), make_fake_stream())
 
-    from jax_grouped_mlp.kernels.fake_quantize_mxfp8 import FakeQuantizePairMxfp8
 
-    for cfg in _fake_quantize_pair_variants():
-        m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-        k = cute.sym_int32(divisibility=8)
-        col = cutlass.BFloat16 if cfg.mode == "rowcol" else cutlass.Uint8
-        args = (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
-                t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
-        yield cfg.name, FakeQuantizePairMxfp8(cfg), args
-
-    from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeColMxfp8
-
-    for cfg in _dequantize_variants():
-        m, g, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-        k = cute.sym_int32(divisibility=8)
-        args = (t(cutlass.Uint8, (m, k)), t(cutlass.Uint8, (nb, k)), t(cutlass.Int32, (g,), align=4),
-                t(cutlass.BFloat16, (m, k)), make_fake_stream())
-        yield cfg.name, DequantizeColMxfp8(cfg), args
-
-    from jax_grouped_mlp.kernels.grouped_gemm_sm90 import GroupedGemmSm90
-
-    from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig, GroupedGemmQwSm90
-
-    for cfg in _grouped_gemm_variants():
-        if isinstance(cfg, GroupedGemmQwConfig):
-            yield cfg.name, GroupedGemmQwSm90(cfg), _grouped_gemm_args(cfg.w_k_major)
-        else:
-            yield cfg.name, GroupedGemmSm90(cfg), _grouped_gemm_args(cfg.b_k_major)
-
-    from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
-
-    for cfg in _grouped_wgrad_variants():
-        yield cfg.name, GroupedWgradSm90(cfg), _grouped_wgrad_args(cfg.out_f32)
-
-    from jax_grouped_mlp.kernels.grouped_gemm_w8_sm90 import GroupedGemmW8Sm90
-
-    for cfg in _grouped_gemm_w8_variants():
-        yield cfg.name, GroupedGemmW8Sm90(cfg), _grouped_gemm_w8_args(cfg.b_k_major)
-
-    from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import GroupedGemmFc1Sm90
-
-    for cfg in _grouped_gemm_fc1_variants():
-        yield cfg.name, GroupedGemmFc1Sm90(cfg), _grouped_gemm_fc1_args()
-
-    from jax_grouped_mlp.kernels.grouped_gemm_dgrad_sm90 import GroupedGemmDgradSm90
-
-    for cfg in _grouped_gemm_dgrad_variants():
-        yield cfg.name, GroupedGemmDgradSm90(cfg), _grouped_gemm_dgrad_args()
+def variants():
+    """(name, kernel object, fake arguments) for every variant of the registry, in its order."""
+    for v in registry.VARIANTS:
+        cfg, kernel, args = _kernel(v)
+        if cfg.name != v.name:
+            raise ValueError(f"registry entry {v} builds the kernel {cfg.name!r}, not {v.name!r} (stages too many?)")
+        yield v.name, kernel, args
 
 
 def main(argv=None) -> int:
@@ -367,7 +270,8 @@ def main(argv=None) -> int:
         compiled.export_to_c(str(ns.out), name, function_prefix=name)
         print(f"[aot] {name}: {time.time() - t0:.1f}s -> {ns.out / name}.h/.o", flush=True)
         built.append(name)
-    (ns.out / "kernels.json").write_text(json.dumps({"arch": ARCH, "kernels": built}, indent=1))
+    # The manifest: the registry, and what this run exported (tools/build_kernels.py links those).
+    (ns.out / "kernels.json").write_text(json.dumps({**registry.manifest(), "kernels": built}, indent=1))
     return 0
 
 

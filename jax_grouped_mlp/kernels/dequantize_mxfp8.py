@@ -7,7 +7,7 @@ residual ("fc1_input", "fc2_input") becomes the bf16 operand of a weight-gradien
 GEMM: one read of the FP8 bytes and one write, where XLA's version gathers a scale
 row per token row and ran at about a third of the memory bandwidth.
 
-Same work split and block walk as :class:`QuantizeMxfp8` (CTA ``b`` owns
+Same work split and block walk as :class:`GroupBlockKernel` (CTA ``b`` owns
 columnwise block ``b`` of the group layout, ``vec * threads`` columns; each thread
 reads the block's ``vec`` scales once and then ``vec`` bytes per row).
 """
@@ -20,11 +20,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Uint8, Uint32
 
 from jax_grouped_mlp.kernels import ptx
-from jax_grouped_mlp.kernels.quantize_mxfp8 import BLOCK, QuantizeConfig, QuantizeMxfp8
+from jax_grouped_mlp.kernels.group_blocks import BLOCK, GroupBlockConfig, GroupBlockKernel
 
 
-class DequantizeConfig(QuantizeConfig):
-    """:class:`QuantizeConfig` (``vec`` columns per thread: 8-byte loads of E4M3 at 8)."""
+class DequantizeConfig(GroupBlockConfig):
+    """:class:`GroupBlockConfig` (``vec`` columns per thread: 8-byte loads of E4M3 at 8)."""
 
     @property
     def name(self) -> str:
@@ -33,7 +33,7 @@ class DequantizeConfig(QuantizeConfig):
         )
 
 
-class DequantizeColMxfp8(QuantizeMxfp8):
+class DequantizeColMxfp8(GroupBlockKernel):
     """Group-aware columnwise MXFP8 -> bf16; see the module doc."""
 
     @cute.jit

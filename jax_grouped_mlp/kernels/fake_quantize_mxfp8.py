@@ -17,7 +17,7 @@ for an activation that needs both copies, one read instead of three).
 Rows past ``sum(group_sizes)`` are quantized rowwise, and are zero in every
 columnwise output (as the grouped tensor's dequantization gives).
 
-Same work split, block walk and register layout as :class:`QuantizeMxfp8` (CTA
+Same work split, block walk and register layout as :class:`GroupBlockKernel` (CTA
 ``b`` owns columnwise block ``b`` of the group layout and ``vec * threads`` columns;
 each thread holds ``vec`` columns of the block's 32 rows), so each element is read
 once and each output written once.
@@ -33,15 +33,15 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Uint8, Uint32
 
 from jax_grouped_mlp.kernels import ptx
-from jax_grouped_mlp.kernels.quantize_mxfp8 import BLOCK, QuantizeConfig, QuantizeMxfp8
+from jax_grouped_mlp.kernels.group_blocks import BLOCK, GroupBlockConfig, GroupBlockKernel
 
 MODES = ("row", "col", "rowcol", "row_colq")
 PAIR_MODES = ("rowcol", "row_colq")  # three outputs: FakeQuantizePairMxfp8
 
 
 @dataclasses.dataclass(frozen=True)
-class FakeQuantizeConfig(QuantizeConfig):
-    """:class:`QuantizeConfig` plus ``mode`` (see the module doc): "row" (32-blocks along
+class FakeQuantizeConfig(GroupBlockConfig):
+    """:class:`GroupBlockConfig` plus ``mode`` (see the module doc): "row" (32-blocks along
     K), "col" (group-aware 32-row blocks along M), or both at once ("rowcol",
     "row_colq")."""
 
@@ -59,7 +59,7 @@ class FakeQuantizeConfig(QuantizeConfig):
         )
 
 
-class FakeQuantizeMxfp8(QuantizeMxfp8):
+class FakeQuantizeMxfp8(GroupBlockKernel):
     """bf16 -> bf16 MXFP8 values, rowwise or group-aware columnwise; see module doc."""
 
     @cute.jit

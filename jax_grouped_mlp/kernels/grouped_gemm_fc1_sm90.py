@@ -185,7 +185,7 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
     """The bf16 grouped GEMM with the FC1 epilogue; see the module docstring."""
 
     def __init__(self, config: GroupedGemmConfig):
-        if not config.fc1_epilogue or config.b_k_major or config.b_fp8:
+        if not config.fc1_epilogue or config.b_k_major:
             raise ValueError(f"GroupedGemmFc1Sm90 needs fc1_epilogue=True with bf16 [G, K, N] B, got {config}")
         super().__init__(config)
 

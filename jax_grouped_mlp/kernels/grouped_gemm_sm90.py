@@ -78,9 +78,6 @@ class GroupedGemmConfig:
     epi_stages: shared-memory buffers of the TMA-store epilogue (128 x 32 bf16 each).
     b_k_major: B arrives as ``[G, N, K]`` (K contiguous: a transposed weight, the
       dgrad use) instead of ``[G, K, N]``; only the TMA/shared-memory layout differs.
-    b_fp8: B arrives as MXFP8 (FP8 E4M3 bytes + E8M0 scales per 32 along K) and is
-      converted to bf16 inside the kernel (:mod:`grouped_gemm_w8_sm90`); a stage then
-      also holds the raw FP8 tile and its scales.
     fc1_epilogue: the FC1 epilogue (:mod:`grouped_gemm_fc1_sm90`): besides ``h`` the
       kernel writes ``a = bf16(probs * relu(h)**2)`` as MXFP8, rowwise values in bf16
       and the group-aware columnwise FP8 copy (bf16 ``[G, K, N]`` weights only).
@@ -89,8 +86,6 @@ class GroupedGemmConfig:
       relu(h))`` as MXFP8 values in bf16 (rowwise and group-aware columnwise) and the
       per-tile partial sums of ``dprobs`` (bf16 K-major ``[G, N, K]`` weights only; name
       ``_bk_dsrelu``).
-    converter_warps: (b_fp8 only) warps converting B: 3 (warp group 0 beside the TMA
-      producer, 384 threads) or 7 (plus a fourth warp group, 512 threads; name ``_c7``).
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -100,9 +95,7 @@ class GroupedGemmConfig:
     panel_m: int = 8
     epi_stages: int = 2
     b_k_major: bool = False
-    b_fp8: bool = False
     fc1_epilogue: bool = False
-    converter_warps: int = 3
     dgrad_epilogue: bool = False
 
     tile_m = 128
@@ -116,19 +109,16 @@ class GroupedGemmConfig:
             raise ValueError(f"epi_stages must be >= 2, got {self.epi_stages=}")
         if self.panel_m < 1:
             raise ValueError(f"panel_m must be >= 1, got {self.panel_m=}")
-        if self.fc1_epilogue and (self.b_k_major or self.b_fp8):
+        if self.fc1_epilogue and self.b_k_major:
             raise ValueError(f"fc1_epilogue is fprop with bf16 [G, K, N] weights only, got {self}")
-        if self.dgrad_epilogue and (not self.b_k_major or self.b_fp8 or self.fc1_epilogue):
+        if self.dgrad_epilogue and (not self.b_k_major or self.fc1_epilogue):
             raise ValueError(f"dgrad_epilogue needs bf16 K-major [G, N, K] weights (b_k_major=True), got {self}")
         if self.num_stages < 2:
             raise ValueError(f"{self} leaves room for {self.num_stages} stages; need >= 2")
 
     @property
     def stage_bytes(self) -> int:
-        bf16 = (self.tile_m + self.tile_n) * self.tile_k * 2
-        if self.b_fp8:  # + the raw FP8 B tile and its two rows of E8M0 scales
-            return bf16 + self.tile_n * self.tile_k + self.tile_n * (self.tile_k // 32)
-        return bf16
+        return (self.tile_m + self.tile_n) * self.tile_k * 2
 
     @property
     def epi_bytes(self) -> int:
@@ -141,11 +131,9 @@ class GroupedGemmConfig:
 
     @property
     def name(self) -> str:
-        kind = "w8" if self.b_fp8 else "bf16"
-        s = f"grouped_gemm_sm90_{kind}_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
+        s = f"grouped_gemm_sm90_bf16_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
         s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
-        s += f"_c{self.converter_warps}" if self.b_fp8 and self.converter_warps != 3 else ""
         s += "_bk" if self.b_k_major else ""
         s += "_dsrelu" if self.dgrad_epilogue else ""
         return s + ("_fc1" if self.fc1_epilogue else "")

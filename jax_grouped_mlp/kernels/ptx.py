@@ -112,8 +112,8 @@ def e8m0_rceil(amax_bits: Uint32, *, loc=None, ip=None) -> Uint32:
 
     The division is a multiply by float32(1/448): for every one of the 2**15
     non-negative bf16 values, bf16(a * f32(1/448)) == bf16(a / 448) bit for bit
-    (checked exhaustively, subnormals included; tests/test_quantize_gpu.py repeats
-    the check), and it avoids div.rn's slow path and its registers.
+    (checked exhaustively, subnormals included; tests/test_fake_quantize_gpu.py
+    repeats the check), and it avoids div.rn's slow path and its registers.
     """
     return Uint32(
         _asm(
@@ -173,53 +173,11 @@ def e8m0_reciprocal(e: Uint32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def encode_both_e4m3x4(
-    w0: Uint32, w1: Uint32, srow: Float32, s0: Float32, s1: Float32, s2: Float32, s3: Float32,
-    *, loc=None, ip=None,
-) -> tuple[Uint32, Uint32]:
-    """Four bf16 -> (four E4M3 bytes with the row scale, four with per-column scales).
-
-    One asm block so that the bf16 -> f32 unpacking is shared by both encodings.
-    """
-    ops = [Uint32(w0).ir_value(loc=loc, ip=ip), Uint32(w1).ir_value(loc=loc, ip=ip)]
-    ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (srow, s0, s1, s2, s3)]
-    res = _asm(
-        llvm.StructType.get_literal([T.i32(), T.i32()]),
-        ops,
-        "{\n"
-        ".reg .b32 x0, x1, x2, x3;\n"
-        ".reg .f32 f0, f1, f2, f3, r0, r1, r2, r3, c0, c1, c2, c3;\n"
-        ".reg .b16 lo, hi, clo, chi;\n"
-        + _unpack_bf16x4(2, 3)
-        + "mul.rn.f32 r0, f0, $4;\n"
-        "mul.rn.f32 r1, f1, $4;\n"
-        "mul.rn.f32 r2, f2, $4;\n"
-        "mul.rn.f32 r3, f3, $4;\n"
-        "mul.rn.f32 c0, f0, $5;\n"
-        "mul.rn.f32 c1, f1, $6;\n"
-        "mul.rn.f32 c2, f2, $7;\n"
-        "mul.rn.f32 c3, f3, $8;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 lo, r1, r0;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 hi, r3, r2;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 clo, c1, c0;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 chi, c3, c2;\n"
-        "mov.b32 $0, {lo, hi};\n"
-        "mov.b32 $1, {clo, chi};\n"
-        "}",
-        "=r,=r,r,r,f,f,f,f,f",
-    )
-    return (
-        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
-        Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
-    )
-
-
-@dsl_user_op
 def encode_e4m3x4(
     w0: Uint32, w1: Uint32, s0: Float32, s1: Float32, s2: Float32, s3: Float32, *, loc=None, ip=None
 ) -> Uint32:
-    """Four bf16 (two words) -> four E4M3 bytes of ``x * s`` per element (the column
-    encoding of :func:`encode_both_e4m3x4`, alone)."""
+    """Four bf16 (two words) -> four E4M3 bytes of ``x * s`` per element (``s``: one
+    reciprocal scale per element, e.g. per column)."""
     ops = [Uint32(w0).ir_value(loc=loc, ip=ip), Uint32(w1).ir_value(loc=loc, ip=ip)]
     ops += [Float32(s).ir_value(loc=loc, ip=ip) for s in (s0, s1, s2, s3)]
     return Uint32(
@@ -479,132 +437,4 @@ def dsrelu_scaled_bf16x2(
     return (
         Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
         Float32(llvm.extractvalue(T.f32(), res, [1], loc=loc, ip=ip)),
-    )
-
-
-# ---- the w8 GEMM's fast E4M3 -> bf16 decode (integer bit placement + one bf16x2 multiply) ----
-#
-# An E4M3 byte ``s EEEE mmm`` placed as the bf16 ``s 0000EEEE mmm0000`` is exactly
-# ``e4m3 * 2**-120`` (normals: exponent field E means 2**(E-127); subnormals E = 0: the
-# bf16 subnormal m * 2**-129 = (m * 2**-9) * 2**-120; zeros keep their sign). One bf16
-# multiply by 2**(e - 7) (an E8M0 byte e) then rounds the exact product
-# ``e4m3 * 2**(e - 127)`` once, which is ``bf16(f32(e4m3) * 2**(e - 127))``: the float32
-# product of the reference is exact (4 significant bits, >= 2**-136). Valid while 2**(e-7)
-# is a bf16 (e <= 134) and the byte is not the E4M3 NaN (0x7F / 0xFF, which the placement
-# would turn into 480); the kernel checks both per batch and takes the exact float32 path
-# (:func:`dequant_e4m3x4_bf16`) otherwise. ``tests/test_w8_decode.py`` checks all of it
-# exhaustively on the CPU (all 256 x 256 byte pairs).
-
-FAST_SCALE_MAX = 134  # largest E8M0 byte whose 2**(e - 7) is a (normal) bf16
-
-
-@dsl_user_op
-def dequant_e4m3x4_bf16_fast(w: Uint32, f01: Uint32, f23: Uint32, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
-    """Four E4M3 bytes (byte ``i`` = element ``i``) -> two bf16x2 words ``e4m3 * 2**(e-127)``.
-
-    ``f01``, ``f23``: bf16x2 words of the factors ``2**(e - 7)`` for elements (0, 1) and
-    (2, 3) (:func:`e8m0_bf16x2_factor`). ``prmt`` spreads byte ``i`` into the low byte of
-    half ``i`` with its sign replicated into the high byte; ``<< 4`` and the mask leave
-    ``s 0000EEEE mmm0000`` per half. Only for non-NaN bytes and e <= 134 (see above).
-    """
-    ops = [Uint32(x).ir_value(loc=loc, ip=ip) for x in (w, f01, f23)]
-    res = _asm(
-        llvm.StructType.get_literal([T.i32(), T.i32()]),
-        ops,
-        "{\n"
-        ".reg .b32 z, h0, h1;\n"
-        "mov.b32 z, 0;\n"
-        "prmt.b32 h0, $2, z, 0x9180;\n"
-        "prmt.b32 h1, $2, z, 0xB3A2;\n"
-        "shl.b32 h0, h0, 4;\n"
-        "shl.b32 h1, h1, 4;\n"
-        "and.b32 h0, h0, 0x87F087F0;\n"
-        "and.b32 h1, h1, 0x87F087F0;\n"
-        "mul.rn.bf16x2 $0, h0, $3;\n"
-        "mul.rn.bf16x2 $1, h1, $4;\n"
-        "}",
-        "=r,=r,r,r,r",
-    )
-    return (
-        Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
-        Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)),
-    )
-
-
-@dsl_user_op
-def e8m0_bf16x2_factor(e: Uint32, *, loc=None, ip=None) -> Uint32:
-    """The bf16x2 word (2**(e-7), 2**(e-7)) for one E8M0 byte ``e <= 134``: the bf16 bits
-    ``(e + 120) << 7`` in both halves, as one ``e * 0x00800080 + 0x3C003C00``."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(e).ir_value(loc=loc, ip=ip)],
-            "mad.lo.u32 $0, $1, 0x00800080, 0x3C003C00;",
-            "=r,r",
-        )
-    )
-
-
-@dsl_user_op
-def e8m0x2_bf16x2_factor(s: Uint32, sel: int, *, loc=None, ip=None) -> Uint32:
-    """The bf16x2 word (2**(e_a - 7), 2**(e_b - 7)) of two E8M0 bytes of the word ``s``:
-    bytes 0, 1 for ``sel == 0``, bytes 2, 3 for ``sel == 1`` (each e <= 134; larger
-    bytes give garbage, the caller then takes the exact path)."""
-    selector = 0x4140 if sel == 0 else 0x4342
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(s).ir_value(loc=loc, ip=ip)],
-            "{\n"
-            ".reg .b32 h, z;\n"
-            "mov.b32 z, 0;\n"
-            f"prmt.b32 h, $1, z, {selector:#x};\n"
-            "mad.lo.u32 $0, h, 0x80, 0x3C003C00;\n"
-            "}",
-            "=r,r",
-        )
-    )
-
-
-@dsl_user_op
-def e4m3_nan_probe(acc: Uint32, w0: Uint32, w1: Uint32, *, loc=None, ip=None) -> Uint32:
-    """``acc | t(w0) | t(w1)`` with ``t(w) = (w & 0x7F7F7F7F) + 0x01010101``: bit 7 of a byte
-    of ``t`` is set iff that E4M3 byte is a NaN (0x7F / 0xFF); no carry crosses bytes.
-    Test ``acc & 0x80808080`` after the batch."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(x).ir_value(loc=loc, ip=ip) for x in (acc, w0, w1)],
-            "{\n"
-            ".reg .b32 t0, t1;\n"
-            "and.b32 t0, $2, 0x7F7F7F7F;\n"
-            "and.b32 t1, $3, 0x7F7F7F7F;\n"
-            "add.u32 t0, t0, 0x01010101;\n"
-            "add.u32 t1, t1, 0x01010101;\n"
-            "or.b32 t0, t0, t1;\n"
-            "or.b32 $0, $1, t0;\n"
-            "}",
-            "=r,r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def e8m0x4_big_probe(acc: Uint32, s: Uint32, *, loc=None, ip=None) -> Uint32:
-    """``acc | big(s)``: bit 7 of a byte of ``big(s)`` is set iff that E8M0 byte is > 134
-    (``((s & 0x7F7F7F7F) + 0x79797979) & s``: the high bit set and the low 7 bits >= 7;
-    no carry crosses bytes). Test ``acc & 0x80808080``."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(x).ir_value(loc=loc, ip=ip) for x in (acc, s)],
-            "{\n"
-            ".reg .b32 t;\n"
-            "and.b32 t, $2, 0x7F7F7F7F;\n"
-            "add.u32 t, t, 0x79797979;\n"
-            "and.b32 t, t, $2;\n"
-            "or.b32 $0, $1, t;\n"
-            "}",
-            "=r,r,r",
-        )
     )

@@ -13,7 +13,6 @@ process, in the handlers' instantiate stage, so the execute stage is CUDA-graph 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +20,12 @@ import numpy as np
 
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
-from jax_grouped_mlp._src.groups import cdiv
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp.kernels import registry
 
-QUANTIZE_TARGET = "jgm_quantize_mxfp8"
 FAKE_QUANTIZE_TARGET = "jgm_fake_quantize_mxfp8"
 FAKE_QUANTIZE_PAIR_TARGET = "jgm_fake_quantize_pair"
 DEQUANTIZE_TARGET = "jgm_dequantize_mxfp8"
-# The compiled quantize configuration used by default (names: quantize_variants());
-# chosen by benchmarks/bench_quantize.py on the H200 (results/quantize_mxfp8_h200.json).
-QUANTIZE_VARIANT = "quantize_mxfp8_v8_t128"
 
 
 @functools.cache
@@ -61,13 +56,8 @@ def variants(attr: str) -> tuple[str, ...]:
     return tuple(getattr(ext, attr, ())) if ext is not None else ()
 
 
-def quantize_variants() -> tuple[str, ...]:
-    """Names of the compiled quantize kernel configurations (empty without the extension)."""
-    return variants("QUANTIZE_VARIANTS")
-
-
 def quantize_supported(x: jax.Array, num_groups: int = 0) -> bool:
-    """Whether the CUDA quantize kernel takes ``x`` (else use the reference).
+    """Whether the CUDA (fake-)quantize kernels take ``x`` (else use the reference).
 
     bf16 ``[M, K]`` with ``K % 8 == 0`` (16-byte rows of 8 columns per thread) and
     offsets that fit in 32 bits (the kernel indexes with int32).
@@ -78,79 +68,13 @@ def quantize_supported(x: jax.Array, num_groups: int = 0) -> bool:
 
 
 def _fits_row_kernels(m, k, num_groups) -> bool:
-    """The shape rule of the quantize/fake-quantize/dequantize kernels for ``[M, K]`` with
+    """The shape rule of the fake-quantize and dequantize kernels for ``[M, K]`` with
     ``num_groups`` groups: static sizes (symbolic ones, from shape-polymorphic export,
     take the reference), ``K % 8 == 0`` (16-byte rows of 8 columns per thread) and 32-bit
     offsets for the data and the group-aware scale rows."""
     if not all(isinstance(d, int) for d in (m, k, num_groups)):
         return False
     return k % 8 == 0 and m * k < 2**31 and mxfp8.grouped_scale_rows(m, num_groups) * k < 2**31
-
-
-def quantize_mxfp8_both_cuda(
-    x: jax.Array, group_sizes: jax.Array, *, variant: str = QUANTIZE_VARIANT
-) -> tuple[MXFP8Tensor, MXFP8Tensor]:
-    """One kernel: ``(quantize_mxfp8(x, axis=1), quantize_mxfp8_grouped(x, group_sizes))``.
-
-    Bit-identical to the reference quantizers in :mod:`mxfp8`. ``x`` is bf16
-    ``[M, K]`` with ``K % 8 == 0``; ``group_sizes`` int ``[G]`` stays on the device.
-    Lowers only for CUDA and needs :func:`available`.
-    """
-    if not available():
-        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
-    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
-    if not quantize_supported(x, g):
-        raise ValueError(
-            "quantize_mxfp8_both_cuda needs bf16 [M, K] with K % 8 == 0 and M*K, "
-            f"(cdiv(M, 32) + G)*K < 2**31, got {x.shape=} {x.dtype=} G={g}"
-        )
-    if variant not in quantize_variants():
-        raise ValueError(f"{variant=} is not one of the compiled {quantize_variants()}")
-    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
-    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(
-            f"group_sizes must be a 1-D integer array, got {group_sizes.shape=} {group_sizes.dtype=}"
-        )
-    m, k = x.shape
-    group_sizes = groups.clamp_group_sizes(group_sizes, m)  # as the reference: summing to <= M
-    g = group_sizes.shape[0]
-    out = (
-        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),  # row_data
-        jax.ShapeDtypeStruct((m, cdiv(k, mxfp8.BLOCK)), jnp.float8_e8m0fnu),  # row_scale
-        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),  # col_data
-        jax.ShapeDtypeStruct((mxfp8.grouped_scale_rows(m, g), k), jnp.float8_e8m0fnu),  # col_scale
-    )
-    row_data, row_scale, col_data, col_scale = jax.ffi.ffi_call(QUANTIZE_TARGET, out)(
-        x, group_sizes, variant=np.int32(quantize_variants().index(variant))
-    )
-    return (
-        MXFP8Tensor(row_data, row_scale, axis=1),
-        MXFP8Tensor(col_data, col_scale, axis=0, group_sizes=group_sizes),
-    )
-
-
-# Adapters with the signatures of primitives' "quantize" / "quantize_both", falling
-# back to the reference for shapes the kernel does not take (decided at trace time).
-
-
-def quantize_cuda(x: jax.Array, *, axis: int) -> MXFP8Tensor:
-    """``primitives`` "quantize" on CUDA: the kernel for bf16 blocked along either of the
-    last two axes (activations ``[M, K]``, stacked weights ``[G, A, B]``), else the reference."""
-    static = all(isinstance(d, int) for d in x.shape)
-    if x.ndim < 2 or axis % x.ndim < x.ndim - 2 or not static:
-        return mxfp8.quantize_mxfp8(x, axis=axis)
-    flat = x.reshape(-1, x.shape[-1])
-    lead = math.prod(x.shape[:-2])
-    if not quantize_supported(flat, lead) or x.shape[-2] == 0:
-        return mxfp8.quantize_mxfp8(x, axis=axis)
-    return mxfp8.quantize_via_both(x, axis, quantize_mxfp8_both_cuda)
-
-
-def quantize_both_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[MXFP8Tensor, MXFP8Tensor]:
-    """``primitives`` "quantize_both" on CUDA: both copies from one kernel launch."""
-    if not quantize_supported(x, jnp.shape(group_sizes)[0]):
-        return mxfp8.quantize_mxfp8(x, axis=1), mxfp8.quantize_mxfp8_grouped(x, group_sizes)
-    return quantize_mxfp8_both_cuda(x, group_sizes)
 
 
 def fake_quantize_variants() -> tuple[str, ...]:
@@ -175,7 +99,8 @@ def _fake_quantize_inputs(name: str, x: jax.Array, group_sizes: jax.Array) -> ja
 
 
 def _mode_variant(names: tuple[str, ...], mode: str) -> np.int32:
-    return np.int32(names.index(next(v for v in names if v.startswith(f"fake_quantize_mxfp8_{mode}_v"))))
+    """The ``variant`` attribute of the first compiled variant of ``mode`` (registry)."""
+    return np.int32(next(i for i, v in enumerate(names) if registry.variant(v).mode == mode))
 
 
 def fake_quantize_mxfp8_cuda(x: jax.Array, group_sizes: jax.Array, *, mode: str) -> jax.Array:
@@ -271,7 +196,7 @@ def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:
 
     ``x [*lead, A, B]`` is viewed as ``[prod(lead) * A, B]``: blocks along B are its
     rows' blocks, blocks along A its group-aware columns with one group of A rows per
-    leading index (as in :func:`mxfp8.quantize_via_both`).
+    leading index.
     """
     def reference() -> jax.Array:
         return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)

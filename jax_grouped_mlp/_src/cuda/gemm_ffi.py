@@ -8,16 +8,9 @@ sync; sizes are clamped to ``M``), rows at or past ``sum(group_sizes)`` zero. MX
 operands are dequantized to bf16 first, which is exact (``e4m3 * 2^k`` fits bf16), so
 the result equals the reference's up to fp32 summation order and the final bf16
 rounding. Lowers only for CUDA: dispatch through ``primitives.register_cuda_impl``.
-
-:func:`grouped_gemm_w8_cuda` (``csrc/grouped_gemm_w8.cc``, kernel
-``kernels/grouped_gemm_w8_sm90.py``) takes the weights as MXFP8 (FP8 data + E8M0
-scales) and converts them to bf16 inside the kernel, bitwise equal to the bf16 kernel
-on ``dequantize(rhs)``.
 """
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +20,7 @@ from jax_grouped_mlp._src.cuda import ffi
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp.kernels import registry
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
@@ -39,7 +33,7 @@ def _gemm_handler_variants() -> tuple[str, ...]:
 
 
 def _is_qw(variant: str) -> bool:
-    return "_qw_" in variant
+    return registry.variant(variant).quantizes_weight
 
 
 def grouped_gemm_variants() -> tuple[str, ...]:
@@ -66,11 +60,11 @@ def grouped_gemm_supported(m: int, n: int, k: int, g: int) -> bool:
 
 
 def tile_n(variant: str) -> int:
-    """The CTA tile width of a variant name (``..._m128n256k64_...`` -> 256)."""
-    found = re.search(r"_m\d+n(\d+)k\d+", variant)
-    if not found:
-        raise ValueError(f"not a grouped GEMM variant name: {variant!r}")
-    return int(found.group(1))
+    """The CTA tile width (output columns per tile) of a GEMM variant, from the registry."""
+    v = registry.variant(variant)
+    if not isinstance(v, (registry.GemmVariant, registry.WgradVariant)):
+        raise ValueError(f"variant must be a grouped GEMM variant, got {variant=}")
+    return v.tile_n
 
 
 def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
@@ -154,7 +148,7 @@ def grouped_gemm_bf16_cuda(
     """The kernel on bf16 operands: ``lhs [M, K]``, ``rhs [G, K, N]`` -> bf16 ``[M, N]``.
 
     ``transpose_rhs``: ``rhs`` is ``[G, N, K]`` and ``out[m] = lhs[m] @ rhs[g]^T`` (a
-    "_bk" variant reads it K-major as stored: no transpose pass).
+    variant with ``rhs_k_major`` reads it K-major as stored: no transpose pass).
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
@@ -172,18 +166,20 @@ def grouped_gemm_bf16_cuda(
         raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_variants()
-    index = _variant_index(names, n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}")
+    index = _variant_index(
+        names, n, variant, lambda v: registry.variant(v).rhs_k_major == transpose_rhs, f"{transpose_rhs=}"
+    )
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     attr = np.int32(_gemm_handler_variants().index(names[index]))
     return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=attr)
 
 
 def qw_tile_tokens(variant: str) -> int:
-    """Tokens per CTA tile of a ``_qw`` variant name (``..._w128t192k64_...`` -> 192)."""
-    found = re.search(r"_w\d+t(\d+)k\d+", variant)
-    if not found:
-        raise ValueError(f"not a _qw grouped GEMM variant name: {variant!r}")
-    return int(found.group(1))
+    """Tokens per CTA tile of a variant that quantizes its weight, from the registry."""
+    v = registry.variant(variant)
+    if v.family is not registry.Family.GROUPED_GEMM or not v.quantizes_weight:
+        raise ValueError(f"variant must be a _qw grouped GEMM variant (not a _qw one: {variant!r})")
+    return v.tile_tokens
 
 
 def _qw_tile_for(m: int, g: int) -> int:
@@ -224,7 +220,7 @@ def grouped_gemm_qw_cuda(
         raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_qw_variants()
-    fits = [v for v in names if v.endswith("_bk") == transpose_rhs]
+    fits = [v for v in names if registry.variant(v).rhs_k_major == transpose_rhs]
     if variant is None and fits:
         variant = min(fits, key=lambda v: abs(qw_tile_tokens(v) - _qw_tile_for(m, g)))
     if variant not in fits:
@@ -240,39 +236,10 @@ def _as_bf16(x) -> jax.Array:
     return x
 
 
-# Rows per group at or below which MXFP8 weights are converted inside the GEMM kernel
-# (grouped_gemm_w8_cuda) rather than dequantized by a pass of their own first. The
-# kernel converts each weight tile once per 128-row tile that uses it, so it pays
-# when the weights are large against the rows. H200 (benchmarks/results/
-# gemm_w8_h200.json, grouped_gemm_h200.json): at 384 rows per group (Nemotron-3-Nano)
-# the in-kernel conversion is 1.25-1.34x faster than fake-quantize/dequantize + GEMM;
-# at 1024 rows (moe32) it reached 520 TFLOP/s against 537 for dequantize + GEMM;
-# at 8192 it is 1.35x slower.
-W8_MAX_ROWS_PER_GROUP = 512
-
-
-def _w8_pays(lhs: jax.Array, rhs, transpose_rhs: bool, out_dtype) -> bool:
-    """Whether :func:`grouped_gemm_cuda` takes the in-kernel weight conversion for ``rhs``."""
-    if not isinstance(rhs, MXFP8Tensor) or rhs.is_grouped or not grouped_gemm_w8_variants():
-        return False
-    if jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(lhs.dtype) != jnp.dtype(jnp.bfloat16):
-        return False
-    if rhs.data.ndim != 3 or lhs.ndim != 2 or rhs.axis != (2 if transpose_rhs else 1):
-        return False
-    if jnp.dtype(rhs.data.dtype) != jnp.dtype(jnp.float8_e4m3fn):
-        return False
-    m, k = lhs.shape
-    g, n = rhs.data.shape[0], rhs.data.shape[1 if transpose_rhs else 2]
-    if not grouped_gemm_w8_supported(m, n, k, g) or g == 0:
-        return False
-    return m <= W8_MAX_ROWS_PER_GROUP * g
-
-
 def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False) -> jax.Array:
     """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
 
-    Takes MXFP8 or bf16 operands. MXFP8 weights are converted inside the kernel when
-    the groups are small (:data:`W8_MAX_ROWS_PER_GROUP`), else dequantized first. Falls
+    Takes MXFP8 (dequantized first, exactly) or bf16 operands. Falls
     back to the platform-independent reference
     (``primitives``' own, decided at trace time) when the output is not bf16, an operand
     is neither MXFP8 nor bf16, or the shape is outside :func:`grouped_gemm_supported`.
@@ -280,8 +247,6 @@ def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_
     from jax_grouped_mlp._src.op import primitives  # the reference, whatever its operand rules
 
     a = _as_bf16(lhs)
-    if _w8_pays(a, rhs, transpose_rhs, out_dtype):
-        return grouped_gemm_w8_cuda(a, rhs, group_sizes, transpose_rhs=transpose_rhs)
     b = _as_bf16(rhs)
     if not _bf16_kernel_takes(a, b, out_dtype, transpose_rhs):
         return primitives._REFERENCE["grouped_gemm"](
@@ -318,7 +283,7 @@ def grouped_gemm_qw_impl(lhs, w: jax.Array, group_sizes: jax.Array, *, out_dtype
 
 
 def _wgrad_out_dtype(variant: str) -> jnp.dtype:
-    return jnp.dtype(jnp.float32 if variant.endswith("_f32") else jnp.bfloat16)
+    return jnp.dtype(registry.variant(variant).out_dtype)
 
 
 def grouped_wgrad_bf16_cuda(
@@ -386,101 +351,6 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
         return primitives._REFERENCE["grouped_wgrad"](lhs, rhs, group_sizes, out_dtype=out_dtype)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
     return grouped_wgrad_bf16_cuda(a, b, group_sizes, out_dtype=kernel_dtype).astype(out_dtype)
-
-
-# ---- MXFP8 weights converted inside the kernel (csrc/grouped_gemm_w8.cc) ----
-
-GROUPED_GEMM_W8_TARGET = "jgm_grouped_gemm_w8"
-
-
-def grouped_gemm_w8_variants() -> tuple[str, ...]:
-    """Names of the compiled MXFP8-weight GEMM configurations (empty without the extension)."""
-    return ffi.variants("GROUPED_GEMM_W8_VARIANTS")
-
-
-def grouped_gemm_w8_supported(m: int, n: int, k: int, g: int) -> bool:
-    """Whether the in-kernel-conversion GEMM takes these dimensions.
-
-    N and K multiples of 16 (the FP8 and scale arrays are byte arrays: their TMA row
-    strides must be 16-byte multiples), < 2^31 elements per operand (32-bit offsets).
-    """
-    if not all(isinstance(d, int) for d in (m, n, k, g)):
-        return False
-    return n % 16 == 0 and k % 16 == 0 and m * k < _MAX and m * n < _MAX and g * k * n < _MAX
-
-
-def _w8_operands(lhs, rhs, group_sizes, transpose_rhs: bool):
-    """Validates the operands of :func:`grouped_gemm_w8_cuda`; returns (m, n, k, g, data, scale_u8 [G, KB, N], sizes)."""
-    if not isinstance(rhs, MXFP8Tensor):
-        raise TypeError(f"rhs must be an MXFP8Tensor (quantize_mxfp8(w, axis=K)), got {type(rhs).__name__}")
-    if rhs.is_grouped:
-        raise ValueError("rhs must be a plain MXFP8Tensor (blocks along K), not a group-aware one")
-    want = "[G, N, K]" if transpose_rhs else "[G, K, N]"
-    if jnp.ndim(lhs) != 2:
-        raise ValueError(f"lhs must be [M, K], got lhs.shape={jnp.shape(lhs)}")
-    if rhs.data.ndim != 3:
-        raise ValueError(f"rhs must be {want} ({transpose_rhs=}), got rhs.data.shape={rhs.data.shape}")
-    if jnp.dtype(lhs.dtype) != jnp.dtype(jnp.bfloat16):
-        raise TypeError(f"lhs must be bf16, got lhs.dtype={lhs.dtype}")
-    if jnp.dtype(rhs.data.dtype) != jnp.dtype(jnp.float8_e4m3fn):
-        raise TypeError(f"rhs.data must be float8_e4m3fn, got rhs.data.dtype={rhs.data.dtype}")
-    if jnp.dtype(rhs.scale.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
-        raise TypeError(f"rhs.scale must be float8_e8m0fnu, got rhs.scale.dtype={rhs.scale.dtype}")
-    m, k = lhs.shape
-    k_axis = 2 if transpose_rhs else 1
-    g, n = rhs.data.shape[0], rhs.data.shape[1 if transpose_rhs else 2]
-    if rhs.data.shape[k_axis] != k:
-        raise ValueError(
-            f"contraction mismatch: lhs.shape={lhs.shape} vs rhs.data.shape={rhs.data.shape} "
-            f"(rhs is {want} for {transpose_rhs=})"
-        )
-    if rhs.axis != k_axis:
-        raise ValueError(
-            f"rhs must be blocked along K (axis {k_axis} of {want}), got rhs.axis={rhs.axis}"
-        )
-    kb = -(-k // mxfp8.BLOCK)
-    want_scale = (g, n, kb) if transpose_rhs else (g, kb, n)
-    if tuple(rhs.scale.shape) != want_scale:
-        raise ValueError(f"rhs.scale must have shape {want_scale}, got rhs.scale.shape={rhs.scale.shape}")
-    if not grouped_gemm_w8_supported(m, n, k, g):
-        raise ValueError(
-            f"grouped_gemm_w8 needs N, K multiples of 16 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
-        )
-    group_sizes = _checked_group_sizes(group_sizes, g, m)
-    scale = rhs.scale
-    if jnp.dtype(scale.dtype) != jnp.dtype(jnp.uint8):
-        scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
-    if transpose_rhs:
-        scale = jnp.swapaxes(scale, 1, 2)  # [G, N, KB] -> [G, KB, N]: 1/32 of the data bytes
-    return m, n, k, g, rhs.data, scale, group_sizes
-
-
-def grouped_gemm_w8_cuda(
-    lhs: jax.Array,
-    rhs: MXFP8Tensor,
-    group_sizes: jax.Array,
-    *,
-    transpose_rhs: bool = False,
-    variant: str | None = None,
-) -> jax.Array:
-    """``out[m] = lhs[m] @ dequantize(rhs)[group(m)]`` with the weights converted in the kernel.
-
-    ``lhs`` bf16 ``[M, K]`` (typically MXFP8 values in bf16); ``rhs`` an
-    :class:`MXFP8Tensor` blocked along K: data ``[G, K, N]`` and scale
-    ``[G, ceil(K/32), N]`` (``axis=1``), or with ``transpose_rhs`` data ``[G, N, K]`` and
-    scale ``[G, N, ceil(K/32)]`` (``axis=2``; the scale is transposed here, the data are
-    read K-major as stored). bf16 ``[M, N]`` out, rows past ``sum(group_sizes)`` zero.
-    Bitwise equal to ``grouped_gemm_bf16_cuda(lhs, dequantize(rhs), ...)``.
-    N and K must be multiples of 16.
-    """
-    m, n, k, g, data, scale, gs = _w8_operands(lhs, rhs, group_sizes, transpose_rhs)
-    if not ffi.available():
-        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
-    index = _variant_index(
-        grouped_gemm_w8_variants(), n, variant, lambda v: v.endswith("_bk") == transpose_rhs, f"{transpose_rhs=}"
-    )
-    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    return jax.ffi.ffi_call(GROUPED_GEMM_W8_TARGET, out)(lhs, data, scale, gs, variant=index)
 
 
 # ---- FC1 with the fused epilogue (csrc/grouped_gemm_fc1.cc) ----

@@ -31,7 +31,6 @@ The *group-aware* variant blocks along the token axis (axis 0 of ``[M, K]``) in
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -231,35 +230,6 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
         axis=0,
         group_sizes=group_sizes,
     )
-
-
-QuantizeBoth = Callable[[jax.Array, jax.Array], tuple[MXFP8Tensor, MXFP8Tensor]]
-
-
-def quantize_via_both(x: jax.Array, axis: int, both: QuantizeBoth) -> MXFP8Tensor:
-    """``quantize_mxfp8(x, axis)`` for either of the last two axes, from a row+col quantizer.
-
-    ``both(x2d, group_sizes)`` must return ``(quantize_mxfp8(x2d, axis=1),
-    quantize_mxfp8_grouped(x2d, group_sizes))`` (the one-pass CUDA kernel does). ``x``
-    is viewed as ``[prod(lead) * A, B]``: blocks along the last axis are its rowwise
-    blocks; blocks along axis ``-2`` are its group-aware columnwise blocks with one
-    group of ``A`` rows per leading index, whose scale rows come out in exactly the
-    ``[*lead, cdiv(A, 32), B]`` order (unused rows trail). So stacked expert weights
-    ``[G, H, F]`` quantize along either axis with one launch.
-    """
-    nd = x.ndim
-    axis = _normalize_axis(axis, nd)
-    if nd < 2 or axis < nd - 2:
-        raise ValueError(f"quantize_via_both needs one of the last two axes, got {axis=} for rank {nd}")
-    lead, (a, b) = x.shape[:-2], x.shape[-2:]
-    flat = x.reshape(-1, b)
-    if axis == nd - 1:
-        row, _ = both(flat, jnp.zeros((0,), jnp.int32))
-        return MXFP8Tensor(row.data.reshape(x.shape), row.scale.reshape(*lead, a, -1), axis)
-    n = flat.shape[0] // a if a else 0
-    nb = groups.cdiv(a, BLOCK)
-    _, col = both(flat, jnp.full((n,), a, jnp.int32))
-    return MXFP8Tensor(col.data.reshape(x.shape), col.scale[: n * nb].reshape(*lead, nb, b), axis)
 
 
 def _check_tensor(t: MXFP8Tensor) -> None:

@@ -408,8 +408,6 @@ def _register_available_kernels() -> None:
 
     if not ffi.available():
         return
-    register_cuda_impl("quantize", ffi.quantize_cuda)
-    register_cuda_impl("quantize_both", ffi.quantize_both_cuda)
     if ffi.fake_quantize_pair_variants():
         register_cuda_impl("fake_quantize_pair", ffi.fake_quantize_pair_cuda)
     if ffi.fake_quantize_variants():
