@@ -1,11 +1,13 @@
 """Expert-parallel MoE block on 1..N GPUs: weak scaling and a cross-check.
 
-    PYTHONPATH=. python3 benchmarks/bench_moe_ep.py [--tokens-per-gpu 8192] [--out FILE]
+    PYTHONPATH=. python3 benchmarks/bench_moe_ep.py [--tokens-per-gpu 8192] [--exchange ragged all_gather] [--out FILE]
 
 Nemotron-3-Nano expert shape (H=2688, F=1856, 128 experts, top-6, sigmoid routing).
 For every device count n in 1, 2, 4, ... up to the devices present: a mesh of n
 devices on one "expert" axis, n * tokens_per_gpu tokens (weak scaling: the work per
-GPU stays constant), ``moe_block`` forward + backward (jit(value_and_grad)) timed.
+GPU stays constant), ``moe_block`` forward + backward (jit(value_and_grad)) timed,
+once per exchange (``--exchange``: the ragged all-to-all and the all-gather /
+reduce-scatter exchange by default, so the two are compared in one process).
 Before timing, a small case checks that the n-device block gives the one-device
 outputs (this is the first run of the real ragged all-to-all on GPUs). Writes JSON.
 """
@@ -45,19 +47,19 @@ def _step(parallel, recipe):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def _parallel(n):
+def _parallel(n, exchange="auto"):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("expert",))
-    return jgm.ExpertParallel(mesh, "expert")
+    return jgm.ExpertParallel(mesh, "expert", exchange=exchange)
 
 
-def cross_check(n: int, rng) -> float:
+def cross_check(n: int, rng, exchange: str) -> float:
     """Max relative error of the n-device block against one device on a small case."""
     h, f, e = 256, 128, 16
     x = jnp.asarray(rng.standard_normal((n * 96, h)), jnp.bfloat16)
     router, w1, w2 = _params(rng, h, f, e)
     routing = jgm.RoutingConfig(top_k=4)
     one = jgm.moe_block(x, router, w1, w2, routing=routing, recipe="bf16")
-    many = jax.jit(lambda *a: jgm.moe_block(*a, routing=routing, recipe="bf16", parallel=_parallel(n)))(
+    many = jax.jit(lambda *a: jgm.moe_block(*a, routing=routing, recipe="bf16", parallel=_parallel(n, exchange)))(
         x, router, w1, w2)
     a, b = np.asarray(one, np.float32), np.asarray(many, np.float32)
     return float(np.linalg.norm(a - b) / np.linalg.norm(a))
@@ -68,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)
     ap.add_argument("--recipe", default="mxfp8")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--exchange", nargs="+", default=["ragged", "all_gather"],
+                    choices=[e.value for e in jgm.Exchange], help="exchanges to time at every device count > 1")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "moe_ep.json")
     ns = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -78,21 +82,22 @@ def main(argv=None) -> int:
                         "tokens_per_gpu": ns.tokens_per_gpu, "recipe": ns.recipe}, "runs": {}}
     router, w1, w2 = _params(rng, H, F, E)
     for n in counts:
-        entry: dict = {}
-        if n > 1:
-            entry["cross_check_rel_err"] = cross_check(n, rng)
         x = jnp.asarray(rng.standard_normal((n * ns.tokens_per_gpu, H)), jnp.bfloat16)
-        try:
-            step = _step(_parallel(n) if n > 1 else None, ns.recipe)
-            sec = time_call(step, x, router, w1, w2, iters=ns.iters, warmup=1, samples=3)
-            flops = 6 * 2 * n * ns.tokens_per_gpu * TOP_K * H * F
-            entry.update(ms=sec * 1e3, tflops_per_gpu=flops / sec / 1e12 / n)
-        except Exception as err:  # noqa: BLE001 - an OOM is a result too
-            entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        report["runs"][str(n)] = entry
-        print(n, entry, flush=True)
-    base = report["runs"].get("1", {}).get("ms")
-    for n, e in report["runs"].items():
+        for exchange in ns.exchange if n > 1 else ["none"]:
+            entry: dict = {"devices": n, "exchange": exchange}
+            try:
+                if n > 1:
+                    entry["cross_check_rel_err"] = cross_check(n, rng, exchange)
+                step = _step(_parallel(n, exchange) if n > 1 else None, ns.recipe)
+                sec = time_call(step, x, router, w1, w2, iters=ns.iters, warmup=1, samples=3)
+                flops = 6 * 2 * n * ns.tokens_per_gpu * TOP_K * H * F
+                entry.update(ms=sec * 1e3, tflops_per_gpu=flops / sec / 1e12 / n)
+            except Exception as err:  # noqa: BLE001 - an OOM is a result too
+                entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            report["runs"][f"{n}/{exchange}"] = entry
+            print(n, entry, flush=True)
+    base = report["runs"].get("1/none", {}).get("ms")
+    for e in report["runs"].values():
         if base and "ms" in e:
             e["weak_scaling_efficiency"] = base / e["ms"]
     write_result(ns.out, command=report["command"], results=report["runs"],

@@ -102,9 +102,16 @@ def single_device_results():
     return inputs, out
 
 
+# The all-gather exchange runs the same rows in the same order; only each token's
+# float32 sum of its top-k outputs is added across devices (a reduce-scatter) in
+# another association, which can move a bf16 output (and dx) by one ulp when k > 2.
+ALL_GATHER_BF16_BAND = 2e-3
+
+
+@pytest.mark.parametrize("exchange", ["auto", "all_gather"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_expert_parallel_matches_single_device(single_device_results, case, layout):
+def test_expert_parallel_matches_single_device(single_device_results, case, layout, exchange):
     inputs, singles = single_device_results
     recipe, config = CASES[case]
     ep, data = LAYOUTS[layout]
@@ -113,7 +120,7 @@ def test_expert_parallel_matches_single_device(single_device_results, case, layo
     counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
     assert counts[3] == counts[6] == 0 and counts[0] == T  # the skew the test is about
 
-    parallel = ExpertParallel(mesh_of(ep, data), "expert", ("data",))
+    parallel = ExpertParallel(mesh_of(ep, data), "expert", ("data",), exchange=exchange)
     (_, y), grads = value_and_grads(config, recipe, parallel)(*inputs)
     want_y, want_grads = singles[case]
     assert y.shape == (T, H) and y.dtype == jnp.bfloat16
@@ -121,13 +128,16 @@ def test_expert_parallel_matches_single_device(single_device_results, case, layo
     errs.update({n: rel_err(g, w) for n, g, w in zip(("dx", "drouter", "dw1", "dw2"), grads, want_grads)})
     for name, err in errs.items():
         band = MXFP8_WGRAD_WITH_DATA_AXES if (recipe == "mxfp8" and data > 1 and name in ("dw1", "dw2")) else EXACT
+        if exchange == "all_gather" and name in ("y", "dx"):
+            band = max(band, ALL_GATHER_BF16_BAND)
         assert err <= band, f"{name}: rel err {err:.2e} > {band} ({errs})"
     for g in (np.asarray(grads[2]), np.asarray(grads[3])):  # experts without tokens: exactly zero
         assert not np.any(g[3]) and not np.any(g[6])
 
 
+@pytest.mark.parametrize("exchange", ["auto", "all_gather"])
 @pytest.mark.parametrize("factor", [1.0, 4.0])
-def test_capacity_factor_drops_the_documented_pairs(single_device_results, factor):
+def test_capacity_factor_drops_the_documented_pairs(single_device_results, factor, exchange):
     """capacity_factor=c: each device keeps the first ceil(c * local pairs) arrivals.
 
     Expected result: the single-device computation with the dropped pairs' routing
@@ -162,7 +172,7 @@ def test_capacity_factor_drops_the_documented_pairs(single_device_results, facto
     y_pairs = np.asarray(jgm.grouped_mlp(x[order // k], w1, w2, sizes, probs, recipe=recipe), np.float32)
     want = y_pairs[np.argsort(order)].reshape(T, k, H).sum(axis=1)
 
-    parallel = ExpertParallel(mesh_of(ep, 1), "expert", capacity_factor=factor)
+    parallel = ExpertParallel(mesh_of(ep, 1), "expert", capacity_factor=factor, exchange=exchange)
     (_, y), grads = value_and_grads(config, recipe, parallel)(*inputs)
     assert rel_err(y, jnp.asarray(want, jnp.bfloat16)) <= EXACT
     _, stats = jax.jit(lambda *a: moe_block(*a, routing=config, score_bias=bias, recipe=recipe, parallel=parallel,
@@ -303,8 +313,9 @@ def stats_and_grads(config, parallel, shared):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
 
 
+@pytest.mark.parametrize("exchange", ["auto", "all_gather"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stats_and_shared_expert_match_single_device(single_device_results, layout):
+def test_stats_and_shared_expert_match_single_device(single_device_results, layout, exchange):
     """Stats are summed over every token shard: the same numbers as on one device, and the
     losses' gradients (with the shared expert's) reach the same params."""
     inputs, _ = single_device_results
@@ -316,7 +327,7 @@ def test_stats_and_shared_expert_match_single_device(single_device_results, layo
     ep, data = LAYOUTS[layout]
     args = (x, router, w1, w2, sw1, sw2, dy, bias)
     (_, (want_y, want)), want_g = stats_and_grads(config, None, True)(*args)
-    parallel = ExpertParallel(mesh_of(ep, data), "expert", ("data",))
+    parallel = ExpertParallel(mesh_of(ep, data), "expert", ("data",), exchange=exchange)
     (_, (y, got)), got_g = stats_and_grads(config, parallel, True)(*args)
 
     np.testing.assert_array_equal(np.asarray(got.expert_load), np.asarray(want.expert_load))

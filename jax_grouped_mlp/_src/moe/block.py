@@ -9,7 +9,8 @@ routes its own tokens, sorts the pairs by expert (which also sorts them by ownin
 device), sends each device its block with a ragged all-to-all, sorts what arrived by
 local expert, runs ``grouped_mlp`` on its local experts, and sends the results back
 the same way. Block sizes travel as small dense ``all_to_all``s; nothing goes to the
-host. Drop-free by default: the receive buffer holds ``axis_size * tokens * top_k``
+host. ``Exchange.ALL_GATHER`` instead gathers every token of the expert axis on each
+device, runs the pairs its experts own, and reduce-scatters the per-token sums. Drop-free by default: the receive buffer holds ``axis_size * tokens * top_k``
 rows, the worst case of every pair in the axis choosing this device. ``grouped_mlp``
 only computes the rows its ``group_sizes`` cover, but its residuals are allocated at
 the buffer's size; ``capacity_factor`` trades that memory for dropped pairs.
@@ -43,8 +44,9 @@ class ExpertParallel:
 
     Experts (``w1``/``w2`` axis 0) are split over ``expert_axis``; tokens (axis 0 of
     the flattened ``x``) over ``(*data_axes, expert_axis)``; the router is replicated.
-    ``exchange`` picks the collective (see :class:`Exchange`); ``"auto"`` uses the
-    ragged all-to-all except on CPU.
+    ``exchange`` picks the collectives (see :class:`Exchange`): ``"auto"`` uses the
+    ragged all-to-all except on CPU; ``"all_gather"`` all-gathers the tokens and
+    reduce-scatters the outputs over the expert axis instead.
 
     ``capacity_factor=None`` (default) is drop-free. A number ``c`` sizes each
     device's receive buffer (the ``M`` of its ``grouped_mlp``) at ``ceil(c * local
@@ -341,7 +343,7 @@ class _ExpertParallelBody:
     def __call__(self, x, router_kernel, score_bias, w1, w2, *shared):
         k = self.opts.routing.top_k
         ep = jax.lax.axis_size(self.axis)
-        t_local, h = x.shape
+        t_local = x.shape[0]
         e_local = w1.shape[0]
         n = t_local * k
         rows = ep * n  # receive buffer: drop-free worst case ...
@@ -355,10 +357,38 @@ class _ExpertParallelBody:
         logits = _router_logits(x, router_kernel)
         expert_ids, weights = routing_lib.route(logits, self.opts.routing, score_bias)
         expert_ids = jnp.where(valid[:, None], expert_ids, ep * e_local)
+
+        # 2.-4. Pairs to their experts' devices, the experts, results back, per-token sums.
+        exchange = self._all_gather if self.exchange is Exchange.ALL_GATHER else self._all_to_all
+        y, load, dropped = exchange(x, expert_ids, weights, w1, w2, rows)
+        if shared:
+            y = y + _shared_expert(x, shared, num_valid, self.opts)
+        y = y.astype(x.dtype)
+        if not self.opts.stats:
+            return y
+        probs = router_stats.balance_probs(logits, self.opts.routing)
+        sums = router_stats.sums(logits, probs, load, valid, dropped)
+        sums = jax.tree.map(lambda a: a[None], sums)  # one row per token shard
+        return y, sums, probs if self.opts.router_probs else None
+
+    def _experts(self, x_rows, w1, w2, group_sizes, probs):
+        return grouped_mlp(
+            x_rows, w1, w2, group_sizes, probs, recipe=self.opts.recipe, fuse_fc1_epilogue=self.opts.fuse
+        )
+
+    def _all_to_all(self, x, expert_ids, weights, w1, w2, rows):
+        """Ragged (or dense) all-to-all: each device receives only the pairs of its experts.
+
+        Returns ``(y [t_local, H] float32, expert load [E], dropped pairs)``.
+        """
+        ep = jax.lax.axis_size(self.axis)
+        e_local = w1.shape[0]
+        n = expert_ids.size
+        h = x.shape[1]
         # Global expert order is also owner order: expert e lives on device e // e_local.
         xs, ps, group_sizes, perm = routing_lib.permute(x, expert_ids, weights, ep * e_local)
 
-        # 2. Block sizes: per (peer, local expert) counts out, the transposed counts in.
+        # Block sizes: per (peer, local expert) counts out, the transposed counts in.
         counts_out = group_sizes.reshape(ep, e_local)
         counts_in = jax.lax.all_to_all(counts_out, self.axis, 0, 0, tiled=True)  # [source, e_local]
         send_offsets = exclusive_cumsum(counts_out.sum(axis=1))  # block starts in xs
@@ -366,10 +396,8 @@ class _ExpertParallelBody:
         dropped = jnp.zeros((), jnp.int32)
         if rows < ep * n:  # keep what fits, in source order; each block loses its tail
             arrived = jnp.sum(recv_sizes)
-            recv_sizes = jnp.minimum(recv_sizes, jnp.maximum(rows - exclusive_cumsum(recv_sizes), 0))
+            recv_sizes, counts_in = _fit_arrivals(counts_in, rows)
             dropped = arrived - jnp.sum(recv_sizes)
-            kept = jnp.minimum(jnp.cumsum(counts_in, axis=1), recv_sizes[:, None])
-            counts_in = jnp.diff(kept, axis=1, prepend=jnp.zeros_like(kept[:, :1]))
             send_sizes = jax.lax.all_to_all(recv_sizes, self.axis, 0, 0, tiled=True)
         else:
             send_sizes = counts_out.sum(axis=1)
@@ -387,30 +415,70 @@ class _ExpertParallelBody:
         x_in = send(xs)
         p_in = send(ps[:, None])[:, 0]  # ragged_all_to_all documents operands of rank >= 2
 
-        # 3. Sort what arrived (source-major, expert-minor runs) by local expert.
+        # Sort what arrived (source-major, expert-minor runs) by local expert.
         run_ends = jnp.cumsum(counts_in.reshape(-1))
         run = jnp.searchsorted(run_ends, jnp.arange(rows, dtype=jnp.int32), side="right")
         local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
         local = routing_lib.sort_by_expert(local_ids, e_local)
-        y_local = grouped_mlp(
-            x_in[local.order], w1, w2, local.group_sizes, p_in[local.order], recipe=self.opts.recipe,
-            fuse_fc1_epilogue=self.opts.fuse,
-        )
+        y_local = self._experts(x_in[local.order], w1, w2, local.group_sizes, p_in[local.order])
         y_in = y_local[local.inverse]
 
-        # 4. Results go back to where their pairs came from, then combine per token
-        # (plus the shared expert, on this device's own tokens).
+        # Results go back to where their pairs came from, then combine per token.
         ys = ragged_all_to_all(
             y_in, jnp.zeros((n, h), y_in.dtype), recv_offsets, recv_sizes, back_offsets, send_sizes,
             axis_name=self.axis, exchange=self.exchange,
         )
-        y = routing_lib.combine_f32(ys, perm)
-        if shared:
-            y = y + _shared_expert(x, shared, num_valid, self.opts)
-        y = y.astype(x.dtype)
-        if not self.opts.stats:
-            return y
-        probs = router_stats.balance_probs(logits, self.opts.routing)
-        sums = router_stats.sums(logits, probs, group_sizes, valid, dropped)
-        sums = jax.tree.map(lambda a: a[None], sums)  # one row per token shard
-        return y, sums, probs if self.opts.router_probs else None
+        return routing_lib.combine_f32(ys, perm), group_sizes, dropped
+
+    def _all_gather(self, x, expert_ids, weights, w1, w2, rows):
+        """All-gather over the expert axis: every device sees every pair of the axis, runs
+        the ones its experts own, and a reduce-scatter sums each token's outputs back to
+        the token's device. Same pairs kept, same order in ``grouped_mlp`` as
+        :meth:`_all_to_all` (so the same drops under a capacity); only the float32
+        per-token sum is added in another order.
+        """
+        ep = jax.lax.axis_size(self.axis)
+        e_local = w1.shape[0]
+        t_local, k = expert_ids.shape
+        load = jnp.bincount(expert_ids.reshape(-1), length=ep * e_local).astype(jnp.int32)
+        x_all = jax.lax.all_gather(x, self.axis, tiled=True)  # [ep * t_local, H], by source
+        ids_all = jax.lax.all_gather(expert_ids, self.axis, tiled=True)
+        w_all = jax.lax.all_gather(weights, self.axis, tiled=True)
+        lid = ids_all - jax.lax.axis_index(self.axis) * e_local
+        mine = (lid >= 0) & (lid < e_local)
+        lid = jnp.where(mine, lid, e_local).reshape(-1)  # pairs in (source, token, choice) order
+        dropped = jnp.zeros((), jnp.int32)
+        if rows < lid.shape[0]:  # keep the arrivals the all-to-all would keep
+            src = jnp.arange(lid.shape[0], dtype=jnp.int32) // (t_local * k)
+            run = jnp.where(mine.reshape(-1), src * e_local + lid, ep * e_local)  # (source, expert) runs
+            counts = jnp.bincount(run, length=ep * e_local).reshape(ep, e_local)
+            _, kept = _fit_arrivals(counts, rows)
+            keep = _rank_in_run(run) < jnp.append(kept.reshape(-1), 0)[run]
+            dropped = jnp.sum(mine) - jnp.sum(keep)
+            lid = jnp.where(keep, lid, e_local)
+        perm = routing_lib.sort_by_expert(lid, e_local, top_k=k)
+        order = perm.order[:rows]  # the kept pairs sort first, at most `rows` of them
+        y_rows = self._experts(x_all[order // k], w1, w2, perm.group_sizes, w_all.reshape(-1)[order])
+        y_pairs = jnp.pad(y_rows, ((0, lid.shape[0] - rows), (0, 0)))
+        y_all = routing_lib.combine_f32(y_pairs, perm)  # this device's experts' share, every token
+        y = jax.lax.psum_scatter(y_all, self.axis, scatter_dimension=0, tiled=True)
+        return y, load, dropped
+
+
+def _fit_arrivals(counts_in: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """A receive buffer of ``rows`` takes arrivals by source, each source's block in
+    local-expert order, and drops the tail: ``(kept per source, kept per (source, expert))``
+    from the ``[source, expert]`` counts."""
+    recv = counts_in.sum(axis=1)
+    recv = jnp.minimum(recv, jnp.maximum(rows - exclusive_cumsum(recv), 0))
+    kept = jnp.minimum(jnp.cumsum(counts_in, axis=1), recv[:, None])
+    return recv, jnp.diff(kept, axis=1, prepend=jnp.zeros_like(kept[:, :1]))
+
+
+def _rank_in_run(run: jax.Array) -> jax.Array:
+    """Each element's index among the earlier elements with the same value (stable)."""
+    order = jnp.argsort(run, stable=True)
+    sorted_run = run[order]
+    first = jnp.searchsorted(sorted_run, sorted_run, side="left")
+    rank = jnp.arange(run.shape[0], dtype=jnp.int32) - first.astype(jnp.int32)
+    return jnp.zeros_like(rank).at[order].set(rank)

@@ -21,11 +21,21 @@ from jax_grouped_mlp._src import checks
 
 
 class Exchange(str, enum.Enum):
-    """Which collective carries the tokens; ``AUTO`` picks by the mesh's platform."""
+    """Which collectives carry the tokens; ``AUTO`` picks by the mesh's platform.
+
+    ``RAGGED`` and ``DENSE`` send each device only the (token, expert) pairs of its
+    experts (an all-to-all there and back). ``ALL_GATHER`` all-gathers the tokens and
+    their routing over the expert axis, runs each device's experts on the pairs they
+    own, and reduce-scatters the per-token outputs: ``axis_size`` times the token
+    bytes on the wire, but only collectives that NVLink runs at full speed, no
+    per-peer cost, and no work split fixed in advance. ``AUTO`` keeps the all-to-all
+    (ragged on GPUs, dense on CPU) until the crossover is measured on GPUs.
+    """
 
     AUTO = "auto"
     RAGGED = "ragged"  # jax.lax.ragged_all_to_all (GPU, TPU)
     DENSE = "dense"  # padded jax.lax.all_to_all (any backend; CPU)
+    ALL_GATHER = "all_gather"  # all-gather the tokens, reduce-scatter the outputs (any backend)
 
     @classmethod
     def parse(cls, value: "str | Exchange") -> "Exchange":
