@@ -1,7 +1,7 @@
 # Both main targets set themselves up: they create .venv (Python 3.12 when present),
 # install the package with its test extras, and build the CUDA kernels ahead of time
 # (skipped, with a message, where there is no CUDA toolkit: the CPU path still works).
-.PHONY: demo test test-gpu kernels
+.PHONY: demo test test-gpu kernels api-docs
 demo: kernels
 	@PY=$$(tools/venv.sh) && $$PY examples/demo.py
 
@@ -16,3 +16,7 @@ kernels:
 # On a GPU machine with the extension built: only the tests marked `gpu` (see docs/gpu.md).
 test-gpu:
 	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -m gpu tests
+
+# The API reference from the public docstrings (pdoc): build/api/index.html.
+api-docs:
+	@PY=$$(tools/venv.sh) && $$PY tools/api_docs.py --out build/api

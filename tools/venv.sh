@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench,kernels]" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench,kernels,docs]" >&2
   touch "$stamp"
 fi
 echo "$VENV/bin/python"

@@ -32,6 +32,9 @@ from jax_grouped_mlp._src.op.recipes import Recipe
 default_kernel_init = nnx.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
 )
+default_kernel_init.__doc__ = """The expert weights' default initializer: ``(key, [E, in, out], dtype)``,
+truncated normal with variance 1 / fan-in, where fan-in is ``in`` (axis -2) and the
+expert axis 0 is a batch axis (each expert is initialised like its own dense layer)."""
 
 EXPERT_AXIS = "expert"
 """Default logical name of the expert axis (axis 0 of ``w1``/``w2``)."""

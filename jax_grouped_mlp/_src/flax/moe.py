@@ -17,6 +17,8 @@ from jax_grouped_mlp._src.moe.router_stats import update_score_bias
 from jax_grouped_mlp._src.moe.routing import RoutingConfig
 
 default_router_init = nnx.initializers.normal(stddev=0.02)
+default_router_init.__doc__ = """The router kernel's default initializer: ``(key, [H, E], dtype)``, normal with
+standard deviation 0.02 (small logits at the start, so routing begins near uniform)."""
 
 
 class RouterBias(nnx.Variable):
