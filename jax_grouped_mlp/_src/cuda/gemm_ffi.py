@@ -27,6 +27,7 @@ from jax_grouped_mlp._src.cuda import ffi
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.op import heuristics
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
@@ -186,19 +187,6 @@ def qw_tile_tokens(variant: str) -> int:
     return int(found.group(1))
 
 
-def _qw_tile_for(m: int, g: int) -> int:
-    """The token tile for ``m`` rows in ``g`` groups, by rows per group on average:
-    192 up to 192 (the register-A kernel), 384 up to 512 (the shared-memory-A kernel:
-    one quantized weight tile feeds two 192-token accumulators, so half the conversions;
-    a tile with at most 192 tokens runs one accumulator's wgmmas only), 256 above
-    (H200, benchmarks/results/gemm_qw_h200.json: at Nemotron-3-Nano's 384 rows t384 runs
-    in 0.89-0.95 ms against 0.97-1.08 for t192; at 1024 rows t256 is the fastest)."""
-    per_group = m / max(g, 1)
-    if per_group <= 192:
-        return 192
-    return 384 if per_group <= 512 else 256
-
-
 def grouped_gemm_qw_cuda(
     lhs: jax.Array,
     w: jax.Array,
@@ -226,7 +214,7 @@ def grouped_gemm_qw_cuda(
     names = grouped_gemm_qw_variants()
     fits = [v for v in names if v.endswith("_bk") == transpose_rhs]
     if variant is None and fits:
-        variant = min(fits, key=lambda v: abs(qw_tile_tokens(v) - _qw_tile_for(m, g)))
+        variant = min(fits, key=lambda v: abs(qw_tile_tokens(v) - heuristics.qw_token_tile(m, g)))
     if variant not in fits:
         raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)

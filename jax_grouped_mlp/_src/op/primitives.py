@@ -27,6 +27,7 @@ import numpy as np
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import reference
+from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
@@ -264,31 +265,10 @@ def _st_fake_quantize_pair_jvp(keep_col_fp8, primals, tangents):
     return (row, col), (x_dot.astype(jnp.bfloat16), col_dot)
 
 
-def srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
-    """``probs * relu(h)**2`` in float32 from the bf16 ``h``, rounded to bf16 (what the FC1 epilogue writes)."""
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return (probs[:, None] * (r * r)).astype(jnp.bfloat16)
-
-
 def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
     h = _ref_grouped_gemm(lhs, rhs, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16))
     a_row, a_col = _ref_fake_quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
     return h, a_row, a_col
-
-
-def srelu_scaled_grad(da: jax.Array, h: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The backward of :func:`srelu_scaled` from bf16 ``da``: ``(dh, dprobs)``.
-
-    ``da`` arrives rounded to bf16, as the dgrad kernel rounds it (far below the MXFP8
-    operands' own error; the same on every platform). float32 math from the bf16
-    ``da`` and ``h``: ``dh = bf16((da * 2 * probs) * relu(h))``, ``dprobs = sum_f da *
-    relu(h)**2`` (float32), in the order the dgrad kernel's epilogue computes them.
-    """
-    da = da.astype(jnp.float32)
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    dprobs = jnp.sum(da * (r * r), axis=1)
-    dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
-    return dh, dprobs
 
 
 def _ref_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
