@@ -8,7 +8,7 @@ the same inputs in one process:
   bf16_prequantized   the plain bf16 kernel on the weight's MXFP8 values, already in
                       memory (the GEMM alone: the ceiling)
   fake_quantize+bf16  the weight's fake-quantize pass, then the plain kernel (what the
-                      op ran before ``mlp.QUANTIZE_WEIGHTS_IN_GEMM``)
+                      op runs with ``KernelChoices(quantize_weights_in_gemm=False)``)
   qw                  ``grouped_gemm_qw_cuda``: the weight quantized inside the GEMM
 ``qw`` is checked against the plain kernel on the pre-quantized weight: the share of
 bitwise-equal outputs and the largest difference in bf16 ulps (only the fp32 summation

@@ -40,30 +40,22 @@ def _step(mlp):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4)))
 
 
-def _weight_passes(fn):
-    """``fn`` traced with ``mlp.QUANTIZE_WEIGHTS_IN_GEMM`` off: a fake-quantize pass per
-    weight use before the bf16 GEMMs (and the fused FC1 / FC2-dgrad epilogue kernels),
-    the op as it was before the in-register weight quantization."""
-    from jax_grouped_mlp._src.op import mlp as mlp_module
+def _weight_passes(**kw):
+    """The MXFP8 op with ``KernelChoices(quantize_weights_in_gemm=False)``: a fake-quantize
+    pass per weight use before the bf16 GEMMs (and the fused FC1 / FC2-dgrad epilogue
+    kernels), the op as it was before the in-register weight quantization."""
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
+    from jax_grouped_mlp._src.op.mlp import grouped_mlp_with
 
-    def run(*a):
-        old = mlp_module.QUANTIZE_WEIGHTS_IN_GEMM
-        mlp_module.QUANTIZE_WEIGHTS_IN_GEMM = False
-        try:
-            return fn(*a)
-        finally:
-            mlp_module.QUANTIZE_WEIGHTS_IN_GEMM = old
-
-    return run
+    choices = KernelChoices(quantize_weights_in_gemm=False)
+    return lambda *a: grouped_mlp_with(choices, *a, recipe="mxfp8", **kw)
 
 
 def _candidates() -> dict:
     c = {
         "grouped_mlp_mxfp8": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
-        "grouped_mlp_mxfp8_weight_passes": _weight_passes(lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8")),
-        "grouped_mlp_mxfp8_weight_passes_unfused_fc1": _weight_passes(
-            lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8", fuse_fc1_epilogue=False)
-        ),
+        "grouped_mlp_mxfp8_weight_passes": _weight_passes(),
+        "grouped_mlp_mxfp8_weight_passes_unfused_fc1": _weight_passes(fuse_fc1_epilogue=False),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
         "ragged_dot_bf16": ragged_dot_mlp,
     }

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
-from jax_grouped_mlp._src.op import reference
+from jax_grouped_mlp._src.op import primitives, reference
 from gpu_helpers import has_gpu
 
 
@@ -151,8 +152,10 @@ def test_mxfp8_operands_through_the_adapter(rng):
     want = _reference(a, b, gs)
     rel = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
     assert rel <= 5e-3, rel
-    # Outputs other than bf16 fall back to the reference.
-    f32 = gemm_ffi.grouped_gemm_cuda(xq, wq, gs, out_dtype=jnp.float32)
+    # Outputs other than bf16: the adapter says Unsupported, the dispatcher runs the reference.
+    with pytest.raises(Unsupported, match="out_dtype"):
+        gemm_ffi.grouped_gemm_cuda(xq, wq, gs, out_dtype=jnp.float32)
+    f32 = primitives.grouped_gemm(xq, wq, gs, jnp.float32)
     assert f32.dtype == jnp.float32
 
 
@@ -180,7 +183,7 @@ def test_handler_rejects_bad_buffers():
         jax.block_until_ready(
             jax.jit(lambda a, b, gs: jax.ffi.ffi_call(gemm_ffi.GROUPED_GEMM_TARGET, jax.ShapeDtypeStruct((64, 64), jnp.bfloat16))(a, b, gs, variant=np.int32(0)))(a, b, jnp.asarray([1, 2, 3], jnp.int32))
         )
-    with pytest.raises(ValueError, match="multiples of 8"):
+    with pytest.raises(Unsupported, match="multiples of 8"):
         gemm_ffi.grouped_gemm_bf16_cuda(jnp.zeros((4, 12), jnp.bfloat16), jnp.zeros((2, 12, 8), jnp.bfloat16), gs)
 
 

@@ -42,9 +42,14 @@ def make_inputs(rng, m=128, h=64, f=96, g=4, sizes=None):
     return bf(x), bf(w1), bf(w2), jnp.asarray(gs), jnp.asarray(probs, jnp.float32), bf(dy)
 
 
-def run_op(x, w1, w2, gs, probs, dy, recipe):
+def run_op(x, w1, w2, gs, probs, dy, recipe, choices=None):
+    """Forward and vjp of the op (``choices``: through the private ``mlp.grouped_mlp_with``)."""
+    from jax_grouped_mlp._src.op import mlp
+
     def f(x, w1, w2, probs):
-        return jgm.grouped_mlp(x, w1, w2, gs, probs, recipe=recipe)
+        if choices is None:
+            return jgm.grouped_mlp(x, w1, w2, gs, probs, recipe=recipe)
+        return mlp.grouped_mlp_with(choices, x, w1, w2, gs, probs, recipe=recipe)
 
     y, vjp = jax.vjp(f, x, w1, w2, probs)
     return y, vjp(dy)
@@ -139,17 +144,16 @@ def test_deterministic(rng):
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
-def test_backward_order_barrier(rng, recipe, monkeypatch):
+def test_backward_order_barrier(rng, recipe):
     """The backward's two optimization barriers (w1 quantized for the FC1 dgrad only once
     dh exists; dx leaves the layer only with dW1 and dW2 done): present in the lowered
     gradient, and the results are the same bits with and without them."""
-    from jax_grouped_mlp._src.op import mlp
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
 
     def barriers(order: bool) -> tuple[int, list]:
-        monkeypatch.setattr(mlp, "ORDER_BACKWARD", order)
-        f = functools.partial(run_op, recipe=recipe)  # a new function: no trace reused
+        f = functools.partial(run_op, recipe=recipe, choices=KernelChoices(order_backward=order))
         text = jax.jit(f).lower(x, w1, w2, gs, probs, dy).as_text()
         return text.count("optimization_barrier"), jax.tree_util.tree_leaves(jax.jit(f)(x, w1, w2, gs, probs, dy))
 
@@ -160,37 +164,20 @@ def test_backward_order_barrier(rng, recipe, monkeypatch):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 
 
-def test_weights_quantized_in_the_gemm_same_bits(rng, monkeypatch):
+def test_weights_quantized_in_the_gemm_same_bits(rng):
     """The MXFP8 op with the weights quantized inside the GEMMs (small groups) and with a
     quantize pass before each GEMM (and the fused FC1 / FC2-dgrad kernels): the same
     output and gradients, bit for bit, on this platform's path."""
-    from jax_grouped_mlp._src.op import mlp
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
 
     def results(in_gemm: bool) -> list:
-        monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
-        f = functools.partial(run_op, recipe="mxfp8")  # a new function: no trace reused
+        f = functools.partial(run_op, recipe="mxfp8", choices=KernelChoices(quantize_weights_in_gemm=in_gemm))
         return jax.tree_util.tree_leaves(jax.jit(f)(x, w1, w2, gs, probs, dy))
 
     for u, v in zip(results(True), results(False)):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
-
-
-def test_weights_in_gemm_rule():
-    """Weights are quantized in the kernel for MXFP8 with at most QW_MAX_ROWS_PER_GROUP
-    rows per group on average (and a symbolic token count), never for bf16."""
-    from jax_grouped_mlp._src.op import mlp
-    from jax_grouped_mlp._src.op.recipes import Recipe
-
-    cap = mlp.QW_MAX_ROWS_PER_GROUP
-    assert mlp._weights_in_gemm(Recipe.MXFP8, 128 * 384, 128)  # Nemotron-3-Nano
-    assert mlp._weights_in_gemm(Recipe.MXFP8, cap * 4, 4)
-    assert not mlp._weights_in_gemm(Recipe.MXFP8, cap * 4 + 1, 4)
-    assert not mlp._weights_in_gemm(Recipe.MXFP8, 32 * 1024, 32)  # moe32: the pass pays
-    assert not mlp._weights_in_gemm(Recipe.MXFP8, 16, 0)
-    assert not mlp._weights_in_gemm(Recipe.BF16, 16, 4)
-    assert mlp._weights_in_gemm(Recipe.MXFP8, object(), 4)  # symbolic M
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])

@@ -12,16 +12,17 @@ import pytest
 import jax_grouped_mlp as jgm
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.op import mlp
+from jax_grouped_mlp._src.op.heuristics import DEFAULT, KernelChoices
 from mlp_reference import mlp_f64, rel_err
 from test_mlp import BANDS, SIZES, make_inputs
 
 pytestmark = pytest.mark.gpu
 
 
-def _loss_and_grads(policy, fuse=True):
+def _loss_and_grads(policy, fuse=True, choices=DEFAULT):
     def run(x, w1, w2, gs, probs, dy):
         def f(x, w1, w2, p):
-            return jgm.grouped_mlp(x, w1, w2, gs, p, fuse_fc1_epilogue=fuse)
+            return mlp.grouped_mlp_with(choices, x, w1, w2, gs, p, fuse_fc1_epilogue=fuse)
 
         if policy is not None:
             f = jax.checkpoint(f, policy=policy)
@@ -48,15 +49,15 @@ def test_matches_cpu_path_and_float64(gpu, rng, case):
 
 @pytest.mark.parametrize("in_gemm", [True, False])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_kernels_are_in_the_compiled_program(gpu, rng, fuse, in_gemm, monkeypatch):
+def test_kernels_are_in_the_compiled_program(gpu, rng, fuse, in_gemm):
     """Every GEMM of forward + backward is ours: no XLA dot, cuBLAS or Triton GEMM is left.
 
-    64 rows per group: with ``mlp.QUANTIZE_WEIGHTS_IN_GEMM`` the four weight GEMMs
-    quantize their weights themselves (no weight pass, FC1 and the FC2 dgrad unfused);
-    without it, a fake-quantize pass per weight use and the fused epilogue kernels."""
-    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
+    64 rows per group: with ``KernelChoices.quantize_weights_in_gemm`` the four weight
+    GEMMs quantize their weights themselves (no weight pass, FC1 and the FC2 dgrad
+    unfused); without it, a fake-quantize pass per weight use and the fused epilogue kernels."""
+    choices = KernelChoices(quantize_weights_in_gemm=in_gemm)
     args = jax.device_put(make_inputs(rng, m=256, h=128, f=128, g=4), gpu)
-    hlo = _loss_and_grads(None, fuse).lower(*args).compile().as_text()
+    hlo = _loss_and_grads(None, fuse, choices).lower(*args).compile().as_text()
     def n(target):
         return hlo.count(f'custom_call_target="{target}"')
 
@@ -77,7 +78,7 @@ def test_kernels_are_in_the_compiled_program(gpu, rng, fuse, in_gemm, monkeypatc
 
 
 @pytest.mark.parametrize("case", ["zeros_and_skew", "sum_above_m", "unaligned"])
-def test_weights_quantized_in_the_gemm_change_no_bit(gpu, rng, case, monkeypatch):
+def test_weights_quantized_in_the_gemm_change_no_bit(gpu, rng, case):
     """The op with the weights quantized inside the GEMM kernels (the ``_qw`` kernels,
     FC1 and the FC2 dgrad unfused) and with a quantize pass per weight use (and the fused
     FC1 / FC2-dgrad kernels): the output and the x, w1, w2 gradients bitwise equal; the
@@ -86,8 +87,8 @@ def test_weights_quantized_in_the_gemm_change_no_bit(gpu, rng, case, monkeypatch
     args = jax.device_put(make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[s * 4 for s in SIZES[case]]), gpu)
     got = {}
     for in_gemm in (True, False):
-        monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
-        got[in_gemm] = jax.tree.leaves(_loss_and_grads(None, True)(*args))
+        choices = KernelChoices(quantize_weights_in_gemm=in_gemm)
+        got[in_gemm] = jax.tree.leaves(_loss_and_grads(None, True, choices)(*args))
     *same, dprobs = got[True]
     *want, dprobs_want = got[False]
     for a, b in zip(same, want):  # y, dx, dw1, dw2
@@ -97,14 +98,14 @@ def test_weights_quantized_in_the_gemm_change_no_bit(gpu, rng, case, monkeypatch
 
 
 @pytest.mark.parametrize("case", ["zeros_and_skew", "sum_above_m", "unaligned"])
-def test_fused_fc1_epilogue_changes_no_bit(gpu, rng, case, monkeypatch):
+def test_fused_fc1_epilogue_changes_no_bit(gpu, rng, case):
     """The FC1 epilogue kernel writes what the unfused FC1 + srelu + quantize passes write,
     so the output and all four gradients are bitwise those of the unfused op. (Weights
     quantized by passes: with small groups the op otherwise never fuses FC1.)"""
-    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", False)
+    passes = KernelChoices(quantize_weights_in_gemm=False)
     args = jax.device_put(make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[s * 4 for s in SIZES[case]]), gpu)
-    fused = jax.tree.leaves(_loss_and_grads(None, True)(*args))
-    unfused = jax.tree.leaves(_loss_and_grads(None, False)(*args))
+    fused = jax.tree.leaves(_loss_and_grads(None, True, passes)(*args))
+    unfused = jax.tree.leaves(_loss_and_grads(None, False, passes)(*args))
     # y, dx, dw1, dw2 and dprobs (summed in the dgrad kernel's fixed order either way)
     for a, b in zip(fused, unfused):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

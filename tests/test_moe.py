@@ -311,11 +311,18 @@ def test_no_tokens(rng):
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fuse_fc1_epilogue_reaches_the_mlp(rng, monkeypatch, fuse):
     """moe_block and the Flax MoEBlock pass fuse_fc1_epilogue on to grouped_mlp (the flag
-    that makes recomputing fc2_input cheap), with the same result either way. (Weights
-    quantized by passes: with groups this small the op otherwise never fuses FC1.)"""
-    from jax_grouped_mlp._src.op import mlp, primitives
+    that makes recomputing fc2_input cheap), with the same result either way. (The block
+    gets the op with weights quantized by passes: with groups this small the default
+    kernel choices never fuse FC1.)"""
+    import functools
 
-    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", False)
+    from jax_grouped_mlp._src.moe import block
+    from jax_grouped_mlp._src.op import mlp, primitives
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
+
+    monkeypatch.setattr(
+        block, "grouped_mlp", functools.partial(mlp.grouped_mlp_with, KernelChoices(quantize_weights_in_gemm=False))
+    )
 
     calls = []
     real = primitives.fc1_fused

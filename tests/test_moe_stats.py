@@ -257,8 +257,8 @@ def test_shared_expert_against_float64(rng, recipe):
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
 def test_shared_expert_and_stats_on_gpu(rng, recipe):
     """The CUDA kernels: 640 tokens, so the shared expert's one group has more than
-    QW_MAX_ROWS_PER_GROUP rows (MXFP8 takes the fused FC1 path there) while the routed
-    groups are small (weights quantized in the GEMM)."""
+    ``KernelChoices.qw_max_rows_per_group`` rows (MXFP8 takes the fused FC1 path there)
+    while the routed groups are small (weights quantized in the GEMM)."""
     assert jax.devices()[0].platform == "gpu"
     stats = check_shared_expert(rng, recipe, t=640, h=256, f=128, fs=384)
     assert int(stats.expert_load.sum()) == 640 * 3

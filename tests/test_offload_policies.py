@@ -21,6 +21,7 @@ from jax.extend import core as jex_core
 
 import jax_grouped_mlp as jgm
 from jax_grouped_mlp._src.op import mlp, primitives
+from jax_grouped_mlp._src.op.heuristics import DEFAULT, KernelChoices
 
 SETTINGS = ("offload", "device", "recompute")
 COMBOS = list(itertools.product(SETTINGS, repeat=3))
@@ -42,8 +43,11 @@ def _make_inputs(rng, layers=LAYERS):
     return x, w1, w2, probs, gs
 
 
-def _layer(policy, gs, probs, **kw):
-    return jax.checkpoint(lambda x, w1, w2: x + mlp.grouped_mlp(x, w1, w2, gs, probs, **kw), policy=policy)
+def _layer(policy, gs, probs, choices=DEFAULT, **kw):
+    """One residual layer of the op (``choices``: its kernel heuristics)."""
+    return jax.checkpoint(
+        lambda x, w1, w2: x + mlp.grouped_mlp_with(choices, x, w1, w2, gs, probs, **kw), policy=policy
+    )
 
 
 def loop_loss(policy, x, w1, w2, probs, gs, **kw):
@@ -186,12 +190,14 @@ def test_backward_recomputes_what_the_policy_says(rng, counting, monkeypatch, pa
     the forward pass."""
     if jax.default_backend() != "cpu":  # the counting stubs replace the reference kernels,
         pytest.skip("which run only where the platform is not CUDA (the H200 ran 0 of them)")
-    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", path == "weights_in_gemm")
+    choices = KernelChoices(quantize_weights_in_gemm=path == "weights_in_gemm")
     x, w1, w2, probs, gs = _make_inputs(rng, layers=1)
 
     def work(combo, where):
-        fn = jax.grad(functools.partial(loop_loss, jgm.offload_policy(*combo), fuse_fc1_epilogue=path != "unfused"),
-                      argnums=(0, 1, 2))  # fmt: skip
+        loss = functools.partial(
+            loop_loss, jgm.offload_policy(*combo), choices=choices, fuse_fc1_epilogue=path != "unfused"
+        )
+        fn = jax.grad(loss, argnums=(0, 1, 2))
         closed = jax.make_jaxpr(fn)(x, w1, w2, probs, gs)
         if where == "forward":
             return _calls(closed.jaxpr, [])
@@ -280,9 +286,10 @@ def test_reload_after_cotangent_prototype(rng, monkeypatch, layout):
     from jax_grouped_mlp._src.op import residuals
 
     monkeypatch.setattr(residuals, "RELOAD_AFTER_COTANGENT", True)
-    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", False)  # the fused FC1 path
+    choices = KernelChoices(quantize_weights_in_gemm=False)  # the fused FC1 path
     inputs = _make_inputs(rng, layers=2)
-    fn = jax.jit(jax.grad(functools.partial(LAYOUTS[layout], jgm.offload_policy()), argnums=(0, 1, 2)))
+    loss = functools.partial(LAYOUTS[layout], jgm.offload_policy(), choices=choices)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     text = jax.export.export(fn, platforms=["cuda"], disabled_checks=jgm.export_disabled_checks())(
         *inputs
     ).mlir_module()
@@ -293,15 +300,16 @@ def test_reload_after_cotangent_prototype(rng, monkeypatch, layout):
         producer = defs[operand]
         assert producer.startswith("stablehlo.optimization_barrier"), producer[:80]
         assert len(producer.split(":")[0].split(",")) in (3, 4), producer[:120]  # ours, not remat's
-    got = _grads_simple(layout, inputs, ("offload",) * 3)
+    got = _grads_simple(layout, inputs, ("offload",) * 3, choices)
     monkeypatch.setattr(residuals, "RELOAD_AFTER_COTANGENT", False)
-    want = _grads_simple(layout, inputs, ALL_DEVICE)
+    want = _grads_simple(layout, inputs, ALL_DEVICE, choices)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
 
-def _grads_simple(layout, inputs, combo):
-    fn = jax.jit(jax.grad(functools.partial(LAYOUTS[layout], jgm.offload_policy(*combo)), argnums=(0, 1, 2)))
+def _grads_simple(layout, inputs, combo, choices=DEFAULT):
+    loss = functools.partial(LAYOUTS[layout], jgm.offload_policy(*combo), choices=choices)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     return [np.asarray(g.astype(jnp.float32)) for g in fn(*inputs)]
 
 

@@ -27,12 +27,17 @@ def inputs():
     return x, w1, w2, probs, gs
 
 
-def grad_fn(policy, gs, recipe="mxfp8", fuse=True):
+def grad_fn(policy, gs, recipe="mxfp8", fuse=True, choices=None):
+    """The gradient of a checkpointed layer (``choices``: the private ``mlp.grouped_mlp_with``)."""
+    from jax_grouped_mlp._src.op import mlp
+
+    def op(x, w1, w2, p):
+        if choices is None:
+            return jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, fuse_fc1_epilogue=fuse)
+        return mlp.grouped_mlp_with(choices, x, w1, w2, gs, p, recipe=recipe, fuse_fc1_epilogue=fuse)
+
     def loss(x, w1, w2, probs):
-        layer = jax.checkpoint(
-            lambda x, w1, w2, p: jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, fuse_fc1_epilogue=fuse),
-            policy=policy,
-        )
+        layer = jax.checkpoint(op, policy=policy)
         return jnp.sum(layer(x, w1, w2, probs).astype(jnp.float32) ** 2)
 
     return jax.grad(loss, argnums=(0, 1, 2, 3))
@@ -103,27 +108,27 @@ def _count_prims(jaxpr, name: str) -> int:
 
 @pytest.mark.parametrize("in_gemm", [True, False])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_recomputing_fc2_input_never_reruns_fc1(inputs, fuse, in_gemm, monkeypatch):
+def test_recomputing_fc2_input_never_reruns_fc1(inputs, fuse, in_gemm):
     """With activation_input kept and fc2_input recomputed, the op rebuilds fc2_input
     from h (no GEMM in the recomputed part), whether FC1 ran fused (one kernel writes
     h and both copies of a) or not, and with the weights quantized inside the GEMMs
-    (``mlp.QUANTIZE_WEIGHTS_IN_GEMM``) or by a pass; same gradients either way."""
-    from jax_grouped_mlp._src.op import mlp
+    (``KernelChoices.quantize_weights_in_gemm``) or by a pass; same gradients either way."""
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
 
-    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
+    choices = KernelChoices(quantize_weights_in_gemm=in_gemm)
     x, w1, w2, probs, gs = inputs
 
     def gemms_in_backward(fc2_input):
-        fn = grad_fn(jgm.offload_policy("device", "device", fc2_input), gs, fuse=fuse)
+        fn = grad_fn(jgm.offload_policy("device", "device", fc2_input), gs, fuse=fuse, choices=choices)
         (body,) = list(_remat_bodies(jax.make_jaxpr(fn)(x, w1, w2, probs).jaxpr))
         # Every GEMM's reference branch is one dot_general; the body holds the backward
         # pass (4 GEMMs) plus whatever is recomputed.
         return _count_prims(body, "dot_general")
 
     assert gemms_in_backward("recompute") == gemms_in_backward("device")
-    fn = grad_fn(jgm.offload_policy("device", "device", "recompute"), gs, fuse=fuse)
-    got = jax.jit(fn)(x, w1, w2, probs)
-    want = jax.jit(grad_fn(jgm.offload_policy("device", "device", "recompute"), gs, fuse=not fuse))(x, w1, w2, probs)
+    policy = jgm.offload_policy("device", "device", "recompute")
+    got = jax.jit(grad_fn(policy, gs, fuse=fuse, choices=choices))(x, w1, w2, probs)
+    want = jax.jit(grad_fn(policy, gs, fuse=not fuse, choices=choices))(x, w1, w2, probs)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 

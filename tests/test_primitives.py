@@ -47,7 +47,7 @@ def test_every_called_target_is_registered():
 
 @pytest.mark.parametrize("in_gemm,rows_per_group", [(True, 64), (True, 1024), (False, 64)])
 @pytest.mark.parametrize("recipe,fuse", [("mxfp8", True), ("mxfp8", False), ("bf16", True)])
-def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_per_group, monkeypatch):
+def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_per_group):
     """Lowered for CUDA (no GPU needed), the MLP's forward + backward is our custom calls only.
 
     No ``dot_general`` (an XLA GEMM, which is also what the reference's tile scan is
@@ -59,8 +59,9 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_pe
     import jax_grouped_mlp as jgm
     from jax_grouped_mlp._src.cuda import gemm_ffi
     from jax_grouped_mlp._src.op import mlp
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
 
-    monkeypatch.setattr(mlp, "QUANTIZE_WEIGHTS_IN_GEMM", in_gemm)
+    choices = KernelChoices(quantize_weights_in_gemm=in_gemm)
     h, f, g = 128, 192, 4
     m = rows_per_group * g
     args = (
@@ -73,7 +74,7 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_pe
 
     def loss(x, w1, w2, gs, p):
         return jnp.sum(
-            jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, fuse_fc1_epilogue=fuse).astype(jnp.float32) ** 2
+            mlp.grouped_mlp_with(choices, x, w1, w2, gs, p, recipe=recipe, fuse_fc1_epilogue=fuse).astype(jnp.float32) ** 2
         )
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
@@ -88,7 +89,7 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_pe
         return
     # The weights quantized inside the GEMM kernels (no weight passes); FC1 and the
     # FC2 dgrad then run unfused.
-    small = in_gemm and rows_per_group <= mlp.QW_MAX_ROWS_PER_GROUP
+    small = in_gemm and rows_per_group <= choices.qw_max_rows_per_group
     qw = small and bool(gemm_ffi.grouped_gemm_qw_variants())
     fused_fc1 = fuse and bool(gemm_ffi.grouped_gemm_fc1_variants()) and not small
     fused_dgrad = bool(gemm_ffi.grouped_gemm_dgrad_variants()) and not small

@@ -8,6 +8,10 @@ put them behind ``jax.lax.platform_dependent`` (``primitives.register_cuda_impl`
 
 Nothing is JIT-compiled at run time; the kernel modules are loaded once per
 process, in the handlers' instantiate stage, so the execute stage is CUDA-graph safe.
+
+A CUDA implementation that cannot take a problem raises :class:`Unsupported` at trace
+time; the dispatcher (``primitives``) catches it and runs its fallback. Nothing here
+calls back up into the dispatcher.
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ from jax_grouped_mlp.kernels import registry
 FAKE_QUANTIZE_TARGET = "jgm_fake_quantize_mxfp8"
 FAKE_QUANTIZE_PAIR_TARGET = "jgm_fake_quantize_pair"
 DEQUANTIZE_TARGET = "jgm_dequantize_mxfp8"
+
+
+class Unsupported(NotImplementedError):
+    """A CUDA implementation cannot take this problem: an operand dtype, a shape (TMA
+    alignment, 32-bit offsets, symbolic sizes) or no compiled variant fits.
+
+    Raised at trace time, before any custom call is emitted; ``primitives`` (the
+    dispatcher) catches it and falls back (to the reference, or to the unfused
+    composition of other primitives). Malformed operands (wrong rank, mismatched
+    shapes) raise ``TypeError``/``ValueError`` instead: no implementation takes those.
+    """
 
 
 @functools.cache
@@ -152,9 +167,10 @@ def fake_quantize_pair_mxfp8_cuda(
 
 
 def fake_quantize_pair_cuda(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp8: bool):
-    """``primitives`` "fake_quantize_pair" on CUDA: the kernel when it takes ``x``, else the reference."""
+    """``primitives`` "fake_quantize_pair" on CUDA: the kernel, or :class:`Unsupported`
+    when it does not take ``x``."""
     if not fake_quantize_pair_variants() or not quantize_supported(x, jnp.shape(group_sizes)[0]):
-        return mxfp8.fake_quantize_pair(x, group_sizes, keep_col_fp8)
+        raise Unsupported(f"fake_quantize_pair kernel: needs bf16 [M, K], K % 8 == 0, got {x.shape=} {x.dtype=}")
     return fake_quantize_pair_mxfp8_cuda(x, group_sizes, keep_col_fp8=keep_col_fp8)
 
 
@@ -192,24 +208,25 @@ def dequantize_cuda(t: MXFP8Tensor) -> jax.Array:
 
 
 def fake_quantize_cuda(x: jax.Array, *, axis: int) -> jax.Array:
-    """``primitives`` "fake_quantize" on CUDA for either of the last two axes, else the reference.
+    """``primitives`` "fake_quantize" on CUDA for either of the last two axes, or
+    :class:`Unsupported` (another axis, symbolic or unaligned shapes, another dtype).
 
     ``x [*lead, A, B]`` is viewed as ``[prod(lead) * A, B]``: blocks along B are its
     rows' blocks, blocks along A its group-aware columns with one group of A rows per
     leading index.
     """
-    def reference() -> jax.Array:
-        return mxfp8.dequantize(mxfp8.quantize_mxfp8(x, axis=axis), jnp.bfloat16)
-
+    unsupported = Unsupported(
+        f"fake_quantize kernel: needs bf16 [..., A, B] blocked along A or B, B % 8 == 0, got {x.shape=} {x.dtype=} {axis=}"
+    )
     static = all(isinstance(d, int) for d in x.shape)
     nd = x.ndim
     if nd < 2 or axis % nd < nd - 2 or not static or not fake_quantize_variants():
-        return reference()
+        raise unsupported
     a, b = x.shape[-2:]
     flat = x.reshape(-1, b)
     n = flat.shape[0] // a if a else 0
     if not quantize_supported(flat, n) or a == 0:
-        return reference()
+        raise unsupported
     if axis % nd == nd - 1:
         out = fake_quantize_mxfp8_cuda(flat, jnp.zeros((0,), jnp.int32), mode="row")
     else:

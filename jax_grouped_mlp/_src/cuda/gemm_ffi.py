@@ -8,6 +8,16 @@ sync; sizes are clamped to ``M``), rows at or past ``sum(group_sizes)`` zero. MX
 operands are dequantized to bf16 first, which is exact (``e4m3 * 2^k`` fits bf16), so
 the result equals the reference's up to fp32 summation order and the final bf16
 rounding. Lowers only for CUDA: dispatch through ``primitives.register_cuda_impl``.
+
+Two layers: the bindings (``grouped_gemm_bf16_cuda``, ``grouped_wgrad_bf16_cuda``,
+``grouped_gemm_fc1_cuda``, ...) check their operands once (``_checked_*``), clamp the
+group sizes (the one place per kernel launch: the kernels' no-out-of-bounds guarantee
+rests on sizes summing to at most M) and emit the custom call; the adapters
+(``grouped_gemm_cuda``, ``grouped_wgrad_cuda``, ``fc1_fused_cuda``, ...) have the
+signatures of ``primitives``' references, dequantize MXFP8 operands and call a binding.
+Whatever a kernel cannot take raises :class:`ffi.Unsupported` at trace time, and the
+dispatcher falls back; nothing here imports the dispatcher.
+
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
+from jax_grouped_mlp._src.op import activation, heuristics
 from jax_grouped_mlp.kernels import registry
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
@@ -87,7 +99,8 @@ def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
 
 def _checked_bf16_pair(lhs_name: str, lhs, rhs_name: str, rhs, *, k_major: bool, note: str = "") -> tuple[int, int, int, int]:
     """``(m, n, k, g)`` of bf16 ``lhs [M, K]`` and ``rhs [G, K, N]`` (``k_major``: ``[G, N, K]``),
-    or an error naming the argument."""
+    or an error naming the argument: :class:`Unsupported` for another dtype, ValueError
+    for a wrong rank or a contraction mismatch."""
     want = "[G, N, K]" if k_major else "[G, K, N]"
     if jnp.ndim(lhs) != 2:
         raise ValueError(f"{lhs_name} must be [M, K], got {lhs_name}.shape={jnp.shape(lhs)}")
@@ -96,7 +109,7 @@ def _checked_bf16_pair(lhs_name: str, lhs, rhs_name: str, rhs, *, k_major: bool,
     bf16 = jnp.dtype(jnp.bfloat16)
     for name, arr in ((lhs_name, lhs), (rhs_name, rhs)):
         if jnp.dtype(arr.dtype) != bf16:
-            raise TypeError(f"{name} must be bf16, got {name}.dtype={arr.dtype}")
+            raise Unsupported(f"{name} must be bf16, got {name}.dtype={arr.dtype}")
     m, k = lhs.shape
     g, n, k2 = (rhs.shape[0], rhs.shape[1], rhs.shape[2]) if k_major else (rhs.shape[0], rhs.shape[2], rhs.shape[1])
     if k != k2:
@@ -106,9 +119,20 @@ def _checked_bf16_pair(lhs_name: str, lhs, rhs_name: str, rhs, *, k_major: bool,
     return m, n, k, g
 
 
+def _checked_supported(what: str, m, n, k, g) -> None:
+    """:class:`Unsupported` unless the GEMM kernels take these dimensions (:func:`grouped_gemm_supported`)."""
+    if not grouped_gemm_supported(m, n, k, g):
+        raise Unsupported(
+            f"{what} needs static N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
+        )
+
+
 def _checked_group_sizes(group_sizes, g: int, m: int) -> jax.Array:
     """``group_sizes`` as int32 ``[G]`` clamped to ``M`` rows (``groups.clamp_group_sizes``:
-    the kernel never forms a running sum past M), or a TypeError naming it."""
+    the kernel never forms a running sum past M), or a TypeError naming it.
+
+    This is where the kernels' no-out-of-bounds guarantee is kept: every binding calls
+    it once, right before its custom call, whoever called the binding."""
     group_sizes = jnp.asarray(groups.host_clip(group_sizes))
     if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
@@ -152,18 +176,8 @@ def grouped_gemm_bf16_cuda(
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
-    if lhs.ndim != 2 or rhs.ndim != 3:
-        want = "[G, N, K]" if transpose_rhs else "[G, K, N]"
-        raise ValueError(f"need lhs [M, K] and rhs {want}, got {lhs.shape=} {rhs.shape=}")
-    m, k = lhs.shape
-    g, k2, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape
-    if k != k2:
-        raise ValueError(f"contraction mismatch: {lhs.shape=} vs {rhs.shape=} ({transpose_rhs=})")
-    bf16 = jnp.dtype(jnp.bfloat16)
-    if jnp.dtype(lhs.dtype) != bf16 or jnp.dtype(rhs.dtype) != bf16:
-        raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
-    if not grouped_gemm_supported(m, n, k, g):
-        raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
+    m, n, k, g = _checked_bf16_pair("lhs", lhs, "rhs", rhs, k_major=transpose_rhs)
+    _checked_supported("grouped GEMM kernel", m, n, k, g)
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_variants()
     index = _variant_index(
@@ -180,19 +194,6 @@ def qw_tile_tokens(variant: str) -> int:
     if v.family is not registry.Family.GROUPED_GEMM or not v.quantizes_weight:
         raise ValueError(f"variant must be a _qw grouped GEMM variant (not a _qw one: {variant!r})")
     return v.tile_tokens
-
-
-def _qw_tile_for(m: int, g: int) -> int:
-    """The token tile for ``m`` rows in ``g`` groups, by rows per group on average:
-    192 up to 192 (the register-A kernel), 384 up to 512 (the shared-memory-A kernel:
-    one quantized weight tile feeds two 192-token accumulators, so half the conversions;
-    a tile with at most 192 tokens runs one accumulator's wgmmas only), 256 above
-    (H200, benchmarks/results/gemm_qw_h200.json: at Nemotron-3-Nano's 384 rows t384 runs
-    in 0.89-0.95 ms against 0.97-1.08 for t192; at 1024 rows t256 is the fastest)."""
-    per_group = m / max(g, 1)
-    if per_group <= 192:
-        return 192
-    return 384 if per_group <= 512 else 256
 
 
 def grouped_gemm_qw_cuda(
@@ -216,13 +217,12 @@ def grouped_gemm_qw_cuda(
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     m, n, k, g = _checked_bf16_pair("lhs", lhs, "w", w, k_major=transpose_rhs)
-    if not grouped_gemm_supported(m, n, k, g):
-        raise ValueError(f"grouped GEMM kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
+    _checked_supported("grouped GEMM kernel", m, n, k, g)
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_qw_variants()
     fits = [v for v in names if registry.variant(v).rhs_k_major == transpose_rhs]
     if variant is None and fits:
-        variant = min(fits, key=lambda v: abs(qw_tile_tokens(v) - _qw_tile_for(m, g)))
+        variant = min(fits, key=lambda v: abs(qw_tile_tokens(v) - heuristics.qw_token_tile(m, g)))
     if variant not in fits:
         raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
@@ -236,50 +236,36 @@ def _as_bf16(x) -> jax.Array:
     return x
 
 
+def _checked_bf16_out(out_dtype) -> None:
+    """:class:`Unsupported` unless ``out_dtype`` is bfloat16 (what the GEMM kernels write)."""
+    if jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
+        raise Unsupported(f"the grouped GEMM kernels write bfloat16, got out_dtype={jnp.dtype(out_dtype)}")
+
+
 def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False) -> jax.Array:
     """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
 
-    Takes MXFP8 (dequantized first, exactly) or bf16 operands. Falls
-    back to the platform-independent reference
-    (``primitives``' own, decided at trace time) when the output is not bf16, an operand
-    is neither MXFP8 nor bf16, or the shape is outside :func:`grouped_gemm_supported`.
+    Takes MXFP8 (dequantized first, exactly) or bf16 operands.
+    :class:`Unsupported` (trace time) when the output is not bf16, an operand is neither
+    MXFP8 nor bf16, or the shape is outside :func:`grouped_gemm_supported`.
     """
-    from jax_grouped_mlp._src.op import primitives  # the reference, whatever its operand rules
-
     a = _as_bf16(lhs)
-    b = _as_bf16(rhs)
-    if not _bf16_kernel_takes(a, b, out_dtype, transpose_rhs):
-        return primitives._REFERENCE["grouped_gemm"](
-            lhs, rhs, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs
-        )
-    return grouped_gemm_bf16_cuda(a, b, group_sizes, transpose_rhs=transpose_rhs)
-
-
-def _bf16_kernel_takes(a, b, out_dtype, transpose_rhs: bool) -> bool:
-    """Whether bf16 ``a [M, K]`` and ``b [G, K, N]`` (``transpose_rhs``: ``[G, N, K]``) with a
-    bf16 output fit the grouped GEMM kernels (plain or ``_qw``)."""
-    bf16 = jnp.dtype(jnp.bfloat16)
-    if jnp.dtype(out_dtype) != bf16 or jnp.dtype(a.dtype) != bf16 or jnp.dtype(b.dtype) != bf16:
-        return False
-    if a.ndim != 2 or b.ndim != 3:
-        return False
-    m, k = a.shape
-    g, n = b.shape[0], b.shape[1 if transpose_rhs else 2]
-    return grouped_gemm_supported(m, n, k, g)
+    _checked_bf16_out(out_dtype)
+    return grouped_gemm_bf16_cuda(a, _as_bf16(rhs), group_sizes, transpose_rhs=transpose_rhs)
 
 
 def grouped_gemm_qw_impl(lhs, w: jax.Array, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False):
     """``primitives`` "grouped_gemm_qw" on CUDA (same signature as the reference).
 
     The in-register weight quantization when the operands are bf16 (or ``lhs`` MXFP8),
-    the output bf16 and the shape supported; otherwise the weight's fake-quantize pass
-    and :func:`grouped_gemm_cuda` (the same numbers).
+    the output bf16, the shape supported and a ``_qw`` variant compiled; otherwise
+    :class:`Unsupported` (the dispatcher then runs the weight's fake-quantize pass and
+    ``grouped_gemm``: the same numbers).
     """
-    a = _as_bf16(lhs)
-    if grouped_gemm_qw_variants() and _bf16_kernel_takes(a, w, out_dtype, transpose_rhs):
-        return grouped_gemm_qw_cuda(a, w, group_sizes, transpose_rhs=transpose_rhs)
-    wq = ffi.fake_quantize_cuda(w, axis=2 if transpose_rhs else 1)
-    return grouped_gemm_cuda(lhs, wq, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
+    _checked_bf16_out(out_dtype)
+    if not grouped_gemm_qw_variants():
+        raise Unsupported("no _qw grouped GEMM variant is compiled")
+    return grouped_gemm_qw_cuda(_as_bf16(lhs), w, group_sizes, transpose_rhs=transpose_rhs)
 
 
 def _wgrad_out_dtype(variant: str) -> jnp.dtype:
@@ -311,16 +297,12 @@ def grouped_wgrad_bf16_cuda(
         raise ValueError(f"row mismatch: {lhs.shape=} vs {rhs.shape=}")
     bf16 = jnp.dtype(jnp.bfloat16)
     if jnp.dtype(lhs.dtype) != bf16 or jnp.dtype(rhs.dtype) != bf16:
-        raise TypeError(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
+        raise Unsupported(f"operands must be bf16, got {lhs.dtype=} {rhs.dtype=}")
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (bf16, jnp.dtype(jnp.float32)):
         raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
-    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be an integer [G] array, got {group_sizes.shape=} {group_sizes.dtype=}")
-    g = group_sizes.shape[0]
-    if not grouped_gemm_supported(m, n, k, g):
-        raise ValueError(f"grouped wgrad kernel needs N, K multiples of 8 and < 2^31 elements, got {m=} {n=} {k=} {g=}")
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0  # else a TypeError below
+    _checked_supported("grouped wgrad kernel", m, n, k, g)
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     index = _variant_index(
         grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
@@ -335,22 +317,12 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
     MXFP8 operands (group-aware blocks along M) are dequantized to bf16 first (exact).
     The kernel writes bfloat16 or float32 (float32 master weights get full float32
     sums); another ``out_dtype`` gets the float32 result cast. Shapes outside
-    :func:`grouped_gemm_supported` or non-bf16 operands fall back to the reference.
+    :func:`grouped_gemm_supported` or non-bf16 operands: :class:`Unsupported`.
     """
-    from jax_grouped_mlp._src.op import primitives
-
-    a, b = _as_bf16(lhs), _as_bf16(rhs)
     bf16 = jnp.dtype(jnp.bfloat16)
-    m, k = a.shape
-    n = b.shape[1]
-    if (
-        jnp.dtype(a.dtype) != bf16
-        or jnp.dtype(b.dtype) != bf16
-        or not grouped_gemm_supported(m, n, k, group_sizes.shape[0])
-    ):
-        return primitives._REFERENCE["grouped_wgrad"](lhs, rhs, group_sizes, out_dtype=out_dtype)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
-    return grouped_wgrad_bf16_cuda(a, b, group_sizes, out_dtype=kernel_dtype).astype(out_dtype)
+    out = grouped_wgrad_bf16_cuda(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=kernel_dtype)
+    return out.astype(out_dtype)
 
 
 # ---- FC1 with the fused epilogue (csrc/grouped_gemm_fc1.cc) ----
@@ -367,12 +339,11 @@ def grouped_gemm_fc1_variants() -> tuple[str, ...]:
 def _fc1_operands(x, w1, group_sizes, probs):
     """Validates :func:`grouped_gemm_fc1_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
     m, n, k, g = _checked_bf16_pair("x", x, "w1", w1, k_major=False)
+    _checked_supported("grouped_gemm_fc1", m, n, k, g)
+    if mxfp8.grouped_scale_rows(m, g) * n >= _MAX:
+        raise Unsupported(f"grouped_gemm_fc1: a_col's scales need < 2^31 elements, got {m=} {n=} {g=}")
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     probs = _checked_probs(probs, m)
-    if not grouped_gemm_supported(m, n, k, g) or (mxfp8.grouped_scale_rows(m, g) * n >= _MAX):
-        raise ValueError(
-            f"grouped_gemm_fc1 needs N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
-        )
     return m, n, k, g, probs, group_sizes
 
 
@@ -387,7 +358,7 @@ def grouped_gemm_fc1_cuda(
     """FC1 with the fused epilogue: ``(h, a_row, a_col)`` from one kernel.
 
     ``h = grouped GEMM(x, w1)`` (bf16 ``[M, N]``, bitwise what :func:`grouped_gemm_bf16_cuda`
-    writes), and with ``a = primitives.srelu_scaled(h, probs)`` (``bf16(probs * relu(h)**2)``,
+    writes), and with ``a = activation.srelu_scaled(h, probs)`` (``bf16(probs * relu(h)**2)``,
     float32 math): ``a_row`` the rowwise MXFP8 values of ``a`` in bf16 and ``a_col`` the
     group-aware columnwise :class:`MXFP8Tensor`, i.e. bit for bit
     ``mxfp8.fake_quantize_pair(a, group_sizes, keep_col_fp8=True)``.
@@ -400,10 +371,8 @@ def grouped_gemm_fc1_cuda(
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     if g == 0 or k == 0:
-        from jax_grouped_mlp._src.op.primitives import srelu_scaled
-
         h = jnp.zeros((m, n), jnp.bfloat16)
-        a_row, a_col = mxfp8.fake_quantize_pair(srelu_scaled(h, probs), gs, keep_col_fp8=True)
+        a_row, a_col = mxfp8.fake_quantize_pair(activation.srelu_scaled(h, probs), gs, keep_col_fp8=True)
         return h, a_row, a_col
     index = _variant_index(grouped_gemm_fc1_variants(), n, variant, lambda v: True, "the FC1 epilogue")
     nb = mxfp8.grouped_scale_rows(m, g)
@@ -421,20 +390,10 @@ def fc1_fused_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array):
     """``primitives`` "fc1_fused" on CUDA (same signature as the reference).
 
     The FC1-epilogue kernel when both operands are (or dequantize to) bf16 and the shape
-    fits :func:`grouped_gemm_supported`; otherwise the unfused composition of the other
-    CUDA implementations (decided at trace time).
+    fits :func:`grouped_gemm_supported`; otherwise :class:`Unsupported` (the dispatcher
+    then composes the unfused primitives).
     """
-    from jax_grouped_mlp._src.op import primitives
-
-    a, b = _as_bf16(lhs), _as_bf16(rhs)
-    bf16 = jnp.dtype(jnp.bfloat16)
-    m, k = a.shape
-    g, _, n = b.shape
-    if jnp.dtype(a.dtype) == bf16 and jnp.dtype(b.dtype) == bf16 and grouped_gemm_supported(m, n, k, g):
-        return grouped_gemm_fc1_cuda(a, b, group_sizes, probs)
-    h = primitives.grouped_gemm(lhs, rhs, group_sizes, jnp.bfloat16)
-    a_row, a_col = primitives.fake_quantize_pair(primitives.srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
-    return h, a_row, a_col
+    return grouped_gemm_fc1_cuda(_as_bf16(lhs), _as_bf16(rhs), group_sizes, probs)
 
 
 # ---- FC2 dgrad with the fused dSReLU epilogue (csrc/grouped_gemm_dgrad.cc) ----
@@ -451,17 +410,13 @@ def grouped_gemm_dgrad_variants() -> tuple[str, ...]:
 def _dgrad_operands(dy_row, w2, group_sizes, h, probs):
     """Validates :func:`grouped_gemm_dgrad_cuda`'s operands; returns (m, n, k, g, probs f32, sizes int32)."""
     m, n, k, g = _checked_bf16_pair("dy_row", dy_row, "w2", w2, k_major=True, note=" (the FC2 weight [G, F, H] as stored)")
-    bf16 = jnp.dtype(jnp.bfloat16)
-    group_sizes = _checked_group_sizes(group_sizes, g, m)
     if jnp.ndim(h) != 2 or tuple(jnp.shape(h)) != (m, n):
         raise ValueError(f"h must be [M, N] = [{m}, {n}], got h.shape={jnp.shape(h)}")
-    if jnp.dtype(h.dtype) != bf16:
-        raise TypeError(f"h must be bf16, got h.dtype={h.dtype}")
+    if jnp.dtype(h.dtype) != jnp.dtype(jnp.bfloat16):
+        raise Unsupported(f"h must be bf16, got h.dtype={h.dtype}")
+    _checked_supported("grouped_gemm_dgrad", m, n, k, g)
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
     probs = _checked_probs(probs, m)
-    if not grouped_gemm_supported(m, n, k, g):
-        raise ValueError(
-            f"grouped_gemm_dgrad needs N, K multiples of 8 and < 2^31 elements per operand, got {m=} {n=} {k=} {g=}"
-        )
     return m, n, k, g, probs, group_sizes
 
 
@@ -497,9 +452,7 @@ def grouped_gemm_dgrad_cuda(
         # zeros, NaN for non-finite h or probs), rows past the groups zeros, as the kernel.
         total = jnp.sum(gs)  # gs is clamped: its sum is at most M
         valid = jnp.arange(m, dtype=jnp.int32) < total
-        from jax_grouped_mlp._src.op.primitives import srelu_scaled_grad
-
-        dh, dprobs = srelu_scaled_grad(jnp.zeros((m, n), jnp.bfloat16), h, probs)
+        dh, dprobs = activation.srelu_scaled_grad(jnp.zeros((m, n), jnp.bfloat16), h, probs)
         dprobs = jnp.where(valid, dprobs, 0.0)
         dh = jnp.where(valid[:, None], dh, jnp.zeros((), jnp.bfloat16))
         dh_row, dh_col = mxfp8.fake_quantize_pair(dh, gs, keep_col_fp8=False)
@@ -508,7 +461,7 @@ def grouped_gemm_dgrad_cuda(
     index = _variant_index(names, n, variant, lambda v: True, "the dgrad epilogue")
     nt = -(-n // tile_n(names[index]))
     if nt * m >= _MAX:
-        raise ValueError(f"grouped_gemm_dgrad: the dprobs partials [{nt}, {m}] need < 2^31 elements")
+        raise Unsupported(f"grouped_gemm_dgrad: the dprobs partials [{nt}, {m}] need < 2^31 elements")
     out = (
         jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
         jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
@@ -529,21 +482,7 @@ def dgrad_fused_cuda(dy_row, w2, group_sizes: jax.Array, h: jax.Array, probs: ja
     """``primitives`` "dgrad_fused" on CUDA (same signature as the reference).
 
     The dgrad-epilogue kernel when the operands are (or dequantize to) bf16 and the shape
-    fits :func:`grouped_gemm_supported`; otherwise the reference composition over the
-    other CUDA implementations (decided at trace time).
+    fits :func:`grouped_gemm_supported`; otherwise :class:`Unsupported` (the dispatcher
+    then composes the unfused primitives).
     """
-    from jax_grouped_mlp._src.op import primitives
-
-    a, b = _as_bf16(dy_row), _as_bf16(w2)
-    bf16 = jnp.dtype(jnp.bfloat16)
-    m, k = a.shape
-    g, n, _ = b.shape
-    if (
-        jnp.dtype(a.dtype) == bf16 and jnp.dtype(b.dtype) == bf16 and jnp.dtype(h.dtype) == bf16
-        and grouped_gemm_supported(m, n, k, g)
-    ):
-        return grouped_gemm_dgrad_cuda(a, b, group_sizes, h, probs)
-    da = primitives.grouped_gemm(dy_row, w2, group_sizes, jnp.bfloat16, transpose_rhs=True)
-    dh, dprobs = primitives.srelu_scaled_grad(da, h, probs)
-    dh_row, dh_col = primitives.fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
-    return dh_row, dh_col, dprobs
+    return grouped_gemm_dgrad_cuda(_as_bf16(dy_row), _as_bf16(w2), group_sizes, h, probs)

@@ -39,31 +39,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_grouped_mlp._src import groups
-from jax_grouped_mlp._src.op import primitives, residuals
+from jax_grouped_mlp._src.op import heuristics, primitives, residuals
+from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
 from jax_grouped_mlp._src.op.primitives import Operand
 from jax_grouped_mlp._src.op.recipes import Recipe
+from jax_grouped_mlp._src.op.heuristics import KernelChoices
 from jax_grouped_mlp._src.op.validation import as_array, check_mlp_args
-
-# Pin the backward pass's order (see _mlp_bwd). A module constant, not an argument: it
-# changes memory, never results; benchmarks flip it to measure what it saves.
-ORDER_BACKWARD = True
-
-# MXFP8 with small groups: the GEMM kernels quantize the weights themselves
-# (``primitives.grouped_gemm_qw``), instead of a pass that writes each weight's MXFP8
-# values before every GEMM that uses it (1.28 GB read and written per weight use at
-# the Nemotron-3-Nano shape). Same bits (the kernel's output equals the plain kernel's
-# on the pre-quantized weight, checked on the H200). It pays while a group has few
-# rows, since the kernel quantizes a weight tile again for every token tile that uses
-# it: at 384 rows per group each weight GEMM takes 0.89-0.96 ms (the t384 variant: one
-# quantized weight tile for 384 tokens) instead of 1.3-1.4; at 1024 the two are within
-# 10% either way between runs and at 8192 it is 1.3x slower
-# (benchmarks/results/gemm_qw_h200.json). FC1 and the FC2 dgrad then run unfused (their
-# epilogue kernels take a quantized weight), which costs some temp memory.
-# Module constants, like ORDER_BACKWARD; benchmarks flip them.
-QUANTIZE_WEIGHTS_IN_GEMM = True
-QW_MAX_ROWS_PER_GROUP = 512
 
 
 def _tag(op: Operand, name: str, *, rebuild: residuals.Rebuild | None = None, extra=()) -> Operand:
@@ -79,42 +62,33 @@ def _fc2_input_rebuild(recipe: Recipe) -> residuals.Rebuild:
     """``col(a)`` from the tagged ``h``: what recomputing "fc2_input" runs (elementwise)."""
 
     def fn(h, probs, group_sizes):
-        _, a_col = recipe.row_and_col(primitives.srelu_scaled(h, probs), group_sizes, keep_col=True)
+        _, a_col = recipe.row_and_col(srelu_scaled(h, probs), group_sizes, keep_col=True)
         return [a_col.data, a_col.scale] if isinstance(a_col, MXFP8Tensor) else [a_col]
 
     return residuals.Rebuild(fn, (FC2_INPUT, recipe))
 
 
-def _weights_in_gemm(recipe: Recipe, m, num_groups) -> bool:
-    """Whether the MXFP8 weight GEMMs quantize their weights in the kernel (see
-    ``QUANTIZE_WEIGHTS_IN_GEMM``): decided from the static shapes, so that the forward and
-    backward rules agree; a symbolic token count counts as small groups."""
-    if recipe is not Recipe.MXFP8 or not QUANTIZE_WEIGHTS_IN_GEMM:
-        return False
-    if not isinstance(m, int):
-        return True
-    return num_groups > 0 and m <= QW_MAX_ROWS_PER_GROUP * num_groups
-
-
-def _weight_gemm(lhs, w, group_sizes, recipe: Recipe, out_dtype, *, transpose_rhs: bool = False):
+def _weight_gemm(
+    lhs, w, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype, *, transpose_rhs: bool = False
+):
     """``lhs @ w[g]`` (``transpose_rhs``: ``@ w[g]^T``) with ``w`` prepared by ``recipe``,
-    blocked along the GEMM's K."""
-    if _weights_in_gemm(recipe, lhs.shape[0], w.shape[0]):
+    blocked along the GEMM's K (inside the GEMM kernel: ``heuristics.weights_in_gemm``)."""
+    if heuristics.weights_in_gemm(choices, recipe, lhs.shape[0], w.shape[0]):
         return primitives.grouped_gemm_qw(lhs, w, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
     wq = recipe.weight(w, 2 if transpose_rhs else 1)
     return primitives.grouped_gemm(lhs, wq, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
 
 
-def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe):
+def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe, choices: KernelChoices):
     """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
-    h = _weight_gemm(x_row, w1, group_sizes, recipe, jnp.bfloat16)
+    h = _weight_gemm(x_row, w1, group_sizes, recipe, choices, jnp.bfloat16)
     h = _tag(h, ACTIVATION_INPUT)
-    a = primitives.srelu_scaled(h, probs)
+    a = srelu_scaled(h, probs)
     return h, a
 
 
-def _fc2(a_row, w2, group_sizes, recipe: Recipe, out_dtype):
-    return _weight_gemm(a_row, w2, group_sizes, recipe, out_dtype)
+def _fc2(a_row, w2, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype):
+    return _weight_gemm(a_row, w2, group_sizes, recipe, choices, out_dtype)
 
 
 def _compute_weight(w: jax.Array) -> jax.Array:
@@ -128,29 +102,16 @@ def _compute_weight(w: jax.Array) -> jax.Array:
     return w.astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool, choices: KernelChoices):
     w1, w2 = _compute_weight(w1), _compute_weight(w2)
     x = _exact(x)  # as the forward rule quantizes it: the same bits with and without grad
-    if _fused(recipe, fuse, x, w1.shape[0]):
+    if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
         _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, probs)
     else:
-        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe)
+        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe, choices)
         a_row = recipe.row(a, 1)
-    return _fc2(a_row, w2, group_sizes, recipe, x.dtype)
-
-
-def _fused(recipe: Recipe, fuse: bool, x: jax.Array, group_count: int) -> bool:
-    """Whether FC1 runs as one kernel with its epilogue: the MXFP8 recipe, static shapes,
-    and weights quantized by a pass (the epilogue kernel takes a quantized weight).
-
-    A symbolic token count (shape-polymorphic export) takes the unfused path, whose
-    forward needs no group-aware quantization (which wants a static row count).
-    """
-    return (
-        fuse and recipe is Recipe.MXFP8 and all(isinstance(d, int) for d in x.shape)
-        and not _weights_in_gemm(recipe, x.shape[0], group_count)
-    )
+    return _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype)
 
 
 def _exact(x: jax.Array) -> jax.Array:
@@ -162,22 +123,22 @@ def _exact(x: jax.Array) -> jax.Array:
     return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
-def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool):
+def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool, choices: KernelChoices):
     # The residuals keep the bf16 weights the GEMMs read (the very arrays for bf16
     # weights; one bf16 copy for float32 ones) and the weights' own dtypes, as zero-size
     # arrays (custom_vjp residuals must be arrays), for the gradients' dtype.
     w_dtypes = (jnp.zeros((0,), w1.dtype), jnp.zeros((0,), w2.dtype))
     w1, w2 = _compute_weight(w1), _compute_weight(w2)
     x_row, x_col = recipe.row_and_col(_exact(x), group_sizes, keep_col=True)
-    if _fused(recipe, fuse, x, w1.shape[0]):
+    if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
         # One kernel: h and both MXFP8 copies of a. a_col's tag rebuilds it from the
         # tagged h when it is recomputed, so this kernel is never rerun for it.
         h, a_row, a_col = primitives.fc1_fused(x_row, recipe.weight(w1, 1), group_sizes, probs)
         h = _tag(h, ACTIVATION_INPUT)
     else:
-        h, a = _fc1(x_row, w1, group_sizes, probs, recipe)
+        h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices)
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
-    y = _fc2(a_row, w2, group_sizes, recipe, x.dtype)
+    y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype)
     a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes))
     return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, group_sizes, probs, w_dtypes)
 
@@ -190,22 +151,22 @@ def _with_leaves(op: Operand, leaves) -> Operand:
     return MXFP8Tensor(*leaves, op.axis, op.group_sizes) if isinstance(op, MXFP8Tensor) else leaves[0]
 
 
-def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
+def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     x_col, h, a_col, w1, w2, group_sizes, probs, (w1_dtype, w2_dtype) = res
     # (residuals.RELOAD_AFTER_COTANGENT: h and fc2_input come back once dy exists.)
     (h, *a_leaves), dy = residuals.after_cotangent([h, *_leaves(a_col)], dy)
     a_col = _with_leaves(a_col, a_leaves)
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
-    if recipe is Recipe.MXFP8 and not _weights_in_gemm(recipe, dy.shape[0], w2.shape[0]):
+    if heuristics.fuse_dgrad(choices, recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
         dh_row, dh_col, dprobs = primitives.dgrad_fused(dy_row, recipe.weight(w2, 2), group_sizes, h, probs)
     else:
-        da = _weight_gemm(dy_row, w2, group_sizes, recipe, jnp.bfloat16, transpose_rhs=True)
-        dh, dprobs = primitives.srelu_scaled_grad(da, h, probs)
+        da = _weight_gemm(dy_row, w2, group_sizes, recipe, choices, jnp.bfloat16, transpose_rhs=True)
+        dh, dprobs = srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
-    w1, dh_row = _after(w1, dh_row)
-    dx = _weight_gemm(dh_row, w1, group_sizes, recipe, dy.dtype, transpose_rhs=True)
+    w1, dh_row = _after(choices, w1, dh_row)
+    dx = _weight_gemm(dh_row, w1, group_sizes, recipe, choices, dy.dtype, transpose_rhs=True)
     # (fc1_input, needed last, once dh's columns exist.)
     x_leaves, dh_col = residuals.after_cotangent(_leaves(x_col), dh_col)
     x_col = _with_leaves(x_col, x_leaves)
@@ -216,14 +177,14 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, res, dy):
     # weight gradients to the end of the step, and their operands (fc1_input,
     # fc2_input, dy's and dh's columns) stay live across the other layers' backward
     # passes (measured on the H200: docs/notes/2026-11-30-performance-history.md, "The backward's order").
-    dx, dw1, dw2 = _after(dx, dw1, dw2)
+    dx, dw1, dw2 = _after(choices, dx, dw1, dw2)
     return dx, dw1, dw2, None, dprobs.astype(probs.dtype)
 
 
-def _after(*values):
+def _after(choices: KernelChoices, *values):
     """``values``, each usable only once all of them exist (``lax.optimization_barrier``):
-    pins the backward's order when ``ORDER_BACKWARD`` is set."""
-    return jax.lax.optimization_barrier(values) if ORDER_BACKWARD else values
+    pins the backward's order when ``choices.order_backward`` is set."""
+    return jax.lax.optimization_barrier(values) if choices.order_backward else values
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -261,9 +222,9 @@ def grouped_mlp(
         pass reads ``h`` again. Same numbers either way, and no effect on what the
         remat policy costs: recomputing "fc2_input" always rebuilds it from
         "activation_input" by one elementwise pass, never by rerunning FC1. No
-        effect when the groups are small (at most ``mlp.QW_MAX_ROWS_PER_GROUP`` = 512
-        rows on average): then the GEMM kernels quantize the weights themselves and
-        FC1 always runs unfused.
+        effect when the groups are small (at most 512 rows on average,
+        ``heuristics.KernelChoices.qw_max_rows_per_group``): then the GEMM kernels
+        quantize the weights themselves and FC1 always runs unfused.
 
     Returns:
       ``[M, H]`` in ``x.dtype``. Rows at or past ``sum(group_sizes)`` are zero, and
@@ -283,6 +244,26 @@ def grouped_mlp(
     bfloat16 and H, F are multiples of 8; a float32 ``x`` makes FC2 and the FC1
     dgrad use the pure-JAX GEMM (float32 output). Cast ``x`` to bfloat16 for speed.
     """
+    return grouped_mlp_with(
+        heuristics.DEFAULT, x, w1, w2, group_sizes, probs, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue
+    )
+
+
+def grouped_mlp_with(
+    choices: KernelChoices,
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    group_sizes: jax.Array,
+    probs: jax.Array | None = None,
+    *,
+    recipe: str = "mxfp8",
+    fuse_fc1_epilogue: bool = True,
+) -> jax.Array:
+    """:func:`grouped_mlp` with explicit kernel choices (private: for tests and benchmarks
+    that compare the op's paths). The same numbers whatever ``choices`` says."""
+    if not isinstance(choices, KernelChoices):
+        raise TypeError(f"choices must be a heuristics.KernelChoices, got choices={choices!r}")
     recipe_ = Recipe.parse(recipe)
     x = as_array("x", x)
     w1 = as_array("w1", w1)
@@ -300,4 +281,4 @@ def grouped_mlp(
         p = probs.reshape(m).astype(jnp.float32)
     # Clamped once here (sums cut at M, no int32 overflow): every kernel and reference
     # below sees sizes that sum to at most M.
-    return _mlp(x, w1, w2, groups.clamp_group_sizes(group_sizes, m), p, recipe_, fuse_fc1_epilogue)
+    return _mlp(x, w1, w2, groups.clamp_group_sizes(group_sizes, m), p, recipe_, fuse_fc1_epilogue, choices)

@@ -7,6 +7,14 @@ operation lowers through ``jax.lax.platform_dependent``: the custom call when th
 computation is lowered for CUDA, the reference everywhere else. Both
 implementations take and return exactly the same pytrees.
 
+This module is the dispatcher and owns the fallback: a CUDA implementation that
+cannot take a problem raises ``ffi.Unsupported`` while it is traced, and the CUDA
+branch then runs the operation's fallback (:data:`_FALLBACK`: the reference, or for
+the fused and weight-quantizing GEMMs the composition of the plain primitives, which
+dispatch again). The bindings never call back into this module. The CUDA branch is
+traced on every platform (``platform_dependent`` traces all branches, also when
+lowering for CPU), so the exception never escapes it.
+
 Operands of the GEMMs are either :class:`MXFP8Tensor` or plain float arrays (the
 ``bf16`` recipe); the reference dequantizes MXFP8 operands to bfloat16, which is
 exact (E4M3 times a power of two fits bf16), and multiplies in bf16 with float32
@@ -25,8 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import reference
+from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
 Operand = Union[MXFP8Tensor, jax.Array]
@@ -66,13 +76,18 @@ _GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2}
 
 
 def _cuda_branch(name: OpName, static: tuple, *args):
-    """The CUDA implementation, differentiable and batchable (:func:`_kernel`).
+    """The CUDA implementation, differentiable and batchable (:func:`_kernel`), or the
+    operation's fallback (:data:`_FALLBACK`) when the implementation raises
+    ``Unsupported`` at trace time.
 
     The group sizes of a group-aware output are passed through outside the wrapper, as
     the unwrapped implementations do, so that ``platform_dependent`` still sees them
     forwarded from its operands in both branches (and does not make them an output).
     """
-    out = _kernel(name, static, *args)
+    try:
+        out = _kernel(name, static, *args)
+    except Unsupported:
+        out = _FALLBACK[name](*args, **dict(static))
     if name not in _GROUP_SIZES_ARG:
         return out
     return _with_group_sizes(out, args[_GROUP_SIZES_ARG[name]])
@@ -264,31 +279,10 @@ def _st_fake_quantize_pair_jvp(keep_col_fp8, primals, tangents):
     return (row, col), (x_dot.astype(jnp.bfloat16), col_dot)
 
 
-def srelu_scaled(h: jax.Array, probs: jax.Array) -> jax.Array:
-    """``probs * relu(h)**2`` in float32 from the bf16 ``h``, rounded to bf16 (what the FC1 epilogue writes)."""
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return (probs[:, None] * (r * r)).astype(jnp.bfloat16)
-
-
 def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
     h = _ref_grouped_gemm(lhs, rhs, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16))
     a_row, a_col = _ref_fake_quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
     return h, a_row, a_col
-
-
-def srelu_scaled_grad(da: jax.Array, h: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The backward of :func:`srelu_scaled` from bf16 ``da``: ``(dh, dprobs)``.
-
-    ``da`` arrives rounded to bf16, as the dgrad kernel rounds it (far below the MXFP8
-    operands' own error; the same on every platform). float32 math from the bf16
-    ``da`` and ``h``: ``dh = bf16((da * 2 * probs) * relu(h))``, ``dprobs = sum_f da *
-    relu(h)**2`` (float32), in the order the dgrad kernel's epilogue computes them.
-    """
-    da = da.astype(jnp.float32)
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    dprobs = jnp.sum(da * (r * r), axis=1)
-    dh = (da * (2.0 * probs[:, None]) * r).astype(jnp.bfloat16)
-    return dh, dprobs
 
 
 def _ref_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
@@ -308,6 +302,40 @@ _REFERENCE: dict[str, Callable] = {
     "grouped_wgrad": _ref_grouped_wgrad,
     "fc1_fused": _ref_fc1_fused,
     "dgrad_fused": _ref_dgrad_fused,
+}
+
+
+# What the CUDA branch runs when the CUDA implementation raises ``Unsupported``. The
+# composed fallbacks call the plain primitives, so each of their steps still takes a
+# kernel where one fits (same numbers as the fused kernel: see each primitive).
+
+
+def _fallback_grouped_gemm_qw(lhs: Operand, w: jax.Array, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool):
+    """The weight's fake-quantize pass, then :func:`grouped_gemm`."""
+    wq = fake_quantize(w, 2 if transpose_rhs else 1)
+    return grouped_gemm(lhs, wq, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
+
+
+def _fallback_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
+    """FC1, the activation and its two MXFP8 copies, unfused."""
+    h = grouped_gemm(lhs, rhs, group_sizes, jnp.bfloat16)
+    a_row, a_col = fake_quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
+    return h, a_row, a_col
+
+
+def _fallback_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
+    """The FC2 dgrad, the activation's backward and dh's two MXFP8 copies, unfused."""
+    da = grouped_gemm(dy_row, w2, group_sizes, jnp.bfloat16, transpose_rhs=True)
+    dh, dprobs = srelu_scaled_grad(da, h, probs)
+    dh_row, dh_col = fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
+    return dh_row, dh_col, dprobs
+
+
+_FALLBACK: dict[str, Callable] = {
+    **_REFERENCE,
+    "grouped_gemm_qw": _fallback_grouped_gemm_qw,
+    "fc1_fused": _fallback_fc1_fused,
+    "dgrad_fused": _fallback_dgrad_fused,
 }
 
 

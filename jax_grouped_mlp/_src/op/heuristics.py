@@ -1,0 +1,127 @@
+"""Kernel heuristics: which path the op takes and which tile a kernel uses, in one place.
+
+Every decision here is a pure function of static shapes and, for the op's paths, of a
+frozen :class:`KernelChoices`. The op takes the choices as an explicit (static)
+argument: ``grouped_mlp`` always uses :data:`DEFAULT`; tests and benchmarks that
+compare paths pass another config to the private ``mlp.grouped_mlp_with``. Nothing
+here is a mutable global, so a traced program depends only on its arguments.
+
+None of these choices changes a result bit (see each field); they change speed and
+memory. The thresholds were measured on the H200; the measurements and how they were
+taken are in docs/performance.md and docs/gemm.md (the ``_qw`` tiles:
+``benchmarks/results/gemm_qw_h200.json``). In short: quantizing a weight inside the
+GEMM pays while groups are small, because the kernel quantizes a weight tile again
+for every token tile that uses it: faster at Nemotron-3-Nano's 384 rows per group,
+within run-to-run noise at 1024, slower at 8192; hence the cap of 512.
+
+This module imports nothing from the package, so the bindings (``_src/cuda``) can
+import it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax_grouped_mlp._src.op.recipes import Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoices:
+    """How the op maps onto kernels (frozen and hashable: a static argument of the op).
+
+    Attributes:
+      order_backward: pin the backward pass's order with two optimization barriers
+        (w1's dgrad quantization only once dh exists; dx leaves the layer only with
+        both weight gradients done). Changes memory, never results.
+      quantize_weights_in_gemm: with MXFP8 and small groups, the four weight GEMMs
+        quantize their weights themselves (``primitives.grouped_gemm_qw``) instead of a
+        fake-quantize pass before every GEMM that uses a weight; FC1 and the FC2 dgrad
+        then run unfused (their epilogue kernels take a quantized weight). Same bits.
+      qw_max_rows_per_group: "small groups" for ``quantize_weights_in_gemm``: at most
+        this many rows per group on average.
+    """
+
+    order_backward: bool = True
+    quantize_weights_in_gemm: bool = True
+    qw_max_rows_per_group: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("order_backward", "quantize_weights_in_gemm"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+        rows = self.qw_max_rows_per_group
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"qw_max_rows_per_group must be an int >= 0, got qw_max_rows_per_group={rows!r}")
+
+
+# What ``grouped_mlp`` uses.
+DEFAULT = KernelChoices()
+
+
+def weights_in_gemm(choices: KernelChoices, recipe: Recipe, m, num_groups: int) -> bool:
+    """Whether the weight GEMMs quantize their weights in the kernel (``grouped_gemm_qw``).
+
+    MXFP8 only, with ``choices.quantize_weights_in_gemm`` and at most
+    ``choices.qw_max_rows_per_group`` rows per group on average. Decided from the static
+    shapes, so the forward and backward rules agree; a symbolic token count ``m``
+    (shape-polymorphic export) counts as small groups.
+    """
+    # Recipe is a str enum: compared by value, so this module need not import the op.
+    if recipe != "mxfp8" or not choices.quantize_weights_in_gemm:
+        return False
+    if not isinstance(m, int):
+        return True
+    return num_groups > 0 and m <= choices.qw_max_rows_per_group * num_groups
+
+
+def fuse_fc1(choices: KernelChoices, recipe: Recipe, fuse: bool, x_shape: Sequence, num_groups: int) -> bool:
+    """Whether FC1 runs as one kernel with its epilogue (``primitives.fc1_fused``).
+
+    The caller asked for it (``fuse``, the public ``fuse_fc1_epilogue``), the MXFP8
+    recipe, static shapes (the unfused forward needs no group-aware quantization, which
+    wants a static row count), and weights quantized by a pass (the epilogue kernel
+    takes a quantized weight).
+    """
+    return (
+        fuse and recipe == "mxfp8" and all(isinstance(d, int) for d in x_shape)
+        and not weights_in_gemm(choices, recipe, x_shape[0], num_groups)
+    )
+
+
+def fuse_dgrad(choices: KernelChoices, recipe: Recipe, m, num_groups: int) -> bool:
+    """Whether the FC2 dgrad runs as one kernel with the dSReLU/dprobs epilogue
+    (``primitives.dgrad_fused``): MXFP8 with weights quantized by a pass."""
+    return recipe == "mxfp8" and not weights_in_gemm(choices, recipe, m, num_groups)
+
+
+# ---- Tile choices of the CUDA kernels (static shapes only) ----
+
+# The token tile of the ``_qw`` GEMM by average rows per group: (at most this many
+# rows, tile). 192: the register-A kernel. 384: the shared-memory-A kernel, one
+# quantized weight tile feeding two 192-token accumulators (half the conversions; a
+# tile with at most 192 tokens runs one accumulator's wgmmas only). 256 above, where
+# it measured fastest (1024 rows per group).
+QW_TOKEN_TILES: tuple[tuple[float, int], ...] = ((192, 192), (512, 384), (math.inf, 256))
+
+
+def qw_token_tile(m: int, num_groups: int) -> int:
+    """The wanted token tile of the ``_qw`` GEMM for ``m`` rows in ``num_groups`` groups
+    (:data:`QW_TOKEN_TILES`); the binding takes the compiled variant nearest to it."""
+    per_group = m / max(num_groups, 1)
+    return next(tile for rows, tile in QW_TOKEN_TILES if per_group <= rows)
+
+
+def gemm_tile_n(n: int, widths: Iterable[int]) -> int:
+    """The CTA tile width for ``n`` output columns among the compiled ``widths``: least
+    column padding, then the widest tile. On the H200 this picked the fastest measured
+    variant (up to timing noise) at every benchmark shape: 256 for N = 4096 and 1536,
+    192 for N = 1856 and 2688 (docs/gemm.md)."""
+    widths = tuple(widths)
+    if not widths:
+        raise ValueError("widths must name at least one compiled tile width, got widths=()")
+    return min(widths, key=lambda t: (-(-n // t) * t, -t))

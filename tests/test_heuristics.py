@@ -1,0 +1,126 @@
+"""The kernel heuristics (``_src/op/heuristics.py``): pure rules of a frozen config and static shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.op import heuristics, mlp
+from jax_grouped_mlp._src.op.heuristics import DEFAULT, KernelChoices
+from jax_grouped_mlp._src.op.recipes import Recipe
+
+MX, BF = Recipe.MXFP8, Recipe.BF16
+
+
+def test_default_config():
+    assert DEFAULT == KernelChoices(order_backward=True, quantize_weights_in_gemm=True, qw_max_rows_per_group=512)
+    assert hash(DEFAULT) == hash(KernelChoices())  # a static argument of the op's custom_vjp
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.order_backward = False  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,needle",
+    [
+        ({"order_backward": 1}, TypeError, "order_backward=1"),
+        ({"quantize_weights_in_gemm": "yes"}, TypeError, "quantize_weights_in_gemm='yes'"),
+        ({"qw_max_rows_per_group": -1}, ValueError, "qw_max_rows_per_group=-1"),
+        ({"qw_max_rows_per_group": 2.5}, ValueError, "qw_max_rows_per_group=2.5"),
+        ({"qw_max_rows_per_group": True}, ValueError, "qw_max_rows_per_group=True"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, exc, needle):
+    with pytest.raises(exc, match=needle):
+        KernelChoices(**kwargs)
+
+
+def test_weights_in_gemm_rule():
+    """Weights are quantized in the kernel for MXFP8 with at most qw_max_rows_per_group
+    rows per group on average (and a symbolic token count), never for bf16 or when off."""
+    cap = DEFAULT.qw_max_rows_per_group
+    assert heuristics.weights_in_gemm(DEFAULT, MX, 128 * 384, 128)  # Nemotron-3-Nano
+    assert heuristics.weights_in_gemm(DEFAULT, MX, cap * 4, 4)
+    assert not heuristics.weights_in_gemm(DEFAULT, MX, cap * 4 + 1, 4)
+    assert not heuristics.weights_in_gemm(DEFAULT, MX, 32 * 1024, 32)  # moe32: the pass pays
+    assert not heuristics.weights_in_gemm(DEFAULT, MX, 16, 0)
+    assert not heuristics.weights_in_gemm(DEFAULT, BF, 16, 4)
+    assert heuristics.weights_in_gemm(DEFAULT, MX, object(), 4)  # symbolic M
+    off = KernelChoices(quantize_weights_in_gemm=False)
+    assert not heuristics.weights_in_gemm(off, MX, 16, 4)
+    assert heuristics.weights_in_gemm(KernelChoices(qw_max_rows_per_group=2048), MX, 32 * 1024, 32)
+
+
+def test_fused_epilogue_rules():
+    """FC1 and the FC2 dgrad run fused exactly when the weights are quantized by a pass
+    (MXFP8); FC1 also needs the caller's flag and static shapes."""
+    off = KernelChoices(quantize_weights_in_gemm=False)
+    assert heuristics.fuse_fc1(off, MX, True, (64, 32), 4)
+    assert not heuristics.fuse_fc1(off, MX, False, (64, 32), 4)
+    assert not heuristics.fuse_fc1(off, BF, True, (64, 32), 4)
+    assert not heuristics.fuse_fc1(off, MX, True, (object(), 32), 4)  # symbolic M
+    assert not heuristics.fuse_fc1(DEFAULT, MX, True, (64, 32), 4)  # small groups: weights in the GEMM
+    assert heuristics.fuse_fc1(DEFAULT, MX, True, (4 * 1024, 32), 4)
+    assert heuristics.fuse_dgrad(off, MX, 64, 4)
+    assert not heuristics.fuse_dgrad(DEFAULT, MX, 64, 4)
+    assert heuristics.fuse_dgrad(DEFAULT, MX, 4 * 1024, 4)
+    assert not heuristics.fuse_dgrad(off, BF, 64, 4)
+
+
+def test_qw_token_tile():
+    """192 up to 192 rows per group, 384 up to 512, 256 above."""
+    assert heuristics.qw_token_tile(128 * 384, 128) == 384  # Nemotron-3-Nano
+    assert heuristics.qw_token_tile(192 * 4, 4) == 192
+    assert heuristics.qw_token_tile(192 * 4 + 1, 4) == 384
+    assert heuristics.qw_token_tile(512 * 4, 4) == 384
+    assert heuristics.qw_token_tile(512 * 4 + 1, 4) == 256
+    assert heuristics.qw_token_tile(0, 0) == 192
+
+
+def test_gemm_tile_n():
+    """Least column padding, then the widest tile."""
+    widths = (128, 192, 256)
+    assert heuristics.gemm_tile_n(4096, widths) == 256
+    assert heuristics.gemm_tile_n(1536, widths) == 256
+    assert heuristics.gemm_tile_n(1856, widths) == 192  # Nemotron-3-Nano's F
+    assert heuristics.gemm_tile_n(2688, widths) == 192  # and its H
+    assert heuristics.gemm_tile_n(64, widths) == 128  # the least padding first
+    with pytest.raises(ValueError, match="widths"):
+        heuristics.gemm_tile_n(64, ())
+
+
+def test_no_mutable_tuning_globals():
+    """The tuning knobs are the config's fields, not module globals that callers flip."""
+    for name in ("ORDER_BACKWARD", "QUANTIZE_WEIGHTS_IN_GEMM", "QW_MAX_ROWS_PER_GROUP"):
+        assert not hasattr(mlp, name), name
+    src = pathlib.Path(heuristics.__file__).read_text()
+    assert "import jax_grouped_mlp" not in src and "from jax_grouped_mlp" not in src.split("TYPE_CHECKING:")[0]
+
+
+def test_grouped_mlp_is_the_default_choices(rng):
+    """``grouped_mlp`` is ``grouped_mlp_with(DEFAULT)``: the same bits, forward and gradients,
+    on fresh random inputs with small groups (weights quantized in the GEMMs) and a
+    non-default config giving the same numbers too."""
+    m, h, f, g = 96, 64, 96, 3
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.bfloat16)
+    gs = jnp.asarray([40, 0, 50], jnp.int32)
+    p = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+
+    def run(fn):
+        loss = lambda x, w1, w2, p: jnp.sum(fn(x, w1, w2, gs, p).astype(jnp.float32) ** 2)
+        return jax.tree.leaves(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w1, w2, p))
+
+    want = run(jgm.grouped_mlp)
+    for choices in (DEFAULT, KernelChoices(order_backward=False, quantize_weights_in_gemm=False)):
+        got = run(lambda *a, c=choices: mlp.grouped_mlp_with(c, *a))
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(TypeError, match="choices"):
+        mlp.grouped_mlp_with({"order_backward": True}, x, w1, w2, gs, p)
