@@ -16,6 +16,8 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 * :func:`plan_offload` - picks the policy from a cost model (docs/offload.md), with
   :class:`OffloadPlan`, :class:`LayerShape`, :class:`LayerTime`, :func:`measure_host_bandwidth` and
   :func:`measure_layer_time`;
+* :func:`backend_info` - whether the kernels are built and which path each primitive
+  takes on this machine (:class:`BackendInfo`);
 * :func:`export_disabled_checks` - pass to ``jax.export.export`` for programs that
   hold our CUDA custom calls;
 * ``jax_grouped_mlp.flax`` - Flax NNX modules.
@@ -24,6 +26,7 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 from jax_grouped_mlp._src.moe.exchange import Exchange
 from jax_grouped_mlp._src.cuda.ffi import export_disabled_checks
 from jax_grouped_mlp._src.offload.measure import measure_host_bandwidth, measure_layer_time
+from jax_grouped_mlp._src.op.backend import BackendInfo, backend_info
 from jax_grouped_mlp._src.op.mlp import grouped_mlp
 from jax_grouped_mlp._src.moe.block import ExpertParallel, moe_block
 from jax_grouped_mlp._src.formats.mxfp8 import (
@@ -40,6 +43,7 @@ from jax_grouped_mlp._src.moe.router_stats import RouterStats, update_score_bias
 from jax_grouped_mlp._src.moe.routing import Permutation, RoutingConfig, ScoreFunction, combine, permute, route
 
 __all__ = [
+    "BackendInfo",
     "Exchange",
     "ExpertParallel",
     "LayerShape",
@@ -51,6 +55,7 @@ __all__ = [
     "RouterStats",
     "RoutingConfig",
     "ScoreFunction",
+    "backend_info",
     "combine",
     "dequantize",
     "export_disabled_checks",

@@ -139,20 +139,6 @@ class GroupedGemmConfig:
         return s + ("_fc1" if self.fc1_epilogue else "")
 
 
-def is_supported(config: GroupedGemmConfig, m: int, n: int, k: int, g: int) -> bool:
-    """Whether the kernel takes this problem (else the caller uses the reference).
-
-    TMA needs 16-byte aligned row strides (N, K multiples of 8); offsets are 32-bit.
-    Tiles past N or K are zero-filled by TMA and masked on store, so N and K need not
-    be multiples of the tile.
-    """
-    del config
-    return (
-        n % 8 == 0 and k % 8 == 0 and n > 0 and g >= 0
-        and m * k < 2**31 and m * n < 2**31 and g * k * n < 2**31
-    )
-
-
 class GroupedGemmSm90:
     """Persistent warp-specialized TMA + wgmma grouped GEMM; see the module docstring."""
 

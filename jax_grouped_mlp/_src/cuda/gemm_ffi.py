@@ -80,21 +80,13 @@ def tile_n(variant: str) -> int:
 
 
 def default_variant(n: int, names: tuple[str, ...] | None = None) -> str:
-    """The tile width for ``N`` output columns: least column padding, then the widest tile.
-
-    ``names`` defaults to the forward GEMM's variants. On the H200 this picked the
-    fastest measured variant (up to timing noise) at every benchmark shape: n256 for
-    N = 4096 and 1536, n192 for N = 1856 and 2688 (docs/notes/2026-11-30-grouped-gemm-kernels.md).
-    """
+    """The first of ``names`` (default: the forward GEMM's variants) whose tile width
+    :func:`heuristics.gemm_tile_n` picks for ``N`` output columns."""
     names = grouped_gemm_variants() if names is None else names
     if not names:
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
-
-    def cost(name: str) -> tuple[int, int]:
-        t = tile_n(name)
-        return (-(-n // t) * t, -t)
-
-    return min(names, key=cost)
+    width = heuristics.gemm_tile_n(n, (tile_n(v) for v in names))
+    return next(v for v in names if tile_n(v) == width)
 
 
 def _checked_bf16_pair(lhs_name: str, lhs, rhs_name: str, rhs, *, k_major: bool, note: str = "") -> tuple[int, int, int, int]:

@@ -8,7 +8,8 @@ here is a mutable global, so a traced program depends only on its arguments.
 
 None of these choices changes a result bit (see each field); they change speed and
 memory. The thresholds were measured on the H200; the measurements and how they were
-taken are in docs/performance.md and docs/gemm.md (the ``_qw`` tiles:
+taken are in docs/notes/2026-11-30-grouped-gemm-kernels.md and
+docs/notes/2026-11-30-performance-history.md (the ``_qw`` tiles:
 ``benchmarks/results/gemm_qw_h200.json``). In short: quantizing a weight inside the
 GEMM pays while groups are small, because the kernel quantizes a weight tile again
 for every token tile that uses it: faster at Nemotron-3-Nano's 384 rows per group,
@@ -120,7 +121,7 @@ def gemm_tile_n(n: int, widths: Iterable[int]) -> int:
     """The CTA tile width for ``n`` output columns among the compiled ``widths``: least
     column padding, then the widest tile. On the H200 this picked the fastest measured
     variant (up to timing noise) at every benchmark shape: 256 for N = 4096 and 1536,
-    192 for N = 1856 and 2688 (docs/gemm.md)."""
+    192 for N = 1856 and 2688 (docs/notes/2026-11-30-grouped-gemm-kernels.md)."""
     widths = tuple(widths)
     if not widths:
         raise ValueError("widths must name at least one compiled tile width, got widths=()")

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.cuda import devices
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import reference
@@ -85,6 +86,7 @@ def _cuda_branch(name: OpName, static: tuple, *args):
     forwarded from its operands in both branches (and does not make them an output).
     """
     try:
+        devices.check_kernels_run_here()
         out = _kernel(name, static, *args)
     except Unsupported:
         out = _FALLBACK[name](*args, **dict(static))

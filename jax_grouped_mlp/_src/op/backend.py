@@ -1,0 +1,73 @@
+"""``backend_info()``: what this process would run, and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import jax
+
+from jax_grouped_mlp._src.cuda import devices, ffi
+from jax_grouped_mlp._src.op import primitives
+
+KERNEL = "cuda kernel"
+REFERENCE = "pure JAX"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    """What :func:`backend_info` reports.
+
+    Attributes:
+      extension: whether the compiled extension ``jax_grouped_mlp._kernels`` loaded.
+      kernel_arch: the GPU architecture its kernels were compiled for (``"sm_90a"``),
+        or None without the extension.
+      default_platform: ``jax.default_backend()`` (``"gpu"``, ``"cpu"``, ...).
+      cuda_devices: every local CUDA device, with whether the kernels run on it.
+      paths: for each primitive of the op, what runs on the default device:
+        ``"cuda kernel"`` or ``"pure JAX"`` (a kernel can still fall back to pure JAX
+        for a shape it cannot take, e.g. a hidden size that is not a multiple of 8).
+      reason: why the pure-JAX path runs, when it does for every primitive.
+    """
+
+    extension: bool
+    kernel_arch: str | None
+    default_platform: str
+    cuda_devices: tuple[devices.CudaDevice, ...]
+    paths: dict[str, str]
+    reason: str | None
+
+    def __str__(self) -> str:
+        lines = [
+            f"extension: {'built, kernels for ' + str(self.kernel_arch) if self.extension else 'not built'}",
+            f"default platform: {self.default_platform}",
+        ]
+        for d in self.cuda_devices:
+            lines.append(f"  cuda:{d.id} {d.kind} (compute capability {d.compute_capability}): "
+                         f"{'kernels' if d.kernels else 'pure JAX'}")
+        lines += [f"  {name}: {path}" for name, path in self.paths.items()]
+        if self.reason:
+            lines.append(f"why pure JAX: {self.reason}")
+        return "\n".join(lines)
+
+
+def backend_info() -> BackendInfo:
+    """Reports whether the CUDA extension is built, which architecture its kernels are
+    for, the local CUDA devices, and which path each primitive of the op takes on the
+    default device. Cheap; call it to check an installation (``print(backend_info())``).
+    """
+    ext = ffi.available()
+    platform = jax.default_backend()
+    cuda = devices.cuda_devices()
+    reason = None
+    if not ext:
+        reason = "the CUDA extension is not built (see docs/gpu.md)"
+    elif platform != "gpu":
+        reason = f"the default platform is {platform!r}; the kernels run on CUDA devices only"
+    elif not all(d.kernels for d in cuda):
+        reason = f"a local CUDA device is not {devices.KERNEL_ARCH} (compute capability 9.0)"
+    names = typing.get_args(primitives.OpName)
+    paths = {n: KERNEL if (reason is None and primitives.cuda_impl(n) is not None) else REFERENCE for n in names}
+    if reason is None and not any(p == KERNEL for p in paths.values()):
+        reason = "the extension provides no kernel for these primitives"
+    return BackendInfo(ext, devices.KERNEL_ARCH if ext else None, platform, cuda, paths, reason)

@@ -1,0 +1,114 @@
+"""Honest dispatch: the kernels run only on the GPUs they were built for, and
+``backend_info()`` says what runs. A foreign GPU is faked on the CPU by replacing the
+list of local CUDA devices (``devices._local_cuda_devices``)."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.cuda import devices, ffi
+from jax_grouped_mlp._src.op import backend, primitives
+
+JGM_TARGET = "jgm_"  # every custom call target of the extension starts with it
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Makes the process see the given CUDA devices (compute capabilities)."""
+
+    def install(*capabilities: str):
+        fakes = [types.SimpleNamespace(id=i, device_kind=f"Fake GPU sm_{cc.replace('.', '')}", compute_capability=cc)
+                 for i, cc in enumerate(capabilities)]
+        monkeypatch.setattr(devices, "_local_cuda_devices", lambda: fakes)
+        devices.cuda_devices.cache_clear()
+        devices._warn_once.cache_clear()
+        jax.clear_caches()  # programs traced for the previous devices
+
+    yield install
+    devices.cuda_devices.cache_clear()
+    devices._warn_once.cache_clear()
+
+
+def _inputs(rng, m=96, h=64, f=96, g=3):
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.bfloat16)
+    gs = jnp.asarray([40, 0, 50], jnp.int32)
+    p = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    return x, w1, w2, gs, p
+
+
+def _cuda_text(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _grad_fn(x, w1, w2, gs, p):
+    return jax.grad(lambda x, w1, w2: jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p).astype(jnp.float32) ** 2),
+                    argnums=(0, 1, 2))(x, w1, w2)
+
+
+def test_backend_info_on_this_machine():
+    info = jgm.backend_info()
+    assert isinstance(info, jgm.BackendInfo)
+    assert info.extension == ffi.available()
+    assert info.kernel_arch == ("sm_90a" if info.extension else None)
+    assert set(info.paths) == set(primitives._REFERENCE)
+    text = str(info)
+    assert all(name in text for name in info.paths)
+    if jax.default_backend() == "cpu":
+        assert set(info.paths.values()) == {backend.REFERENCE} and info.reason
+
+
+@pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
+def test_foreign_gpu_runs_the_pure_jax_path_and_warns_once(rng, fake_gpus):
+    """On an sm_80 GPU the CUDA lowering holds none of our custom calls (the dispatcher
+    falls back), one warning says why, and nothing fails; on sm_90 the kernels are there."""
+    args = _inputs(rng)
+    fake_gpus("9.0")
+    assert JGM_TARGET in _cuda_text(_grad_fn, *args)
+
+    fake_gpus("8.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = _cuda_text(_grad_fn, *args)
+        _cuda_text(lambda *a: jgm.grouped_mlp(*a, recipe="bf16"), *args)  # a second program: no new warning
+    assert JGM_TARGET not in text
+    ours = [w for w in caught if "jax_grouped_mlp" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "sm_90a" in str(ours[0].message) and "compute capability 8.0" in str(ours[0].message)
+    # The program still computes the op (here on the CPU): the reference's numbers.
+    got = jax.jit(_grad_fn)(*args)
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() and np.abs(np.asarray(g, np.float32)).max() > 0
+               for g in got)
+
+
+def test_mixed_gpus_take_the_pure_jax_path(rng, fake_gpus):
+    fake_gpus("9.0", "10.0")
+    with pytest.warns(RuntimeWarning, match="compute capability 10.0"):
+        with pytest.raises(ffi.Unsupported):
+            devices.check_kernels_run_here()
+    assert [d.kernels for d in devices.cuda_devices()] == [True, False]
+
+
+def test_backend_info_paths_with_faked_gpus(monkeypatch, fake_gpus):
+    monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
+    fake_gpus("9.0")
+    info = jgm.backend_info()
+    if ffi.available():
+        assert info.reason is None
+        assert {n for n, p in info.paths.items() if p == backend.KERNEL} == set(primitives._CUDA_IMPLS)
+        assert info.paths["quantize"] == backend.REFERENCE  # no kernel: the reference everywhere
+    else:
+        assert "not built" in info.reason
+    fake_gpus("8.0")
+    info = jgm.backend_info()
+    assert set(info.paths.values()) == {backend.REFERENCE}
+    assert "compute capability" in info.reason or "not built" in info.reason
+    assert "8.0" in str(info)
