@@ -372,3 +372,39 @@ def test_flax_moe_block_shared_expert_and_aux_loss_expert_parallel():
     assert rel_err(y2, y1) <= EXACT
     np.testing.assert_allclose(float(aux2), float(aux1), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(load2), np.asarray(load1))
+
+
+# ----------------------------------------------------------------------------------
+# The planner under expert parallelism: residuals sized at the receive buffer
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("capacity_factor", [None, 1.5])
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+def test_planner_residual_bytes_match_the_sharded_program(single_device_results, recipe, capacity_factor):
+    """plan_offload(parallel=...) predicts each residual's bytes per device as the
+    sharded block's traced program keeps them (its shard_map body holds one device's
+    shapes), for drop-free and capacity-bounded buffers and both recipes."""
+    from jax_grouped_mlp._src.offload.measure import residual_bytes_kept
+
+    inputs, _ = single_device_results
+    x, router, w1, w2, _, bias = inputs
+    config = RoutingConfig(2)
+    ep = 4
+    parallel = ExpertParallel(mesh_of(ep, 1), "expert", capacity_factor=capacity_factor)
+    policy = jgm.offload_policy("device", "device", "device")
+    block = jax.checkpoint(
+        lambda x, w1, w2: moe_block(x, router, w1, w2, routing=config, score_bias=bias, recipe=recipe,
+                                    parallel=parallel), policy=policy)
+    kept = residual_bytes_kept(lambda w1, w2: jnp.sum(block(x, w1, w2).astype(jnp.float32)), w1, w2,
+                               argnums=(0, 1))
+    local_pairs = -(-T // ep) * config.top_k
+    plan = jgm.plan_offload(tokens=local_pairs, hidden=H, ffn=F, num_experts=E, num_layers=1,
+                            budget_bytes=float("inf"), host_bandwidth=50e9, layer_time=1e-3, recipe=recipe,
+                            parallel=parallel)
+    assert plan.buffer_rows == (ep * local_pairs if capacity_factor is None
+                                else int(np.ceil(capacity_factor * local_pairs)))
+    assert plan.kept_anyway == frozenset()  # the block's fc1_input is the received buffer
+    for name in jgm.RESIDUAL_NAMES:
+        assert kept[name]["device_bytes"] == plan.residual_bytes[name], (name, kept, plan.residual_bytes)
+    with pytest.raises(ValueError, match="divisible"):
+        jgm.plan_offload(tokens=local_pairs, hidden=H, ffn=F, num_experts=6, num_layers=1, budget_bytes=1e9,
+                         host_bandwidth=50e9, layer_time=1e-3, parallel=parallel)

@@ -256,3 +256,41 @@ def test_plan_says_when_to_unfuse_fc1():
     for c in plan.candidates:
         sub = dataclasses.replace(plan, placement=dict(c.placement))
         assert sub.fuse_fc1_epilogue  # the policy alone decides what is recomputed
+
+
+# ---------------------------------------------------------------------------------
+# The planner and the layer's input (bf16) and expert parallelism (issue 22, item 4).
+
+
+def test_bf16_fc1_input_is_the_layer_input():
+    """bf16 saves x itself as "fc1_input": the checkpoint keeps the layer input on the
+    device whatever the policy, so it costs no residual memory, offloading it only adds
+    copies, and a tight budget is met by the other two residuals."""
+    per_layer = LayerShape(**NANO).residual_bytes("bf16")
+    plan = _nano_plan(recipe="bf16", budget_bytes=8 * per_layer["fc2_input"])
+    assert plan.kept_anyway == frozenset({"fc1_input"})
+    assert plan.placement["fc1_input"] == "device"
+    for c in plan.candidates:
+        others = sum(per_layer[n] for n in ("activation_input", "fc2_input") if c.placement[n] == "device")
+        transient = sum(per_layer[n] for n in ("activation_input", "fc2_input") if c.placement[n] != "device")
+        assert c.device_bytes == 8 * others + transient, c.label()
+    # The same shape with fc1_input not the layer input (a MoE block permutes x first):
+    # fc1_input costs its bytes again.
+    moe = _nano_plan(recipe="bf16", budget_bytes=8 * per_layer["fc2_input"], fc1_input_is_layer_input=False)
+    assert moe.kept_anyway == frozenset()
+    assert moe.candidate(fc1_input="device", activation_input="device", fc2_input="device").device_bytes == (
+        8 * sum(per_layer.values()))
+    with pytest.raises(ValueError, match="fc1_input_is_layer_input"):
+        _nano_plan(fc1_input_is_layer_input=True)  # mxfp8 keeps a quantized copy
+    with pytest.raises(TypeError, match="fc1_input_is_layer_input"):
+        _nano_plan(recipe="bf16", fc1_input_is_layer_input="yes")
+
+
+def test_exchange_time_is_added_to_every_placement():
+    base = _nano_plan(budget_bytes=2e9)
+    ep = _nano_plan(budget_bytes=2e9, exchange_time=1e-3)
+    assert ep.placement == base.placement
+    for a, b in zip(base.candidates, ep.candidates):
+        assert b.step_time == pytest.approx(a.step_time + 8 * 1e-3)
+    with pytest.raises(ValueError, match="exchange_time"):
+        _nano_plan(exchange_time=-1.0)

@@ -241,8 +241,11 @@ class OffloadPlan:
     host_bandwidth: float
     layer_time: LayerTime
     overlap: float
-    residual_bytes: Mapping[str, int]
+    residual_bytes: Mapping[str, int]  # one layer's, on one device
     candidates: tuple[Candidate, ...]  # sorted by predicted step time
+    buffer_rows: int = 0  # rows the residuals are allocated at (the EP receive buffer)
+    kept_anyway: frozenset = frozenset()  # residuals that are the layer's input
+    exchange_time: float = 0.0  # seconds per layer of the expert-parallel exchange
 
     @property
     def chosen(self) -> Candidate:
@@ -278,7 +281,10 @@ class OffloadPlan:
         lt = self.layer_time
         lines = [
             f"offload plan: M={s.tokens} H={s.hidden} F={s.ffn} G={s.num_experts} "
-            f"recipe={self.recipe} layers={self.num_layers}",
+            f"recipe={self.recipe} layers={self.num_layers}"
+            + (f" (residuals at {self.buffer_rows} rows: the expert-parallel receive buffer)"
+               if self.buffer_rows and self.buffer_rows != s.tokens else "")
+            + (f", exchange {_fmt_time(self.exchange_time)}/layer" if self.exchange_time else ""),
             f"  budget {_fmt_bytes(self.budget_bytes)}, host link {_fmt_bytes(self.host_bandwidth)}/s "
             f"each way, layer fwd {_fmt_time(lt.forward)} + bwd {_fmt_time(lt.backward)}, "
             f"overlap {self.overlap:g}",
@@ -290,6 +296,7 @@ class OffloadPlan:
             lines.append(
                 f"  {name:<17}{_fmt_bytes(b):>12}{_fmt_time(b / self.host_bandwidth):>14}"
                 f"{_fmt_time(lt.recompute[name]):>12}"
+                + ("  (the layer's input: kept on the device anyway)" if name in self.kept_anyway else "")
             )
         lines += [
             "",
@@ -326,11 +333,20 @@ def predict(
     layer_time: LayerTime,
     overlap: float,
     budget_bytes: float = math.inf,
+    kept_anyway: frozenset[str] = frozenset(),
+    exchange_time: float = 0.0,
 ) -> Candidate:
-    """Device memory and step time of one placement (the module docstring's model)."""
+    """Device memory and step time of one placement (the module docstring's model).
+
+    ``kept_anyway``: residuals that are the checkpointed layer's own input, which the
+    checkpoint keeps on the device whatever the policy says (outside the budget, like
+    every layer input): they cost no residual memory, and offloading them only adds
+    copies. ``exchange_time``: seconds per layer every placement adds (the expert-
+    parallel exchange, forward and backward), which host copies do not hide behind.
+    """
     on = {p: [n for n in RESIDUAL_NAMES if placement[n] == p] for p in PLACEMENTS}
-    kept = sum(residual_bytes[n] for n in on["device"])
-    not_kept = sum(residual_bytes[n] for n in RESIDUAL_NAMES) - kept
+    kept = sum(residual_bytes[n] for n in on["device"] if n not in kept_anyway)
+    not_kept = sum(residual_bytes[n] for n in RESIDUAL_NAMES if n not in on["device"] and n not in kept_anyway)
     offloaded = sum(residual_bytes[n] for n in on["offload"])
     transfer = offloaded / host_bandwidth
     exposed = max(0.0, transfer - overlap * layer_time.forward) + max(
@@ -345,7 +361,7 @@ def predict(
         transfer_bytes=2 * num_layers * offloaded,
         exposed_transfer=num_layers * exposed,
         recompute=num_layers * recompute,
-        step_time=num_layers * (layer_time.total + recompute + exposed),
+        step_time=num_layers * (layer_time.total + exchange_time + recompute + exposed),
         fits=device <= budget_bytes,
     )
 
@@ -363,6 +379,9 @@ def plan_offload(
     recipe: str = "mxfp8",
     overlap: float = 1.0,
     tie_tolerance: float = 0.01,
+    parallel: "ExpertParallel | None" = None,
+    exchange_time: float = 0.0,
+    fc1_input_is_layer_input: bool | None = None,
 ) -> OffloadPlan:
     """Choose where each residual of a stack of grouped-MLP layers lives.
 
@@ -387,6 +406,22 @@ def plan_offload(
         with copy engines, near 0 where copies take the compute's cores (CPU).
       tie_tolerance: step times within this relative distance of the best count as
         equal; among those the least host traffic wins.
+      parallel: the layers' :class:`ExpertParallel` when they run as ``moe_block``
+        with experts sharded over a mesh axis. Then ``tokens`` is one device's pairs
+        (its token shard times top-k), ``num_experts`` all experts, and the residuals
+        are sized as the device's ``grouped_mlp`` allocates them: at its receive
+        buffer (``axis_size * tokens`` rows drop-free, ``ceil(capacity_factor *
+        tokens)`` with a capacity) with ``num_experts / axis_size`` local experts.
+        Budget and memory are per device.
+      exchange_time: seconds per layer of the expert-parallel exchange (forward and
+        backward together); added to every placement's step time, not hidden by
+        host copies.
+      fc1_input_is_layer_input: whether "fc1_input" is the checkpointed layer's own
+        input, which the checkpoint keeps on the device anyway. Default: True for the
+        bf16 recipe without ``parallel`` (a stack of ``jax.checkpoint(grouped_mlp)``
+        layers: bf16 saves ``x`` itself), else False (MXFP8 saves a quantized copy;
+        ``moe_block`` permutes or exchanges the tokens first: pass False for a
+        single-device MoE block with bf16).
 
     Returns:
       An :class:`OffloadPlan`: ``plan.placement`` (name -> placement), ``plan.policy``
@@ -413,7 +448,16 @@ def plan_offload(
     else:
         raise ValueError(f"layer_time must be a LayerTime or seconds (float), got {layer_time=!r}")
 
-    residual_bytes = shape.residual_bytes(recipe)
+    exchange_time = _check_positive_float("exchange_time", exchange_time, allow_zero=True)
+    buffer_rows, local_experts = _device_rows(parallel, tokens, num_experts)
+    if fc1_input_is_layer_input is None:
+        fc1_input_is_layer_input = recipe == "bf16" and parallel is None
+    elif not isinstance(fc1_input_is_layer_input, bool):
+        raise TypeError(f"fc1_input_is_layer_input must be a bool or None, got {fc1_input_is_layer_input!r}")
+    if fc1_input_is_layer_input and recipe != "bf16":
+        raise ValueError("fc1_input_is_layer_input=True needs recipe='bf16' (MXFP8 keeps a quantized copy of x)")
+    kept_anyway = frozenset({FC1_INPUT}) if fc1_input_is_layer_input else frozenset()
+    residual_bytes = LayerShape(buffer_rows, hidden, ffn, local_experts).residual_bytes(recipe)
     candidates = [
         predict(
             dict(zip(RESIDUAL_NAMES, combo)),
@@ -423,6 +467,8 @@ def plan_offload(
             layer_time=lt,
             overlap=overlap,
             budget_bytes=budget_bytes,
+            kept_anyway=kept_anyway,
+            exchange_time=exchange_time,
         )
         for combo in itertools.product(PLACEMENTS, repeat=len(RESIDUAL_NAMES))
     ]
@@ -448,4 +494,27 @@ def plan_offload(
         overlap=overlap,
         residual_bytes=residual_bytes,
         candidates=tuple(candidates),
+        buffer_rows=buffer_rows,
+        kept_anyway=kept_anyway,
+        exchange_time=exchange_time,
     )
+
+
+def _device_rows(parallel, tokens: int, num_experts: int) -> tuple[int, int]:
+    """``(rows, experts)`` of one device's ``grouped_mlp``: the layer's own without
+    expert parallelism, else its receive buffer and its local experts."""
+    if parallel is None:
+        return tokens, num_experts
+    from jax_grouped_mlp._src.moe.block import ExpertParallel
+
+    if not isinstance(parallel, ExpertParallel):
+        raise TypeError(f"parallel must be an ExpertParallel or None, got parallel={type(parallel).__name__}")
+    ep = parallel.expert_size
+    if num_experts % ep:
+        raise ValueError(
+            f"num_experts={num_experts} must be divisible by the size of expert_axis={parallel.expert_axis!r} ({ep})"
+        )
+    rows = ep * tokens
+    if parallel.capacity_factor is not None:
+        rows = min(rows, max(1, math.ceil(parallel.capacity_factor * tokens)))
+    return rows, num_experts // ep
