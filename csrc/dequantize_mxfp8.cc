@@ -34,7 +34,7 @@ ffi::Error LoadModule(int32_t variant) {
 }
 
 ffi::Error Validate(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::AnyBuffer group_sizes,
-                    const ffi::Result<ffi::AnyBuffer>& out, int64_t* m, int64_t* k, int64_t* g) {
+                    ffi::Result<ffi::AnyBuffer>& out, int64_t* m, int64_t* k, int64_t* g) {
   const std::string pre = std::string(kName) + ": ";
   if (data.element_type() != ffi::F8E4M3FN || data.dimensions().size() != 2)
     return ffi::Error::InvalidArgument(pre + "data must be an f8e4m3fn [M, K] array, got shape " +

@@ -76,7 +76,7 @@ ffi::Error ValidateInput(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer grou
 }
 
 ffi::Error Validate(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
-                    const ffi::Result<ffi::AnyBuffer>& out, int64_t* m, int64_t* k, int64_t* g) {
+                    ffi::Result<ffi::AnyBuffer>& out, int64_t* m, int64_t* k, int64_t* g) {
   if (auto e = ValidateInput(kName, x, group_sizes, m, k, g); e.failure()) return e;
   return CheckBuffer("fake_quantize_mxfp8: out", *out, ffi::BF16, {*m, *k});
 }

@@ -45,7 +45,7 @@ bool RhsKMajor(int32_t variant) {
 }
 
 ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                    const ffi::Result<ffi::AnyBuffer>& out, bool rhs_k_major, int64_t* m,
+                    ffi::Result<ffi::AnyBuffer>& out, bool rhs_k_major, int64_t* m,
                     int64_t* n, int64_t* k, int64_t* g) {
   const std::string pre = std::string(kName) + ": ";
   if (lhs.element_type() != ffi::BF16 || lhs.dimensions().size() != 2)

@@ -54,9 +54,9 @@ int64_t TileN(int32_t variant) {
 
 ffi::Error Validate(ffi::AnyBuffer dy, ffi::AnyBuffer w2, ffi::AnyBuffer group_sizes,
                     ffi::AnyBuffer h, ffi::AnyBuffer probs,
-                    const ffi::Result<ffi::AnyBuffer>& dh_row,
-                    const ffi::Result<ffi::AnyBuffer>& dh_col,
-                    const ffi::Result<ffi::AnyBuffer>& dpart, int64_t tile_n, int64_t* m,
+                    ffi::Result<ffi::AnyBuffer>& dh_row,
+                    ffi::Result<ffi::AnyBuffer>& dh_col,
+                    ffi::Result<ffi::AnyBuffer>& dpart, int64_t tile_n, int64_t* m,
                     int64_t* n, int64_t* k, int64_t* g, int64_t* nt) {
   const std::string pre = std::string(kName) + ": ";
   if (dy.element_type() != ffi::BF16 || dy.dimensions().size() != 2)

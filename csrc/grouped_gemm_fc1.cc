@@ -44,10 +44,10 @@ ffi::Error LoadModule(int32_t variant) {
 bool IsByte(ffi::DataType t, ffi::DataType fp8) { return t == fp8 || t == ffi::U8; }
 
 ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                    ffi::AnyBuffer probs, const ffi::Result<ffi::AnyBuffer>& h,
-                    const ffi::Result<ffi::AnyBuffer>& a_row,
-                    const ffi::Result<ffi::AnyBuffer>& a_col,
-                    const ffi::Result<ffi::AnyBuffer>& a_col_scale, int64_t* m, int64_t* n,
+                    ffi::AnyBuffer probs, ffi::Result<ffi::AnyBuffer>& h,
+                    ffi::Result<ffi::AnyBuffer>& a_row,
+                    ffi::Result<ffi::AnyBuffer>& a_col,
+                    ffi::Result<ffi::AnyBuffer>& a_col_scale, int64_t* m, int64_t* n,
                     int64_t* k, int64_t* g, int64_t* nb) {
   const std::string pre = std::string(kName) + ": ";
   if (lhs.element_type() != ffi::BF16 || lhs.dimensions().size() != 2)

@@ -41,7 +41,7 @@ ffi::DataType OutType(int32_t variant) {
 }
 
 ffi::Error Validate(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                    const ffi::Result<ffi::AnyBuffer>& out, ffi::DataType out_type,
+                    ffi::Result<ffi::AnyBuffer>& out, ffi::DataType out_type,
                     int64_t* m, int64_t* n, int64_t* k, int64_t* g) {
   const std::string pre = std::string(kName) + ": ";
   if (lhs.element_type() != ffi::BF16 || lhs.dimensions().size() != 2)
