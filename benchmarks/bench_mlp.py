@@ -1,13 +1,16 @@
 """Full expert-MLP training step (forward + backward): grouped_mlp against the ragged_dot MLP.
 
-    PYTHONPATH=. python3 benchmarks/bench_mlp.py [--shapes moe8,moe32,nano] [--out FILE] [--plot]
+    PYTHONPATH=. python3 benchmarks/bench_mlp.py [--shapes moe8,moe32,nano] [--alphas inf,1,0.3] [--out FILE] [--plot]
 
 Same process, same inputs. For each shape: ``grouped_mlp`` with recipe mxfp8 and
 bf16 (whatever kernels the extension provides on this device; the pure-JAX path
 elsewhere) and a bf16 MLP built from ``jax.lax.ragged_dot``; tokamax's ragged_dot
 too when it is importable. Reports ms per step, TFLOP/s (six GEMMs of 2·M·H·F per
 step: two forward, two dgrad, two wgrad), the compiled program's temp memory, and
-speedups against ragged_dot. Writes JSON (and a PNG with --plot).
+speedups against ragged_dot. Each shape runs with equal group sizes and with the
+router-like skews of ``--alphas`` (``shapes.router_group_sizes``: Dirichlet(alpha)
+expert loads), reported side by side with each candidate's slowdown against its own
+equal-sizes step. Writes JSON (and a PNG with --plot).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, time_call, write_result  # noqa: E402
+from shapes import ALPHAS, router_group_sizes, skew_label  # noqa: E402
 
 
 def ragged_dot_mlp(x, w1, w2, gs, probs):
@@ -73,7 +77,7 @@ def _candidates() -> dict:
     return c
 
 
-def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = ()) -> dict:
+def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), alpha: float = float("inf")) -> dict:
     g, rows, h, f = MLP_SHAPES[name]
     m = g * rows
     rng = np.random.default_rng(seed)
@@ -82,10 +86,12 @@ def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = ()) ->
     w2 = jnp.asarray(rng.standard_normal((g, f, h)) / np.sqrt(f), jnp.bfloat16)
     probs = jnp.asarray(rng.uniform(0.1, 1, m), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
-    gs = jnp.full((g,), rows, jnp.int32)
+    sizes = router_group_sizes(m, g, alpha, seed)
+    gs = jnp.asarray(sizes)
     args = (x, w1, w2, gs, probs, dy)
     flops = 6 * 2 * m * h * f
-    res: dict = {"groups": g, "rows_per_group": rows, "hidden": h, "ffn": f, "flops_per_step": flops}
+    res: dict = {"groups": g, "rows_per_group": rows, "hidden": h, "ffn": f, "flops_per_step": flops,
+                 "skew": skew_label(alpha), "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
     for cname, mlp in _candidates().items():
         if only and cname not in only:
             continue
@@ -113,18 +119,30 @@ def _plot(report: dict, path: pathlib.Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(MLP_SHAPES))
+    ap.add_argument("--shapes", default="moe8,moe32,nano")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "mlp_step.json")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
+    ap.add_argument("--alphas", default=",".join(str(a) for a in ALPHAS),
+                    help="group-size skews to run each shape at: inf (equal sizes) and Dirichlet alphas")
     ns = ap.parse_args(argv)
+    alphas = [float(a) for a in ns.alphas.split(",") if a]
     only = tuple(c for c in ns.only.split(",") if c)
     report = {"command": command_line("benchmarks/bench_mlp.py", argv or sys.argv[1:]),
               "device": device_description(), "shapes": {}}
     for name in ns.shapes.split(","):
-        report["shapes"][name] = bench_shape(name, ns.iters, ns.seed, only)
+        uniform = None
+        for alpha in alphas:
+            key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"
+            res = report["shapes"][key] = bench_shape(name, ns.iters, ns.seed, only, alpha)
+            if alpha == float("inf"):
+                uniform = res
+            elif uniform is not None:  # the issue-20 ratio: skewed step / equal-sizes step
+                for c, e in res.items():
+                    if isinstance(e, dict) and "ms" in e and "ms" in uniform.get(c, {}):
+                        e["vs_uniform"] = e["ms"] / uniform[c]["ms"]
     write_result(ns.out, command=report["command"], results=report["shapes"])
     if ns.plot:
         _plot(report, ns.out.with_suffix(".png"))

@@ -1,0 +1,82 @@
+"""The router-like group sizes shared by tests and benchmarks (benchmarks/shapes.py),
+and the MLP benchmark reporting skewed cases next to uniform ones (a CPU smoke run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import shapes  # noqa: E402
+
+import jax_grouped_mlp as jgm  # noqa: E402
+
+
+@pytest.mark.parametrize("alpha", shapes.ALPHAS)
+def test_router_group_sizes_sum_and_reproduce(alpha):
+    for m, g in ((49152, 128), (1000, 7), (5, 8), (0, 3)):
+        s = shapes.router_group_sizes(m, g, alpha, seed=3)
+        assert s.dtype == np.int32 and s.shape == (g,) and s.min() >= 0 and int(s.sum()) == m
+        np.testing.assert_array_equal(s, shapes.router_group_sizes(m, g, alpha, seed=3))
+    if math.isinf(alpha):
+        assert np.ptp(shapes.router_group_sizes(1000, 7, alpha)) <= 1
+
+
+def test_smaller_alpha_is_more_skewed():
+    def spread(alpha):  # mean max/mean load over seeds
+        return np.mean([shapes.router_group_sizes(49152, 128, alpha, seed=s).max() / 384 for s in range(20)])
+
+    uniform, router, heavy = (spread(a) for a in shapes.ALPHAS)
+    assert uniform == 1.0 < router < heavy
+    assert 3 < router < 8 and heavy > 8  # Dirichlet(1) over 128 experts: the busiest ~5x the mean
+    assert (shapes.router_group_sizes(49152, 128, 0.3) == 0).any()  # heavy skew leaves experts idle
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="alpha"):
+        shapes.router_group_sizes(10, 2, 0.0)
+    with pytest.raises(ValueError, match="m >= 0"):
+        shapes.router_group_sizes(10, 0, 1.0)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_grouped_mlp_on_router_skewed_sizes(rng, recipe):
+    """The op on heavily skewed sizes (empty experts, one expert with most rows) against
+    the float64 reference of the unquantized MLP."""
+    m, g, h, f = 256, 8, 64, 96
+    sizes = shapes.router_group_sizes(m, g, 0.3, seed=int(rng.integers(1 << 30)))
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / np.sqrt(f), jnp.bfloat16)
+    p = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    y = np.asarray(jgm.grouped_mlp(x, w1, w2, jnp.asarray(sizes), p, recipe=recipe), np.float64)
+    x64, w164, w264 = (np.asarray(a, np.float64) for a in (x, w1, w2))
+    want = np.zeros((m, h))
+    start = 0
+    for e, n in enumerate(sizes):
+        hh = x64[start:start + n] @ w164[e]
+        want[start:start + n] = (np.asarray(p, np.float64)[start:start + n, None] * np.maximum(hh, 0) ** 2) @ w264[e]
+        start += n
+    err = np.linalg.norm(y - want) / np.linalg.norm(want)
+    assert err < (1e-2 if recipe == "bf16" else 8e-2), err  # docs/design.md, "Error bands"
+
+
+def test_bench_mlp_reports_skew_next_to_uniform(tmp_path):
+    import bench_mlp
+
+    out = tmp_path / "mlp.json"
+    bench_mlp.main(["--shapes", "tiny", "--alphas", "inf,1", "--only", "grouped_mlp_bf16,ragged_dot_bf16",
+                    "--iters", "1", "--out", str(out)])
+    data = json.loads(out.read_text())["results"]
+    assert set(data) == {"tiny", "tiny@alpha=1"}
+    assert data["tiny"]["skew"] == "uniform" and data["tiny@alpha=1"]["skew"] == "alpha=1"
+    for c in ("grouped_mlp_bf16", "ragged_dot_bf16"):
+        assert data["tiny@alpha=1"][c]["vs_uniform"] > 0
