@@ -47,7 +47,7 @@ PY
 cp -r "$ROOT/tests" "$work/tests"
 # Tests of the source tree itself (the build, tools/, benchmarks/, docs) have nothing
 # to check in an installed wheel.
-for t in test_build.py test_registry.py test_api_docs.py test_sass_diff.py test_xla_dump.py test_bench_*.py; do
+for t in test_build.py test_registry.py test_api_docs.py test_sass_diff.py test_xla_dump.py test_shapes.py test_bench_*.py; do
   rm -f "$work"/tests/$t
 done
 printf '[pytest]\nmarkers =\n    gpu: needs an NVIDIA GPU with the compiled kernels\naddopts = -ra\n' > "$work/pytest.ini"
