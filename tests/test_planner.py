@@ -99,6 +99,7 @@ def test_cost_model_arithmetic():
     plan = plan_offload(
         tokens=64, hidden=32, ffn=32, num_experts=2, num_layers=3, budget_bytes=1e12,
         host_bandwidth=1000.0, layer_time=lt, recipe="bf16", overlap=0.5,
+        fc1_input_is_layer_input=False,  # count every residual (the layer-input case: below)
     )  # fmt: skip
     b = plan.residual_bytes  # bf16: 4096 bytes each
     assert b == {n: 4096 for n in RESIDUAL_NAMES}

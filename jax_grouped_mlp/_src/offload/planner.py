@@ -51,6 +51,7 @@ import math
 from typing import Mapping
 
 from jax_grouped_mlp._src import checks
+from jax_grouped_mlp._src.moe.block import ExpertParallel
 from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT, RESIDUAL_NAMES
 from jax_grouped_mlp._src.offload.policy import PLACEMENTS, offload_policy
 
@@ -379,7 +380,7 @@ def plan_offload(
     recipe: str = "mxfp8",
     overlap: float = 1.0,
     tie_tolerance: float = 0.01,
-    parallel: "ExpertParallel | None" = None,
+    parallel: ExpertParallel | None = None,
     exchange_time: float = 0.0,
     fc1_input_is_layer_input: bool | None = None,
 ) -> OffloadPlan:
@@ -505,8 +506,6 @@ def _device_rows(parallel, tokens: int, num_experts: int) -> tuple[int, int]:
     expert parallelism, else its receive buffer and its local experts."""
     if parallel is None:
         return tokens, num_experts
-    from jax_grouped_mlp._src.moe.block import ExpertParallel
-
     if not isinstance(parallel, ExpertParallel):
         raise TypeError(f"parallel must be an ExpertParallel or None, got parallel={type(parallel).__name__}")
     ep = parallel.expert_size
