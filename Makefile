@@ -1,12 +1,19 @@
 # Both main targets set themselves up: they create .venv (Python 3.12 when present),
 # install the package with its test extras, and build the CUDA kernels ahead of time
 # (skipped, with a message, where there is no CUDA toolkit: the CPU path still works).
-.PHONY: demo test test-gpu kernels api-docs
+.PHONY: demo test test-slow test-all test-gpu kernels api-docs
 demo: kernels
 	@PY=$$(tools/venv.sh) && $$PY examples/demo.py
 
+# The fast suite (under 5 minutes on 2 cores); test-slow: the long CPU cases
+# (tests/conftest.py SLOW); CI runs both (test-all).
 test: kernels
-	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 tests
+	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 -m "not slow" tests
+
+test-slow: kernels
+	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 -m slow tests
+
+test-all: test test-slow
 
 # AOT-compiles the CuTe DSL kernels and links jax_grouped_mlp/_kernels*.so (no GPU needed).
 # KERNEL_FLAGS=--strict turns a missing toolkit into an error (CI sets it).

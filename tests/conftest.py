@@ -10,7 +10,54 @@ import pytest
 from gpu_helpers import has_gpu
 
 
+# The long CPU cases (>= 10 s each on the 2-core CI machine: multi-device
+# subprocesses, all-policy sweeps, end-to-end runs, second-order and export checks):
+# marked ``slow`` so that ``make test`` (-m "not slow") stays under 5 minutes there;
+# ``make test-slow`` runs them, and CI runs both. Re-measure with
+# ``pytest --durations=60`` when the suite changes.
+SLOW = frozenset({
+    "tests/test_bench_offload.py::test_inprocess_run_estimates_the_peak_from_the_serialized_assignment",
+    "tests/test_bench_offload.py::test_tiny_run_end_to_end",
+    "tests/test_flax.py::test_float32_params_get_float32_gradients",
+    "tests/test_flax.py::test_params_and_forward",
+    "tests/test_flax.py::test_sharded_cases_on_four_cpu_devices",
+    "tests/test_grouped_gemm_dgrad_gpu.py::test_static_empty_cases_are_exact_in_jax",
+    "tests/test_grouped_gemm_fc1_gpu.py::test_static_empty_cases_are_exact_in_jax",
+    "tests/test_heuristics.py::test_grouped_mlp_is_the_default_choices",
+    "tests/test_higher_order.py::test_grad_of_grad_same_on_every_path",
+    "tests/test_higher_order.py::test_vmap_same_on_every_path",
+    "tests/test_mlp.py::test_backward_order_barrier",
+    "tests/test_mlp.py::test_float32_weights_take_the_bf16_path",
+    "tests/test_mlp.py::test_mxfp8_gemm_semantics_exact",
+    "tests/test_mlp.py::test_weights_quantized_in_the_gemm_same_bits",
+    "tests/test_moe.py::test_flax_moe_block_trains",
+    "tests/test_moe.py::test_fuse_fc1_epilogue_reaches_the_mlp",
+    "tests/test_moe.py::test_no_tokens",
+    "tests/test_moe_sharded.py::test_expert_parallel_cases_on_four_cpu_devices",
+    "tests/test_moe_stats.py::test_flax_aux_loss_trains_the_router_towards_balance",
+    "tests/test_moe_stats.py::test_shared_expert_against_float64",
+    "tests/test_mxfp8.py::test_grouped_matches_per_group_quantization",
+    "tests/test_offload_policies.py::test_backward_recomputes_what_the_policy_says",
+    "tests/test_offload_policies.py::test_gradients_bitwise_equal_under_every_policy",
+    "tests/test_offload_policies.py::test_rebuilt_fc2_input_under_vmap_and_second_order",
+    "tests/test_offload_policies.py::test_reload_after_cotangent_prototype",
+    "tests/test_offload_policies.py::test_train_step_compiles_once",
+    "tests/test_planner.py::test_measure_layer_time_runs",
+    "tests/test_planner.py::test_planned_policy_gradients_match_no_offload",
+    "tests/test_policy.py::test_recomputing_fc2_input_never_reruns_fc1",
+    "tests/test_primitives.py::test_shape_polymorphic_export_for_cpu_and_cuda",
+    "tests/test_primitives.py::test_shape_polymorphic_export_of_the_gradient",
+    "tests/test_train_moe.py::test_demo_balances_with_the_aux_loss",
+    "tests/test_train_moe.py::test_demo_resumes_from_its_checkpoint",
+    "tests/test_train_moe.py::test_demo_trains_under_the_planned_policy",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW:
+            item.add_marker(slow)
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
