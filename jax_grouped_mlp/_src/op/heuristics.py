@@ -24,10 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jax_grouped_mlp._src.op.recipes import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +61,7 @@ class KernelChoices:
 DEFAULT = KernelChoices()
 
 
-def weights_in_gemm(choices: KernelChoices, recipe: Recipe, m, num_groups: int) -> bool:
+def weights_in_gemm(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:
     """Whether the weight GEMMs quantize their weights in the kernel (``grouped_gemm_qw``).
 
     MXFP8 only, with ``choices.quantize_weights_in_gemm`` and at most
@@ -80,7 +77,7 @@ def weights_in_gemm(choices: KernelChoices, recipe: Recipe, m, num_groups: int) 
     return num_groups > 0 and m <= choices.qw_max_rows_per_group * num_groups
 
 
-def fuse_fc1(choices: KernelChoices, recipe: Recipe, fuse: bool, x_shape: Sequence, num_groups: int) -> bool:
+def fuse_fc1(choices: KernelChoices, recipe: str, fuse: bool, x_shape: Sequence, num_groups: int) -> bool:
     """Whether FC1 runs as one kernel with its epilogue (``primitives.fc1_fused``).
 
     The caller asked for it (``fuse``, the public ``fuse_fc1_epilogue``), the MXFP8
@@ -94,7 +91,7 @@ def fuse_fc1(choices: KernelChoices, recipe: Recipe, fuse: bool, x_shape: Sequen
     )
 
 
-def fuse_dgrad(choices: KernelChoices, recipe: Recipe, m, num_groups: int) -> bool:
+def fuse_dgrad(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:
     """Whether the FC2 dgrad runs as one kernel with the dSReLU/dprobs epilogue
     (``primitives.dgrad_fused``): MXFP8 with weights quantized by a pass."""
     return recipe == "mxfp8" and not weights_in_gemm(choices, recipe, m, num_groups)
