@@ -74,8 +74,16 @@ def _up_to_date(ext: pathlib.Path) -> bool:
     return all(f.stat().st_mtime <= ext.stat().st_mtime for f in _inputs())
 
 
-def _run(cmd: list[str]) -> None:
-    print("+", shlex.join(cmd), flush=True)
+VERBOSE = False  # --verbose: print every command line
+
+
+def _say(what: str, cmd: list[str]) -> None:
+    """One line per step; the full command line only with --verbose."""
+    print("+ " + shlex.join(cmd) if VERBOSE else f"[build_kernels] {what}", flush=True)
+
+
+def _run(what: str, cmd: list[str]) -> None:
+    _say(what, cmd)
     subprocess.run(cmd, check=True)
 
 
@@ -84,7 +92,10 @@ def main(argv=None) -> int:
     ap.add_argument("--strict", action="store_true", help="fail instead of skipping")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--force", action="store_true", help="rebuild even if the extension is up to date")
+    ap.add_argument("--verbose", action="store_true", help="print the compiler and linker command lines")
     ns = ap.parse_args(argv)
+    global VERBOSE
+    VERBOSE = ns.verbose
 
     built = _existing_extension()
     if built is not None and not ns.force and _up_to_date(built):
@@ -107,7 +118,8 @@ def main(argv=None) -> int:
     odir = BUILD / "ext"
     odir.mkdir(parents=True, exist_ok=True)
     # (1) AOT export in a child process: the DSL is heavy and loads a runtime shim.
-    _run([sys.executable, "-m", "jax_grouped_mlp.kernels.aot", "--out", str(kdir)])
+    _run("exporting the CuTe DSL kernels for sm_90a (one line per kernel)",
+         [sys.executable, "-m", "jax_grouped_mlp.kernels.aot", "--out", str(kdir)])
     # Only what this export wrote (kernels.json): stale objects of variants built from
     # other sources (another branch, a removed variant) stay out of the extension.
     from jax_grouped_mlp.kernels import registry
@@ -132,7 +144,7 @@ def main(argv=None) -> int:
     for src in SOURCES:
         obj = odir / (pathlib.Path(src).stem + ".o")
         cmd = [cxx, *flags, *includes, "-c", str(CSRC / src), "-o", str(obj)]
-        print("+", shlex.join(cmd), flush=True)
+        _say(f"compiling csrc/{src}", cmd)
         procs.append(subprocess.Popen(cmd))
         objs.append(obj)
         if len(procs) >= ns.jobs:
@@ -145,7 +157,7 @@ def main(argv=None) -> int:
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     out = ROOT / "jax_grouped_mlp" / f"_kernels{suffix}"
     libdirs = [d for d in (home / "lib64", home / "targets/x86_64-linux/lib") if d.exists()]
-    _run([cxx, "-shared", "-o", str(out), *map(str, objs), *map(str, kernel_objs),
+    _run(f"linking {out.relative_to(ROOT)}", [cxx, "-shared", "-o", str(out), *map(str, objs), *map(str, kernel_objs),
           "-Wl,--whole-archive", str(aot.dsl_libdir() / "libcuda_dialect_runtime_static.a"),
           "-Wl,--no-whole-archive", *[f"-L{d}" for d in libdirs],
           "-lcudart_static", "-ldl", "-lpthread", "-lrt",
