@@ -281,17 +281,32 @@ def _st_fake_quantize_pair_jvp(keep_col_fp8, primals, tangents):
     return (row, col), (x_dot.astype(jnp.bfloat16), col_dot)
 
 
-def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
-    h = _ref_grouped_gemm(lhs, rhs, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16))
-    a_row, a_col = _ref_fake_quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
+def _fc1_composed(gemm: Callable, quantize_pair: Callable, lhs: Operand, rhs: Operand, group_sizes: jax.Array,
+                  probs: jax.Array):
+    """FC1, the activation and its two MXFP8 copies, unfused, from ``gemm`` and
+    ``quantize_pair`` (the references for the reference; the dispatched primitives for
+    the CUDA fallback, so each step still takes a kernel where one fits)."""
+    h = gemm(lhs, rhs, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16))
+    a_row, a_col = quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
     return h, a_row, a_col
 
 
-def _ref_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
-    da = _ref_grouped_gemm(dy_row, w2, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16), transpose_rhs=True)
+def _dgrad_composed(gemm: Callable, quantize_pair: Callable, dy_row: Operand, w2: Operand, group_sizes: jax.Array,
+                    h: jax.Array, probs: jax.Array):
+    """The FC2 dgrad, the activation's backward and dh's two MXFP8 copies, unfused (as
+    :func:`_fc1_composed`)."""
+    da = gemm(dy_row, w2, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16), transpose_rhs=True)
     dh, dprobs = srelu_scaled_grad(da, h, probs)
-    dh_row, dh_col = _ref_fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
+    dh_row, dh_col = quantize_pair(dh, group_sizes, keep_col_fp8=False)
     return dh_row, dh_col, dprobs
+
+
+def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
+    return _fc1_composed(_ref_grouped_gemm, _ref_fake_quantize_pair, lhs, rhs, group_sizes, probs)
+
+
+def _ref_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
+    return _dgrad_composed(_ref_grouped_gemm, _ref_fake_quantize_pair, dy_row, w2, group_sizes, h, probs)
 
 
 _REFERENCE: dict[str, Callable] = {
@@ -319,18 +334,11 @@ def _fallback_grouped_gemm_qw(lhs: Operand, w: jax.Array, group_sizes: jax.Array
 
 
 def _fallback_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
-    """FC1, the activation and its two MXFP8 copies, unfused."""
-    h = grouped_gemm(lhs, rhs, group_sizes, jnp.bfloat16)
-    a_row, a_col = fake_quantize_pair(srelu_scaled(h, probs), group_sizes, keep_col_fp8=True)
-    return h, a_row, a_col
+    return _fc1_composed(grouped_gemm, fake_quantize_pair, lhs, rhs, group_sizes, probs)
 
 
 def _fallback_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, h: jax.Array, probs: jax.Array):
-    """The FC2 dgrad, the activation's backward and dh's two MXFP8 copies, unfused."""
-    da = grouped_gemm(dy_row, w2, group_sizes, jnp.bfloat16, transpose_rhs=True)
-    dh, dprobs = srelu_scaled_grad(da, h, probs)
-    dh_row, dh_col = fake_quantize_pair(dh, group_sizes, keep_col_fp8=False)
-    return dh_row, dh_col, dprobs
+    return _dgrad_composed(grouped_gemm, fake_quantize_pair, dy_row, w2, group_sizes, h, probs)
 
 
 _FALLBACK: dict[str, Callable] = {
