@@ -91,7 +91,7 @@ def _grad_of_grad(recipe, cs):
     return jax.jit(jax.grad(inner, argnums=(0, 1, 2, 3)))
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, band: float = 3e-2):
     """Equal up to float32 rounding where both paths run the same arithmetic (CPU: the
     kernels' branch is traced but the reference runs). On a GPU the kernels sum in
     another order than XLA's reference GEMMs, which moves bf16 (and MXFP8) roundings:
@@ -101,7 +101,8 @@ def _assert_same(got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all() and np.isfinite(w).all()
         if on_gpu:
-            assert np.linalg.norm(g - w) <= 3e-2 * np.linalg.norm(w), np.linalg.norm(g - w) / np.linalg.norm(w)
+            err = np.linalg.norm(g - w) / np.linalg.norm(w)
+            assert err <= band, f"kernels vs reference path: relative error {err:.3g} > {band}"
         else:
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
 
@@ -201,7 +202,16 @@ def test_first_order_lowering_is_unchanged_by_the_derivative_rule():
         step = jax.jit(jax.grad(_loss(recipe), argnums=(0, 1, 2, 3)))
         exp = jax.export.export(step, platforms=["cuda"], disabled_checks=jgm.export_disabled_checks())(*args)
         text = re.sub(r"loc\([^)]*\)|#loc.*", "", exp.mlir_module())
-        return "\n".join(line for line in text.splitlines() if line.strip())
+        # Private functions' names carry a counter that depends on what the process traced
+        # before (jax 0.11 says `cumsum_1` where 0.12 says `cumsum`), and jax 0.11 wraps one
+        # of them in a private function that only calls it: compare programs, not those.
+        text = re.sub(r"@([A-Za-z_][\w.]*?)_\d+\b", r"@\1", text)
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        for i in reversed(range(len(lines) - 3)):
+            if (lines[i].startswith("func.func private") and lines[i + 1].startswith("%0 = call @")
+                    and lines[i + 2].startswith("return %0") and lines[i + 3] == "}"):
+                del lines[i:i + 4]
+        return "\n".join(lines)
 
     for recipe in ("bf16", "mxfp8"):
         text = lowered(recipe)

@@ -2,6 +2,12 @@
 """Runs every grouped GEMM (bf16, in-register weight quantization, MXFP8-weight, FC1- and dgrad-epilogue), wgrad and fake-quantize variant once on a small ragged case, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
+    compute-sanitizer --tool memcheck python3 tools/sanitize_small.py --second-order
+
+``--second-order`` instead runs the op's second-order programs (``jit(grad(grad))`` over
+every argument and ``jit(hessian)`` in probs, both recipes, an empty group and sizes
+past M), the cases of tests/test_adversarial_gpu.py that pytest cannot run under the
+sanitizer.
 
 No pytest (the sanitizer crashed inside pytest's process on the H200). Exits 1 if an
 output is not finite; the sanitizer reports memory errors itself.
@@ -72,5 +78,34 @@ def main() -> int:
     return int(bad > 0)
 
 
+def second_order() -> int:
+    """jit(grad of <c, grad>) and jit(hessian) of the op's loss, on the kernels."""
+    import jax_grouped_mlp as jgm
+
+    rng = np.random.default_rng(1)
+    m, h, f, g = 96, 64, 96, 3
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / 8, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.bfloat16)
+    p = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    gs = jnp.asarray([40, 0, 70], jnp.int32)  # an empty group; the sizes pass M
+    bad = 0
+    for recipe in ("mxfp8", "bf16"):
+        def loss(x, w1, w2, p, recipe=recipe):
+            return jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe).astype(jnp.float32) ** 2)
+
+        cs = [jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (x, w1, w2, p)]
+
+        def inner(x, w1, w2, p, loss=loss, cs=cs):
+            grads = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w1, w2, p)
+            return sum(jnp.vdot(c, gr.astype(jnp.float32)) for c, gr in zip(cs, grads))
+
+        outs = list(jax.jit(jax.grad(inner, argnums=(0, 1, 2, 3)))(x, w1, w2, p))
+        outs.append(jax.jit(jax.hessian(lambda p, loss=loss: loss(x, w1, w2, p)))(p))
+        bad += sum(int(not np.isfinite(np.asarray(o, np.float32)).all()) for o in outs)
+    print(f"ran grad-of-grad and hessian for 2 recipes, {bad} outputs with non-finite values")
+    return int(bad > 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(second_order() if "--second-order" in sys.argv[1:] else main())
