@@ -693,6 +693,12 @@ def _labels(text: str, error) -> list[str]:
     return labels
 
 
+def _label_of(rows: list[dict], placement: tuple[str, ...]) -> str | None:
+    """The label of the row with ``placement``, a named policy before a d-o-r label."""
+    found = [r["label"] for r in rows if tuple(r["placement"].values()) == placement and r["label"] != "default"]
+    return min(found, key=lambda label: label in offload_bars.ALL27, default=None)
+
+
 def _group(rows: list[dict], layout: str, layers: int) -> list[dict]:
     return [r for r in rows if r.get("layout", "loop") == layout and r.get("layers") == layers]
 
@@ -837,9 +843,10 @@ def main(argv=None) -> dict:
         print_table(group, link["d2h_bytes_per_s"])
         print_bar(result["bars"][f"{layout}/{layers}"])
         if layers == max(opts.layers):  # the details once per layout
+            base, other = (_label_of(group, NAMED_POLICIES[n]) for n in ("all_device", "all_offload"))
             print_temp_question(group)
-            print_peaks(group)
-            print_peak_diff(group)
+            print_peaks(group, labels=(base, other))
+            print_peak_diff(group, base=base, other=other)
     print("\n===== issue 17's bars =====")
     offload_bars.print_growth(result["growth"])
     offload_bars.print_step(rows, link)
