@@ -1,9 +1,14 @@
 """Residual offload, measured: device and host memory, step time and proof of placement per policy.
 
-A stack of ``--layers`` grouped-MLP layers, each under its own
-``jax.checkpoint(..., policy=offload_policy(...))``, full forward + backward
+A stack of grouped-MLP layers, each ``x + jax.checkpoint(grouped_mlp,
+policy=offload_policy(...))(x, w1, w2, sizes, probs)``, full forward + backward
 (``jax.value_and_grad`` of a scalar loss over every layer's weights and x) under
-``jax.jit``, for these policies (fc1_input / activation_input / fc2_input):
+``jax.jit``, in two layouts (``--layout loop|scan|both``): ``loop``, a Python loop
+over separate per-layer weights; ``scan``, ``jax.lax.scan`` over stacked weights
+``(L, G, H, F)`` with the checkpoint inside the scanned body. Each layout runs at
+each of ``--layers`` (``4,8``: a comma list) and for these policies
+(fc1_input / activation_input / fc2_input), or ``--policies all27``: every
+placement in {device, offload, recompute}^3, labelled by initials (``d-o-r``):
 
     all_device                 device / device / device
     fc1_input_offload          offload / device / device
@@ -30,14 +35,23 @@ For each one it records
   their bytes, and any ``MoveToHost`` / ``MoveToDevice`` /
   ``annotate_device_placement`` custom calls left.
 
-It then prints the table, the residual-device-memory bar (all three offloaded must
-keep >= 90 % less residual memory on the device than all three on the device,
-judged from the traced bytes and from compiled temp memory) and the link time the
-host bytes imply at ``--link-gbps`` (53 GB/s) next to the step-time cost of
-offloading. JSON goes to ``benchmarks/results/offload_<platform>.json``.
+It then prints, per layout and layer count, the table, the residual-device-memory
+bar (all three offloaded must keep >= 90 % less residual memory on the device than
+all three on the device, judged from the traced bytes and from compiled temp
+memory) and the link time the host bytes imply; then issue 17's bars
+(``benchmarks/offload_bars.py``): the per-layer growth of compiled temp memory and
+of the device peak between the smallest and largest layer count against
+``kept_on_device + 0.10 * offloaded`` residual bytes per layer, and the step time
+against ``1.15 * max(all-device step, transfer time)``, the transfer time from the
+host link bandwidth measured in the worker process (a pinned-host <-> device copy
+of ``--link-mb`` MB each way; ``--link-gbps`` where there is no ``pinned_host``).
+JSON goes to ``benchmarks/results/offload_<platform>.json``; ``--plot`` draws it
+(``benchmarks/plot_offload.py``).
 
     PYTHONPATH=. python benchmarks/bench_offload.py                                # small CPU shape
     PYTHONPATH=. python3 benchmarks/bench_offload.py --nano --plot offload.png       # H200
+    PYTHONPATH=. python3 benchmarks/bench_offload.py --ep-share --policies all27 --layers 4,8 \
+        --inprocess --no-time                                      # compiled temp of all 27, one process
 
 On the CPU, ``device_put`` to a memory kind inside ``jit`` lowers to nothing
 (jax/_src/dispatch.py registers the memory-kind annotation for 'gpu' and 'tpu'
@@ -52,6 +66,7 @@ import argparse
 import collections
 import functools
 import inspect
+import itertools
 import json
 import os
 import pathlib
@@ -66,13 +81,14 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
 
 import numpy as np
 
+from benchmarks import offload_bars
 from benchmarks.common import RESULTS, time_call, write_result
 from benchmarks.buffer_assignment import temp_peak_report
 from benchmarks.hlo_text import host_placement_report, lowered_placement_report, parse_hlo
 from benchmarks.xla_dump import dump_flags, find_dump, temp_peak_from_dump
 
 PLACEMENT_NAMES = ("fc1_input", "activation_input", "fc2_input")
-POLICIES = {
+NAMED_POLICIES = {
     "all_device": ("device", "device", "device"),
     "fc1_input_offload": ("offload", "device", "device"),
     "activation_input_offload": ("device", "offload", "device"),
@@ -81,11 +97,16 @@ POLICIES = {
     "default": None,  # offload_policy() exactly as a user gets it
     "all_recompute": ("recompute", "recompute", "recompute"),
 }
+POLICIES = NAMED_POLICIES | offload_bars.ALL27  # "d-o-r": fc1_input device, activation_input offload, ...
+LAYOUTS = ("loop", "scan")
 # Run order: what the bar and the temp-memory question need first, in case a run is cut short.
 RUN_ORDER = ["all_device", "all_offload", "all_recompute", "fc1_input_offload", "activation_input_offload",
-             "fc2_input_offload", "default"]  # fmt: skip
+             "fc2_input_offload", "default", "d-d-d", "o-o-o", "r-r-r"]  # fmt: skip
+RUN_ORDER += [k for k in offload_bars.ALL27 if k not in RUN_ORDER]
 CPU_SHAPE = dict(tokens=2048, hidden=256, ffn=384, experts=8)
 NANO_SHAPE = dict(tokens=49152, hidden=2688, ffn=1856, experts=128)  # 8192 tokens x top-6
+# Issue 17's shape: one device's expert-parallel share of Nemotron-3-Nano (16 local experts).
+EP_SHARE_SHAPE = dict(tokens=49152, hidden=2688, ffn=1856, experts=16)
 BAR = 0.90  # all_offload keeps >= 90 % less residual memory on the device than all_device
 MB = 1e6
 LOSS_MODULE = "jit_loss"  # XLA's name for the jitted step (make_stack's ``loss``)
@@ -115,12 +136,14 @@ def group_sizes(tokens: int, experts: int, ragged: bool, seed: int = 0) -> np.nd
     return rng.multinomial(tokens, rng.dirichlet(np.ones(experts))).astype(np.int32)
 
 
-def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 0):
+def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 0, layout: str = "loop"):
     """``loss_for(label)`` -> ``loss(params, x, sizes, probs)``, and the arguments.
 
-    ``params`` is a list of ``(w1, w2)`` per layer (separate arrays: no slicing of a
-    stacked weight inside the step); every layer is ``x + grouped_mlp(x, ...)``
-    under its own ``jax.checkpoint``.
+    Every layer is ``x + jax.checkpoint(grouped_mlp, policy=...)(x, w1, w2, sizes, probs)``.
+    ``layout="loop"``: ``params`` is a list of ``(w1, w2)`` per layer (separate arrays: no
+    slicing of a stacked weight inside the step) and a Python loop over them;
+    ``layout="scan"``: ``params`` is ``(w1 (L, G, H, F), w2 (L, G, F, H))`` and
+    ``jax.lax.scan`` runs the layer over them. Both layouts get the same values.
     """
     import jax
     import jax.numpy as jnp
@@ -128,17 +151,19 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     from jax_grouped_mlp._src.op.mlp import grouped_mlp
     from jax_grouped_mlp._src.offload.policy import offload_policy
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got layout={layout!r}")
     m, h, f, g = shape["tokens"], shape["hidden"], shape["ffn"], shape["experts"]
-    keys = jax.random.split(jax.random.key(seed), 2 * layers + 2)
+    keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (m, h), jnp.bfloat16)
     probs = jax.random.uniform(keys[1], (m,), jnp.float32)
-    params = [
-        (
-            (jax.random.normal(keys[2 + 2 * i], (g, h, f), jnp.bfloat16) * h**-0.5).astype(jnp.bfloat16),
-            (jax.random.normal(keys[3 + 2 * i], (g, f, h), jnp.bfloat16) * f**-0.5).astype(jnp.bfloat16),
-        )
-        for i in range(layers)
-    ]
+    w1 = (jax.random.normal(keys[2], (layers, g, h, f), jnp.bfloat16) * h**-0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[3], (layers, g, f, h), jnp.bfloat16) * f**-0.5).astype(jnp.bfloat16)
+    if layout == "loop":
+        params = [(w1[i], w2[i]) for i in range(layers)]
+        del w1, w2
+    else:
+        params = (w1, w2)
     sizes = jnp.asarray(group_sizes(m, g, ragged, seed))
 
     def loss_for(label):
@@ -146,10 +171,21 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
         policy = offload_policy() if p is None else offload_policy(*p)
         layer = jax.checkpoint(functools.partial(grouped_mlp, recipe=recipe), policy=policy)
 
-        def loss(params, x, sizes, probs):
-            for w1, w2 in params:
-                x = x + layer(x, w1, w2, sizes, probs)
-            return jnp.mean(x.astype(jnp.float32) ** 2)
+        if layout == "loop":
+
+            def loss(params, x, sizes, probs):
+                for w1, w2 in params:
+                    x = x + layer(x, w1, w2, sizes, probs)
+                return jnp.mean(x.astype(jnp.float32) ** 2)
+
+        else:
+
+            def loss(params, x, sizes, probs):
+                def body(x, w):
+                    return x + layer(x, w[0], w[1], sizes, probs), None
+
+                x, _ = jax.lax.scan(body, x, params)
+                return jnp.mean(x.astype(jnp.float32) ** 2)
 
         return loss
 
@@ -215,8 +251,10 @@ def _temp_peak(compiled, text: str, opts) -> dict | None:
     return temp_peak_report(blob, module, instrs) if blob else None
 
 
-def measure_policy(label: str, stack, opts) -> dict:
-    """Everything measured for one policy (run it in a fresh process for a clean device peak)."""
+def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | None = None) -> dict:
+    """Everything measured for one policy (run it in a fresh process for a clean device peak).
+
+    ``stack``: :func:`make_stack`'s result for ``layout`` and ``layers``."""
     import jax
 
     from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
@@ -226,16 +264,29 @@ def measure_policy(label: str, stack, opts) -> dict:
     loss_for, args = stack
     loss = loss_for(label)
     device = jax.devices()[0]
-    row: dict = {"label": label, "placement": dict(zip(PLACEMENT_NAMES, placement_of(label)))}
+    layers = opts.layers[0] if layers is None else layers
+    row: dict = {"label": label, "layout": layout, "layers": layers,
+                 "placement": dict(zip(PLACEMENT_NAMES, placement_of(label)))}  # fmt: skip
 
-    # 1. What the traced gradient keeps where (per residual name, summed over layers).
+    # 1. What the traced gradient keeps where (per residual name): summed over the layers
+    # of a loop, once for a scan's body (one layer); normalized here to per layer and per step.
     report = residual_report(jax.grad(loss, argnums=(0, 1)), *args)
     row["traced"] = {
         n: {"placement": r.placement, "device_bytes": r.device_bytes, "host_bytes": r.host_bytes}
         for n, r in report.items()
     }
-    row["device_residual_bytes"] = sum(report[n].device_bytes for n in RESIDUAL_NAMES if n in report)
-    row["host_residual_bytes"] = sum(report[n].host_bytes for n in RESIDUAL_NAMES if n in report)
+    per = {"loop": layers, "scan": 1}[layout]  # layers the traced bytes cover
+    dev = sum(report[n].device_bytes for n in RESIDUAL_NAMES if n in report)
+    host = sum(report[n].host_bytes for n in RESIDUAL_NAMES if n in report)
+    x = args[1]
+    row["residual_bytes_per_layer"] = {
+        "source": "placement.residual_report (traced gradient)",
+        "device": dev // per, "host": host // per,
+        "layer_input": x.size * x.dtype.itemsize,  # the checkpoint's input, kept by every policy
+        "by_name": {n: {"device": r.device_bytes // per, "host": r.host_bytes // per} for n, r in report.items()},
+    }  # fmt: skip
+    row["device_residual_bytes"] = dev // per * layers  # all layers of the step
+    row["host_residual_bytes"] = host // per * layers
 
     # 2. The compiled step: memory analysis, host placement in the HLO, heap trace at the peak.
     stats_before = _memory_stats(device)
@@ -267,7 +318,7 @@ def measure_policy(label: str, stack, opts) -> dict:
 
         d = pathlib.Path(opts.dump_hlo)
         d.mkdir(parents=True, exist_ok=True)
-        with gzip.open(d / f"{label}.hlo.txt.gz", "wt") as fh:
+        with gzip.open(d / f"{layout}_{layers}_{label}.hlo.txt.gz", "wt") as fh:
             fh.write(text)
     stats_compiled = _memory_stats(device)
 
@@ -275,7 +326,9 @@ def measure_policy(label: str, stack, opts) -> dict:
     run = functools.partial(compiled, *args)
     jax.block_until_ready(run())
     stats_step = _memory_stats(device)
-    row["step_time_s"] = time_call(run, iters=opts.iters, warmup=opts.warmup, samples=opts.samples)
+    row["step_time_s"] = (
+        time_call(run, iters=opts.iters, warmup=opts.warmup, samples=opts.samples) if opts.samples > 0 else None
+    )
     stats_timed = _memory_stats(device)
     row["memory_stats"] = {
         "before_compile": stats_before,
@@ -318,43 +371,56 @@ def measure_policy(label: str, stack, opts) -> dict:
 
 
 def _shape(opts) -> dict:
-    shape = dict(NANO_SHAPE if opts.nano else CPU_SHAPE)
+    shape = dict(EP_SHARE_SHAPE if opts.ep_share else NANO_SHAPE if opts.nano else CPU_SHAPE)
     for k in shape:
         if getattr(opts, k) is not None:
             shape[k] = getattr(opts, k)
     return shape
 
 
-def worker(opts, labels: list[str]) -> tuple[dict, list[dict]]:
-    """Measures ``labels`` in this process; returns (device description, rows)."""
+def _device_description() -> dict:
     import jax
 
-    shape = _shape(opts)
-    stack = make_stack(shape, opts.layers, opts.recipe, opts.ragged)
     d = jax.devices()[0]
-    desc = {
+    return {
         "platform": d.platform,
         "device_kind": d.device_kind,
         "jax": jax.__version__,
         "memory_kinds": sorted(m.kind for m in d.addressable_memories()),
     }
+
+
+def worker(opts, labels: list[str]) -> tuple[dict, list[dict]]:
+    """Measures ``labels`` in this process, for each of ``opts.layout`` and ``opts.layers``
+    (one stack at a time), then the host link (after every device peak is read: its
+    copies need device memory); returns (device description, rows)."""
+    shape = _shape(opts)
+    desc = _device_description()
     rows = []
-    for label in labels:
-        print(f"[{label}] measuring...", file=sys.stderr, flush=True)
-        rows.append(measure_policy(label, stack, opts))
-        print(f"[{label}] done in {rows[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    for layout in opts.layout:
+        for layers in opts.layers:
+            stack = make_stack(shape, layers, opts.recipe, opts.ragged, layout=layout)
+            for label in labels:
+                tag = f"{layout} x{layers} {label}"
+                print(f"[{tag}] measuring...", file=sys.stderr, flush=True)
+                rows.append(measure_policy(label, stack, opts, layout, layers))
+                print(f"[{tag}] done in {rows[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+            del stack
+    desc["link"] = offload_bars.measure_link(int(opts.link_mb * MB)) if opts.link_mb > 0 else None
     return desc, rows
 
 
-def _child_argv(opts, label: str, out: str) -> list[str]:
+def _child_argv(opts, label: str, out: str, layout: str, layers: int) -> list[str]:
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", label, "--worker-out", out]
-    argv += ["--layers", str(opts.layers), "--recipe", opts.recipe, "--iters", str(opts.iters),
-             "--warmup", str(opts.warmup), "--samples", str(opts.samples)]  # fmt: skip
+    argv += ["--layout", layout, "--layers", str(layers), "--recipe", opts.recipe, "--iters", str(opts.iters),
+             "--warmup", str(opts.warmup), "--samples", str(opts.samples), "--link-mb", str(opts.link_mb)]  # fmt: skip
     for k in ("tokens", "hidden", "ffn", "experts"):
         if getattr(opts, k) is not None:
             argv += [f"--{k}", str(getattr(opts, k))]
     if opts.nano:
         argv.append("--nano")
+    if opts.ep_share:
+        argv.append("--ep-share")
     if opts.ragged:
         argv.append("--ragged")
     if opts.runtime_check:
@@ -367,10 +433,13 @@ def _child_argv(opts, label: str, out: str) -> list[str]:
 
 
 def run_subprocesses(opts, labels: list[str], done=None) -> tuple[dict, list[dict]]:
-    """One fresh process per policy: ``peak_bytes_in_use`` only grows within a process.
+    """One fresh process per (policy, layout, layer count): ``peak_bytes_in_use`` only
+    grows within a process. Policy outermost, so a run cut short has both layouts and
+    every layer count of the policies it reached.
 
-    ``done(desc, rows)`` is called after each policy (the caller saves partial results)."""
-    desc, rows = {}, []
+    ``done(desc, rows)`` is called after each process (the caller saves partial results);
+    ``desc["links"]`` collects each process's link measurement."""
+    desc, rows, links = {}, [], []
     root = pathlib.Path(__file__).resolve().parent.parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
@@ -382,28 +451,31 @@ def run_subprocesses(opts, labels: list[str], done=None) -> tuple[dict, list[dic
             # is never reached), so every policy still compiles from scratch.
             env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tmp, "jax_cache")
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1e9"
-        for label in labels:
-            out = os.path.join(tmp, f"{label}.json")
-            dump = os.path.join(tmp, f"{label}_xla")
+        for label, layout, layers in itertools.product(labels, opts.layout, opts.layers):
+            name = f"{layout}_{layers}_{label}"
+            out = os.path.join(tmp, f"{name}.json")
+            dump = os.path.join(tmp, f"{name}_xla")
             child_env = env | {"XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {dump_flags(dump, LOSS_MODULE)}".strip()}
             t0 = time.perf_counter()
             try:
-                argv = _child_argv(opts, label, out) + ["--xla-dump-dir", dump]
+                argv = _child_argv(opts, label, out, layout, layers) + ["--xla-dump-dir", dump]
                 proc = subprocess.run(argv, env=child_env, timeout=opts.child_timeout)
                 rc = proc.returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             if rc == 0 and os.path.exists(out):
                 res = json.loads(pathlib.Path(out).read_text())
+                links.append(res["device"].pop("link", None))
                 desc = desc or res["device"]
                 rows.extend(res["rows"])
             else:
-                print(f"[{label}] FAILED (exit {rc})", file=sys.stderr, flush=True)
-                rows.append({"label": label, "placement": dict(zip(PLACEMENT_NAMES, placement_of(label))),
+                print(f"[{name}] FAILED (exit {rc})", file=sys.stderr, flush=True)
+                rows.append({"label": label, "layout": layout, "layers": layers,
+                             "placement": dict(zip(PLACEMENT_NAMES, placement_of(label))),
                              "error": f"worker exit {rc}", "wall_s": time.perf_counter() - t0})  # fmt: skip
             if done is not None:
-                done(desc, rows)
-    return desc, rows
+                done(desc | {"links": links}, rows)
+    return desc | {"links": links}, rows
 
 
 def _get(rows: dict, label: str, *path):
@@ -415,19 +487,28 @@ def _get(rows: dict, label: str, *path):
     return v
 
 
-def summarize(rows: list[dict], link_bw: float) -> dict:
-    """Differences against all_device / all_recompute, link time and the residual-memory bar."""
-    by = {r["label"]: r for r in rows if "error" not in r}
+def summarize(rows: list[dict], link: dict) -> dict:
+    """Differences against all_device / all_recompute, link time, the residual-memory bar and
+    the step-time bar, for the rows of one layout and layer count. The baselines are found by
+    placement ("d-d-d" stands in for all_device)."""
+    ok = [r for r in rows if "error" not in r]
+    by = {r["label"]: r for r in ok}
+    for name in ("all_device", "all_offload", "all_recompute"):
+        if name not in by:
+            match = next((r for r in ok if tuple(r["placement"].values()) == NAMED_POLICIES[name]), None)
+            if match is not None:
+                by[name] = match
+    link_bw = link["d2h_bytes_per_s"]
     t_dev = _get(by, "all_device", "compiled", "temp_size_in_bytes")
     t_rec = _get(by, "all_recompute", "compiled", "temp_size_in_bytes")
     s_dev = _get(by, "all_device", "step_time_s")
     p_dev = _get(by, "all_device", "peak_bytes_in_use")
     p_rec = _get(by, "all_recompute", "peak_bytes_in_use")
-    for r in by.values():
+    for r in ok:
         temp = r["compiled"]["temp_size_in_bytes"]
         r["temp_minus_all_device"] = temp - t_dev if None not in (temp, t_dev) else None
         r["temp_minus_all_recompute"] = temp - t_rec if None not in (temp, t_rec) else None
-        r["step_minus_all_device_s"] = r["step_time_s"] - s_dev if s_dev is not None else None
+        r["step_minus_all_device_s"] = r["step_time_s"] - s_dev if None not in (r["step_time_s"], s_dev) else None
         p = r.get("peak_bytes_in_use")
         r["peak_minus_all_device"] = p - p_dev if None not in (p, p_dev) else None
         r["link_time_each_way_s"] = r["host_residual_bytes"] / link_bw
@@ -473,6 +554,7 @@ def summarize(rows: list[dict], link_bw: float) -> dict:
         "all_device_bytes": res_dev, "all_offload_bytes": res_off, "drop": at_peak,
         "passes": None if at_peak is None else at_peak >= BAR,
     }  # fmt: skip
+    offload_bars.step_bars(rows, link)
     return bar
 
 
@@ -486,6 +568,7 @@ def _fmt(v, scale=MB, spec=".1f", none="-"):
 
 
 def print_table(rows: list[dict], link_bw: float) -> None:
+    """The rows of one layout and layer count."""
     hdr = (
         f"{'policy':<26}{'fc1/act/fc2':<14}{'res dev':>9}{'res host':>9}{'temp':>10}{'dtemp':>9}"
         f"{'host tmp':>9}{'peak':>10}{'dpeak':>9}{'S5':>5}{'D2H':>5}{'H2D':>5}{'HLO->host':>10}"
@@ -494,7 +577,7 @@ def print_table(rows: list[dict], link_bw: float) -> None:
     print("\nMB = 1e6 bytes; res dev / res host: residual bytes the traced gradient keeps on device / in")
     print("pinned host (all layers); temp: compiled temp; dtemp, dpeak, dstep: minus all_device;")
     print("peak: device peak_bytes_in_use after one step; S5: instructions with host-memory (S(5)) shapes;")
-    print(f"D2H/H2D: host transfers in the compiled HLO; link/way: res host / {link_bw / 1e9:.0f} GB/s, ms\n")
+    print(f"D2H/H2D: host transfers in the compiled HLO; link/way: res host / {link_bw / 1e9:.1f} GB/s, ms\n")
     print(hdr)
     for r in rows:
         pl = "/".join(p[0].upper() for p in r["placement"].values())
@@ -508,7 +591,7 @@ def print_table(rows: list[dict], link_bw: float) -> None:
             f"{_fmt(c['host_temp_size_in_bytes']):>9}{_fmt(r['peak_bytes_in_use']):>10}"
             f"{_fmt(r['peak_minus_all_device'], spec='+.1f'):>9}{h['s5_instructions']:>5}"
             f"{sum(h['to_host_ops'].values()):>5}{sum(h['to_device_ops'].values()):>5}"
-            f"{_fmt(h['to_host_bytes']):>10}{r['step_time_s'] * 1e3:>9.2f}"
+            f"{_fmt(h['to_host_bytes']):>10}{_fmt(r['step_time_s'], 1e-3, '.2f'):>9}"
             f"{_fmt(r['step_minus_all_device_s'], 1e-3, '+.2f'):>8}{r['link_time_each_way_s'] * 1e3:>9.2f}"
         )
 
@@ -588,59 +671,114 @@ def print_peak_diff(rows: list[dict], base: str = "all_device", other: str = "al
         print("  (the same)")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"--layers must be positive integers, comma-separated, got {text!r}")
+    return sorted(set(vals))
+
+
+def _labels(text: str, error) -> list[str]:
+    labels: list[str] = []
+    for s in (s.strip() for s in text.split(",")):
+        for label in offload_bars.ALL27 if s == "all27" else [s] if s else []:
+            if label not in labels:
+                labels.append(label)
+    unknown = sorted(set(labels) - set(POLICIES))
+    if unknown:
+        error(f"unknown policies {unknown}; choose from {list(NAMED_POLICIES)}, all27 or labels like d-o-r")
+    return labels
+
+
+def _label_of(rows: list[dict], placement: tuple[str, ...]) -> str | None:
+    """The label of the row with ``placement``, a named policy before a d-o-r label."""
+    found = [r["label"] for r in rows if tuple(r["placement"].values()) == placement and r["label"] != "default"]
+    return min(found, key=lambda label: label in offload_bars.ALL27, default=None)
+
+
+def _group(rows: list[dict], layout: str, layers: int) -> list[dict]:
+    return [r for r in rows if r.get("layout", "loop") == layout and r.get("layers") == layers]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=_int_list, default=[4, 8],
+                   help="layer counts, comma-separated (default 4,8); the per-layer growth is taken between "
+                        "the smallest and the largest")
+    p.add_argument("--layout", default="both", choices=["loop", "scan", "both"],
+                   help="loop: a Python loop over per-layer weights; scan: lax.scan over stacked weights")
     p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "bf16"])
-    p.add_argument("--nano", action="store_true", help="Nemotron-3-Nano expert shape: 49152 x 2688 x 1856, 128 experts")
+    shapes = p.add_mutually_exclusive_group()
+    shapes.add_argument("--nano", action="store_true",
+                        help="Nemotron-3-Nano expert shape: 49152 x 2688 x 1856, 128 experts")
+    shapes.add_argument("--ep-share", action="store_true",
+                        help="issue 17's shape, an expert-parallel device's share of Nano: 49152 x 2688 x 1856, "
+                             "16 experts")
     p.add_argument("--ragged", action="store_true", help="random unequal group sizes (default: equal)")
     p.add_argument("--tokens", type=int, default=None, help="override the shape's rows (tokens x top-k)")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--ffn", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(NAMED_POLICIES),
+                   help="comma-separated: " + ",".join(NAMED_POLICIES) + ", labels like d-o-r "
+                        "(fc1_input/activation_input/fc2_input: device, offload, recompute) or all27")
     p.add_argument("--iters", type=int, default=1, help="steps per timed sample")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--samples", type=int, default=5, help="timed samples; the median is reported")
-    p.add_argument("--link-gbps", type=float, default=53.0, help="host link bandwidth each way, GB/s")
+    p.add_argument("--samples", type=int, default=5, help="timed samples; the median is reported (0: no timing)")
+    p.add_argument("--no-time", dest="samples", action="store_const", const=0,
+                   help="skip the timing (--samples 0): compiled memory, one step for the device peak")
+    p.add_argument("--link-gbps", type=float, default=53.0,
+                   help="host link bandwidth each way, GB/s, where it cannot be measured")
+    p.add_argument("--link-mb", type=float, default=256.0,
+                   help="MB copied each way to measure the host link (0: use --link-gbps)")
     p.add_argument("--inprocess", action="store_true",
-                   help="all policies in this process (device peak is then cumulative)")
+                   help="everything in this process (compiled memory only: the device peak is then cumulative)")
     p.add_argument("--runtime-check", action="store_true",
                    help="also compile and run the forward alone and sum the residual arrays it returns by memory kind")
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per policy process")
     p.add_argument("--no-autotune-cache", dest="autotune_cache", action="store_false",
                    help="do not share XLA:GPU autotuning results between the policy processes")
-    p.add_argument("--dump-hlo", type=pathlib.Path, default=None, help="write <policy>.hlo.txt.gz here")
+    p.add_argument("--dump-hlo", type=pathlib.Path, default=None,
+                   help="write <layout>_<layers>_<policy>.hlo.txt.gz here")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA debug option for compiling the step, e.g. xla_gpu_memory_limit_slop_factor=30 "
                         "(repeatable; passed to Lowered.compile(compiler_options=...))")
     p.add_argument("--out", type=pathlib.Path, default=None)
-    p.add_argument("--plot", type=pathlib.Path, default=None, help="PNG: step time and memory per policy")
+    p.add_argument("--plot", type=pathlib.Path, default=None,
+                   help="PNG: per layout, compiled temp (device peak where measured) against step time, with "
+                        "each policy's step bar, and the per-layer growth against its bar")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--xla-dump-dir", default=None, help=argparse.SUPPRESS)  # set by the parent with XLA_FLAGS
     opts = p.parse_args(argv)
+    opts.layout = list(LAYOUTS) if opts.layout == "both" else [opts.layout]
+    if opts.samples < 0:
+        p.error(f"--samples must be >= 0, got {opts.samples}")
 
-    if opts.worker:  # child: one policy, results to --worker-out
+    if opts.worker:  # child: one policy, layout and layer count, results to --worker-out
         desc, rows = worker(opts, [opts.worker])
         pathlib.Path(opts.worker_out).write_text(json.dumps({"device": desc, "rows": rows}))
         return {}
 
-    labels = [s for s in opts.policies.split(",") if s]
-    unknown = sorted(set(labels) - set(POLICIES))
-    if unknown:
-        p.error(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    labels = _labels(opts.policies, p.error)
     shape = _shape(opts)
-    link_bw = opts.link_gbps * 1e9
     t0 = time.perf_counter()
-    print(f"grouped_mlp x {opts.layers} layers, M={shape['tokens']} H={shape['hidden']} F={shape['ffn']} "
-          f"G={shape['experts']} {opts.recipe}{' ragged' if opts.ragged else ''}; default offload_policy() = "
-          f"{'/'.join(default_placement())}; {'in-process' if opts.inprocess else 'one process per policy'}",
+    print(f"grouped_mlp x {','.join(map(str, opts.layers))} layers, layout {'+'.join(opts.layout)}, "
+          f"M={shape['tokens']} H={shape['hidden']} F={shape['ffn']} G={shape['experts']} {opts.recipe}"
+          f"{' ragged' if opts.ragged else ''}; default offload_policy() = {'/'.join(default_placement())}; "
+          f"{'in-process' if opts.inprocess else 'one process per policy, layout and layer count'}",
           flush=True)  # fmt: skip
     order = sorted(labels, key=RUN_ORDER.index)  # the rows the bar needs first
+    groups = [(layout, layers) for layout in opts.layout for layers in opts.layers]
 
     def result_for(desc, rows, complete):
-        rows = sorted(rows, key=lambda r: list(POLICIES).index(r["label"]))
+        rows = sorted(rows, key=lambda r: (LAYOUTS.index(r.get("layout", "loop")), r.get("layers", 0),
+                                           list(POLICIES).index(r["label"])))  # fmt: skip
+        link = offload_bars.link_bandwidth(desc.get("links") or [desc.get("link")], opts.link_gbps)
+        bars = {f"{layout}/{layers}": summarize(_group(rows, layout, layers), link) for layout, layers in groups}
         return {
             "command": shlex.join(["python"] + (sys.argv if argv is None else [__file__] + list(argv))),
             "argv": list(sys.argv if argv is None else argv),
@@ -650,12 +788,23 @@ def main(argv=None) -> dict:
             "jax": desc.get("jax"),
             "memory_kinds": desc.get("memory_kinds"),
             "shape": shape | {"layers": opts.layers, "recipe": opts.recipe, "ragged": opts.ragged},
+            "layouts": opts.layout,
+            "layer_counts": opts.layers,
+            "policies": order,
             "default_offload_policy": dict(zip(PLACEMENT_NAMES, default_placement())),
             "compiler_options": _compiler_options(opts),
             "timing": {"iters": opts.iters, "warmup": opts.warmup, "samples": opts.samples, "statistic": "median"},
-            "link_bandwidth_each_way": link_bw,
+            "link": link,
+            "link_bandwidth_each_way": link["d2h_bytes_per_s"],
             "one_process_per_policy": not opts.inprocess,
-            "bar": summarize(rows, link_bw),
+            "bars": bars,  # per "layout/layers": the all-offload vs all-device residual-memory bar
+            "growth": offload_bars.growth(rows, opts.layout, order, opts.layers, peak_valid=not opts.inprocess),
+            "bar_definitions": {
+                "memory": "growth per layer <= kept_on_device_bytes_per_layer + 0.10 * offloaded_bytes_per_layer "
+                          "(residual bytes per layer from placement.residual_report of the traced gradient)",
+                "step": "step_time_s <= 1.15 * max(compute_s, transfer_s); compute_s: the all-device step of the "
+                        "same layout and layer count; transfer_s: host bytes per step / d2h + / h2d bandwidth",
+            },  # fmt: skip
             "rows": rows,
             "wall_s": time.perf_counter() - t0,
         }
@@ -680,12 +829,27 @@ def main(argv=None) -> dict:
         desc, rows = run_subprocesses(opts, order, save_partial)
     result = result_for(desc, rows, True)
     rows = result["rows"]
+    link = result["link"]
     print(f"\ndevice: {desc.get('device_kind')} ({desc.get('platform')}), memory kinds {desc.get('memory_kinds')}")
-    print_table(rows, link_bw)
-    print_bar(result["bar"])
-    print_temp_question(rows)
-    print_peaks(rows)
-    print_peak_diff(rows)
+    if link["source"] == "measured":
+        print(f"host link, measured ({link['bytes'] / MB:.0f} MB each way): device->host "
+              f"{link['d2h_bytes_per_s'] / 1e9:.1f} GB/s, host->device {link['h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+    else:
+        print(f"host link: --link-gbps {opts.link_gbps} each way (not measured: "
+              f"{(link.get('measure_errors') or ['no pinned_host memory kind, or --link-mb 0'])[0]})")
+    for layout, layers in groups:
+        group = _group(rows, layout, layers)
+        print(f"\n===== layout {layout}, {layers} layers =====")
+        print_table(group, link["d2h_bytes_per_s"])
+        print_bar(result["bars"][f"{layout}/{layers}"])
+        if layers == max(opts.layers):  # the details once per layout
+            base, other = (_label_of(group, NAMED_POLICIES[n]) for n in ("all_device", "all_offload"))
+            print_temp_question(group)
+            print_peaks(group, labels=(base, other))
+            print_peak_diff(group, base=base, other=other)
+    print("\n===== issue 17's bars =====")
+    offload_bars.print_growth(result["growth"])
+    offload_bars.print_step(rows, link)
     write(result, opts.out or RESULTS / f"offload_{desc.get('platform', 'unknown')}.json")
     if opts.plot:
         from benchmarks.plot_offload import plot

@@ -17,6 +17,7 @@ from gpu_helpers import has_gpu
 # ``pytest --durations=60`` when the suite changes.
 SLOW = frozenset({
     "tests/test_bench_offload.py::test_inprocess_run_estimates_the_peak_from_the_serialized_assignment",
+    "tests/test_bench_offload.py::test_layouts_layer_counts_and_bars_inprocess",
     "tests/test_bench_offload.py::test_tiny_run_end_to_end",
     "tests/test_flax.py::test_float32_params_get_float32_gradients",
     "tests/test_flax.py::test_params_and_forward",

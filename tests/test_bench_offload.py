@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import pathlib
 import sys
 
@@ -70,8 +72,8 @@ def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "offload.json"
     png = tmp_path / "offload.png"
     argv = ["--tokens", "128", "--hidden", "32", "--ffn", "64", "--experts", "4", "--layers", "1",
-            "--policies", "all_offload,all_device", "--warmup", "1", "--samples", "1",
-            "--out", str(out), "--plot", str(png)]  # fmt: skip
+            "--layout", "loop", "--policies", "all_offload,all_device", "--warmup", "1", "--samples", "1",
+            "--link-mb", "1", "--out", str(out), "--plot", str(png)]  # fmt: skip
     result = bench_offload.main(argv)
     saved = json.loads(out.read_text())
     assert common.check_result(saved) == []  # written through common.write_result
@@ -91,8 +93,8 @@ def test_tiny_run_end_to_end(tmp_path):
     assert sum(v["bytes"] for v in lowered["pinned_host"].values()) == off["host_residual_bytes"]
     assert set(lowered["pinned_host"]) == {"bf16", "f8E4M3FN", "f8E8M0FNU"}  # h; MXFP8 data and scales
     assert "pinned_host" not in dev["lowered_placement"]
-    assert saved["bar"]["traced"]["passes"] is True
-    assert saved["bar"]["compiled_temp"]["drop"] is None  # needs all_recompute
+    assert saved["bars"]["loop/1"]["traced"]["passes"] is True
+    assert saved["bars"]["loop/1"]["compiled_temp"]["drop"] is None  # needs all_recompute
     for r in rows.values():
         assert r["step_time_s"] > 0
         assert r["compiled"]["temp_size_in_bytes"] is not None
@@ -113,8 +115,8 @@ def test_inprocess_run_estimates_the_peak_from_the_serialized_assignment(tmp_pat
     comes from the serialized buffer assignment (XLA:CPU has it)."""
     out = tmp_path / "offload.json"
     bench_offload.main(["--tokens", "128", "--hidden", "32", "--ffn", "64", "--experts", "4", "--layers", "1",
-                        "--policies", "all_device", "--warmup", "1", "--samples", "1", "--inprocess",
-                        "--out", str(out)])  # fmt: skip
+                        "--layout", "loop", "--policies", "all_device", "--warmup", "1", "--samples", "1",
+                        "--inprocess", "--link-mb", "0", "--out", str(out)])  # fmt: skip
     saved = json.loads(out.read_text())
     (row,) = saved["rows"]
     tp = row["temp_peak"]
@@ -122,3 +124,89 @@ def test_inprocess_run_estimates_the_peak_from_the_serialized_assignment(tmp_pat
         assert "source" not in tp
         assert 0 < tp["estimated_peak_bytes"] <= tp["temp_allocation_bytes"]
         assert tp["live_at_peak_top"] and "live_at_peak_by_shape" in tp
+
+
+TINY = dict(tokens=128, hidden=32, ffn=64, experts=4)
+
+
+def test_layouts_layer_counts_and_bars_inprocess(tmp_path):
+    """Both layouts at two layer counts, two policies (one a d-o-r label), in one process:
+    every row is there, the per-layer residual bytes agree with the planner's formula in
+    both layouts and at both counts, and the growth and step bars are finite and follow
+    their definitions."""
+    from jax_grouped_mlp._src.offload.planner import LayerShape
+
+    out = tmp_path / "offload.json"
+    argv = ["--tokens", "128", "--hidden", "32", "--ffn", "64", "--experts", "4", "--layers", "1,2",
+            "--layout", "both", "--policies", "d-o-r,all_device", "--warmup", "0", "--samples", "1",
+            "--link-mb", "1", "--inprocess", "--out", str(out)]  # fmt: skip
+    if importlib.util.find_spec("matplotlib") is not None:
+        argv += ["--plot", str(tmp_path / "offload.png")]
+    bench_offload.main(argv)
+    saved = json.loads(out.read_text())
+    assert common.check_result(saved) == []
+    assert saved["layouts"] == ["loop", "scan"] and saved["layer_counts"] == [1, 2]
+    assert saved["policies"] == ["all_device", "d-o-r"]
+    keys = [(r["layout"], r["layers"], r["label"]) for r in saved["rows"]]
+    assert keys == [(lo, n, p) for lo in ("loop", "scan") for n in (1, 2) for p in ("all_device", "d-o-r")]
+    assert set(saved["bars"]) == {"loop/1", "loop/2", "scan/1", "scan/2"}
+
+    per_residual = LayerShape(128, 32, 64, 4).residual_bytes("mxfp8")  # independent of the traced report
+    want_device = {"all_device": sum(per_residual.values()), "d-o-r": per_residual["fc1_input"]}
+    want_host = {"all_device": 0, "d-o-r": per_residual["activation_input"]}
+    for r in saved["rows"]:
+        assert r["placement"] == dict(zip(bench_offload.PLACEMENT_NAMES, bench_offload.POLICIES[r["label"]]))
+        per = r["residual_bytes_per_layer"]
+        where = (r["layout"], r["layers"], r["label"])
+        assert (per["device"], per["host"]) == (want_device[r["label"]], want_host[r["label"]]), where
+        assert per["layer_input"] == 128 * 32 * 2
+        assert r["host_residual_bytes"] == per["host"] * r["layers"]
+        assert r["compiled"]["temp_size_in_bytes"] > 0 and r["step_time_s"] > 0
+        assert math.isfinite(r["transfer_s"]) and r["compute_s"] > 0
+        assert r["step_bar_s"] == pytest.approx(1.15 * max(r["compute_s"], r["transfer_s"]))
+        assert r["meets_step_bar"] == (r["step_time_s"] <= r["step_bar_s"])
+        assert (r["transfer_s"] > 0) == (r["label"] != "all_device")
+
+    link = saved["link"]
+    if "pinned_host" in saved["memory_kinds"]:  # the CPU has one: the copies are measured
+        assert link["source"] == "measured" and link["bytes"] == 10**6
+    assert link["d2h_bytes_per_s"] > 0 and link["h2d_bytes_per_s"] > 0
+
+    growth = {(g["layout"], g["label"]): g for g in saved["growth"]}
+    assert set(growth) == {(lo, p) for lo in ("loop", "scan") for p in want_device}
+    rows = {k: r for k, r in zip(keys, saved["rows"])}
+    for (layout, label), g in growth.items():
+        t1, t2 = (rows[layout, n, label]["compiled"]["temp_size_in_bytes"] for n in (1, 2))
+        assert g["temp_growth_per_layer"] == t2 - t1 and math.isfinite(g["temp_growth_per_layer"])
+        assert g["peak_growth_per_layer"] is None  # in one process the peak is cumulative
+        assert g["bar_bytes_per_layer"] == pytest.approx(want_device[label] + 0.10 * want_host[label])
+        assert g["meets_bar_temp"] == (g["temp_growth_per_layer"] <= g["bar_bytes_per_layer"])
+
+
+def test_scan_and_loop_layouts_give_the_same_gradients():
+    """The two layouts are the same model: bitwise-equal gradients under an offload policy
+    (XLA:CPU; the weights of the loop are the scan's slices)."""
+    import jax
+    import numpy as np
+
+    grads = {}
+    for layout in bench_offload.LAYOUTS:
+        loss_for, (params, x, sizes, probs) = bench_offload.make_stack(TINY, 2, "mxfp8", False, layout=layout)
+        g_params, g_x = jax.jit(jax.grad(loss_for("d-o-d"), argnums=(0, 1)))(params, x, sizes, probs)
+        if layout == "loop":
+            g_params = tuple(np.stack([np.asarray(p[i]) for p in g_params]) for i in range(2))
+        grads[layout] = [np.asarray(a, np.float32) for a in (*g_params, g_x)]
+    assert all(np.abs(g).max() > 0 for g in grads["loop"])
+    for name, a, b in zip(("dw1", "dw2", "dx"), grads["loop"], grads["scan"]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_policy_labels():
+    assert len(bench_offload.offload_bars.ALL27) == 27
+    assert bench_offload.POLICIES["d-o-r"] == ("device", "offload", "recompute")
+    labels = bench_offload._labels("all_device,all27,d-d-d", pytest.fail)
+    assert labels[0] == "all_device" and len(labels) == 28 and labels.count("d-d-d") == 1
+    with pytest.raises(SystemExit):
+        bench_offload.main(["--policies", "x-y-z"])
+    with pytest.raises(SystemExit):
+        bench_offload.main(["--layers", "4,0"])
