@@ -120,6 +120,15 @@ def step_bars(rows: list[dict], link: dict) -> None:
         r["meets_step_bar"] = None if None in (step, r["step_bar_s"]) else step <= r["step_bar_s"]
 
 
+def _peak_over_io(row: dict) -> int | None:
+    """The device peak less the step's arguments and outputs (the weights and their
+    gradients, which grow with the layer count whatever the policy): what the step's own
+    buffers add, comparable with the compiled temp. ``None`` without a peak."""
+    peak, comp = row.get("peak_bytes_in_use"), row.get("compiled") or {}
+    io = (comp.get("argument_size_in_bytes"), comp.get("output_size_in_bytes"))
+    return None if peak is None or None in io else peak - io[0] - io[1]
+
+
 def growth(rows: list[dict], layouts: list[str], labels: list[str], layer_counts: list[int],
            peak_valid: bool) -> list[dict]:  # fmt: skip
     """Per-layer growth of temp memory and device peak per (layout, policy), against the bar.
@@ -148,7 +157,7 @@ def growth(rows: list[dict], layouts: list[str], labels: list[str], layer_counts
                 ta, tb = a["compiled"]["temp_size_in_bytes"], b["compiled"]["temp_size_in_bytes"]
                 if None not in (ta, tb):
                     entry["temp_growth_per_layer"] = (tb - ta) / (hi - lo)
-                pa, pb = a.get("peak_bytes_in_use"), b.get("peak_bytes_in_use")
+                pa, pb = _peak_over_io(a), _peak_over_io(b)
                 if peak_valid and None not in (pa, pb):
                     entry["peak_growth_per_layer"] = (pb - pa) / (hi - lo)
             for what in ("temp", "peak"):
@@ -173,7 +182,8 @@ def print_growth(entries: list[dict]) -> None:
     lo, hi = entries[0]["layers"]
     print(f"\nper-layer growth between {lo} and {hi} layers, MB per layer (MB = 1e6 bytes). bar = kept on device "
           f"+ {MEMORY_BAR_OFFLOAD_FRACTION:.2f} x offloaded (traced residual bytes per layer);")
-    print("+x: the bar plus the layer input x the checkpoint keeps under every policy; peak growth needs one "
+    print("+x: the bar plus the layer input x the checkpoint keeps under every policy; d peak: growth of the device "
+          "peak less the step's arguments and outputs (weights, gradients); it needs one "
           "process per policy (not --inprocess) and a device that reports memory_stats\n")
     print(f"{'layout':<7}{'policy':<26}{'kept':>8}{'offl':>8}{'x':>8}{'d temp':>9}{'d peak':>9}{'bar':>8}"
           f"{'bar+x':>8}  {'meets bar':<10}{'meets bar+x':<12}")  # fmt: skip

@@ -210,3 +210,27 @@ def test_policy_labels():
         bench_offload.main(["--policies", "x-y-z"])
     with pytest.raises(SystemExit):
         bench_offload.main(["--layers", "4,0"])
+
+
+def test_peak_growth_excludes_the_weights_and_gradients():
+    """The device peak holds the step's arguments and outputs (weights and their
+    gradients, which grow with the layers under every policy): the peak growth compared
+    with the bar is that of the peak less them (H200, 4 -> 8 layers, all offloaded in a
+    scan: raw peak +647 MB a layer, weights and gradients +639, residuals +8)."""
+    from benchmarks import offload_bars
+
+    per = {"device": 0, "host": 400, "layer_input": 100}
+
+    def row(layers, peak, io):
+        return {"layout": "scan", "layers": layers, "label": "o-o-o", "placement": {},
+                "residual_bytes_per_layer": per, "peak_bytes_in_use": peak,
+                "compiled": {"temp_size_in_bytes": 1000, "argument_size_in_bytes": io,
+                             "output_size_in_bytes": io}}  # fmt: skip
+
+    rows = [row(4, 10_000 + 2 * 4 * 300, 4 * 300), row(8, 10_000 + 2 * 8 * 300 + 4 * 20, 8 * 300)]
+    (entry,) = offload_bars.growth(rows, ["scan"], ["o-o-o"], [4, 8], peak_valid=True)
+    assert entry["peak_growth_per_layer"] == 20
+    assert entry["meets_bar_peak"] is True  # 20 <= 0.10 x 400
+    assert entry["temp_growth_per_layer"] == 0
+    (entry,) = offload_bars.growth(rows, ["scan"], ["o-o-o"], [4, 8], peak_valid=False)
+    assert entry["peak_growth_per_layer"] is None

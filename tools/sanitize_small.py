@@ -78,8 +78,9 @@ def main() -> int:
     return int(bad > 0)
 
 
-def second_order() -> int:
-    """jit(grad of <c, grad>) and jit(hessian) of the op's loss, on the kernels."""
+def second_order(recipes: tuple[str, ...] = ("mxfp8", "bf16"), which: tuple[str, ...] = ("grad2", "hessian")) -> int:
+    """jit(grad of <c, grad>) and jit(hessian) of the op's loss, on the kernels
+    (``--recipe R`` and ``--only grad2|hessian`` pick one of each)."""
     import jax_grouped_mlp as jgm
 
     rng = np.random.default_rng(1)
@@ -90,7 +91,7 @@ def second_order() -> int:
     p = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
     gs = jnp.asarray([40, 0, 70], jnp.int32)  # an empty group; the sizes pass M
     bad = 0
-    for recipe in ("mxfp8", "bf16"):
+    for recipe in recipes:
         def loss(x, w1, w2, p, recipe=recipe):
             return jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe).astype(jnp.float32) ** 2)
 
@@ -100,12 +101,22 @@ def second_order() -> int:
             grads = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w1, w2, p)
             return sum(jnp.vdot(c, gr.astype(jnp.float32)) for c, gr in zip(cs, grads))
 
-        outs = list(jax.jit(jax.grad(inner, argnums=(0, 1, 2, 3)))(x, w1, w2, p))
-        outs.append(jax.jit(jax.hessian(lambda p, loss=loss: loss(x, w1, w2, p)))(p))
+        outs = list(jax.jit(jax.grad(inner, argnums=(0, 1, 2, 3)))(x, w1, w2, p)) if "grad2" in which else []
+        if "hessian" in which:
+            outs.append(jax.jit(jax.hessian(lambda p, loss=loss: loss(x, w1, w2, p)))(p))
         bad += sum(int(not np.isfinite(np.asarray(o, np.float32)).all()) for o in outs)
-    print(f"ran grad-of-grad and hessian for 2 recipes, {bad} outputs with non-finite values")
+    print(f"ran {'+'.join(which)} for {'+'.join(recipes)}, {bad} outputs with non-finite values")
     return int(bad > 0)
 
 
 if __name__ == "__main__":
-    sys.exit(second_order() if "--second-order" in sys.argv[1:] else main())
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--second-order", action="store_true")
+    ap.add_argument("--recipe", choices=["mxfp8", "bf16"], default=None)
+    ap.add_argument("--only", choices=["grad2", "hessian"], default=None)
+    a = ap.parse_args()
+    if not a.second_order:
+        sys.exit(main())
+    sys.exit(second_order(*[(v,) if v else d for v, d in ((a.recipe, ("mxfp8", "bf16")), (a.only, ("grad2", "hessian")))]))
