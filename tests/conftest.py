@@ -54,6 +54,13 @@ SLOW = frozenset({
 })
 
 
+def pytest_configure(config):
+    # Also declared in pyproject.toml; repeated here for runs outside the source tree
+    # (tools/check_wheel.sh copies tests/ next to an installed wheel).
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU with the compiled kernels (skipped elsewhere)")
+    config.addinivalue_line("markers", "slow: a long CPU case (tests/conftest.py SLOW)")
+
+
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
     for item in items:

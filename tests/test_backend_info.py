@@ -112,3 +112,23 @@ def test_backend_info_paths_with_faked_gpus(monkeypatch, fake_gpus):
     assert set(info.paths.values()) == {backend.REFERENCE}
     assert "compute capability" in info.reason or "not built" in info.reason
     assert "8.0" in str(info)
+
+
+@pytest.mark.gpu
+def test_backend_info_on_the_h200():
+    """On a Hopper GPU with the extension: every primitive takes its kernel, the device
+    is reported as running them, and a jitted gradient calls the extension."""
+    info = jgm.backend_info()
+    assert info.extension and info.kernel_arch == "sm_90a" and info.default_platform == "gpu"
+    assert info.cuda_devices and all(d.kernels and d.compute_capability == "9.0" for d in info.cuda_devices)
+    # Every primitive of the training step has a kernel; `quantize`/`quantize_both` (real
+    # MXFP8 tensors, for the public quantize_mxfp8) are XLA fusions since their standalone
+    # kernel was removed, and are honestly reported as pure JAX.
+    kernels = {"fake_quantize", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw", "grouped_wgrad",
+               "fc1_fused", "dgrad_fused"}
+    assert {n for n, p in info.paths.items() if p == backend.KERNEL} == kernels, info
+    assert {n for n, p in info.paths.items() if p == backend.REFERENCE} == {"quantize", "quantize_both"}, info
+    assert info.reason is None
+    args = _inputs(np.random.default_rng(0))
+    hlo = jax.jit(_grad_fn).lower(*args).compile().as_text()
+    assert 'custom_call_target="' + JGM_TARGET in hlo
