@@ -234,3 +234,19 @@ def test_peak_growth_excludes_the_weights_and_gradients():
     assert entry["temp_growth_per_layer"] == 0
     (entry,) = offload_bars.growth(rows, ["scan"], ["o-o-o"], [4, 8], peak_valid=False)
     assert entry["peak_growth_per_layer"] is None
+
+
+def test_plan_vs_measured_reads_the_committed_h200_run():
+    """benchmarks/plan_vs_measured.py: every placement of both layouts of the committed
+    27-placement run gets a prediction next to its measurement."""
+    from benchmarks import plan_vs_measured
+
+    run = json.loads((pathlib.Path(__file__).resolve().parent.parent / "benchmarks/results/offload_all27_h200.json")
+                     .read_text())
+    rows = plan_vs_measured.compare(run)
+    assert len(rows) == 54 and {r["layout"] for r in rows} == {"loop", "scan"}
+    for r in rows:
+        assert r["step_pred_s"] > 0 and r["step_meas_s"] > 0 and math.isfinite(r["step_rel_err"])
+        assert r["temp_growth_per_layer_meas"] is not None
+    # The all-device step is the planner's input, so it is predicted exactly.
+    assert all(abs(r["step_rel_err"]) < 1e-9 for r in rows if r["label"] == "d-d-d")
