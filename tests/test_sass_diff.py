@@ -34,3 +34,18 @@ def test_embedded_cubins_cut_at_the_last_header_table():
 
 def test_no_cubin():
     assert sass_diff.embedded_cubins(_elf(62, 10, shoff=0, shnum=0)) == []
+
+
+def test_bijective_renaming_accepts_a_consistent_renaming_only():
+    old = ["IMAD R2, R4, R6, RZ ;", "ISETP.GE.AND P0, PT, R2, UR5, PT ;", "@P0 BRA 0x100 ;", "FADD R4, R2, R6 ;"]
+    renamed = ["IMAD R3, R7, R6, RZ ;", "ISETP.GE.AND P1, PT, R3, UR9, PT ;", "@P1 BRA 0x100 ;", "FADD R7, R3, R6 ;"]
+    assert sass_diff.equal_up_to_register_bijection(old, renamed)[0]
+    assert sass_diff.equal_up_to_register_bijection(old, old) == (True, "identical")
+    # Swapping two registers' roles in one instruction only: --rename would call it equal.
+    swapped = ["IMAD R2, R4, R6, RZ ;", "ISETP.GE.AND P0, PT, R2, UR5, PT ;", "@P0 BRA 0x100 ;", "FADD R4, R6, R2 ;"]
+    assert not sass_diff.equal_up_to_register_bijection(old, swapped)[0]
+    # Two old registers onto one new one.
+    merged = ["IMAD R2, R2, R6, RZ ;", *old[1:]]
+    assert not sass_diff.equal_up_to_register_bijection(old, merged)[0]
+    assert not sass_diff.equal_up_to_register_bijection(old, old[:3])[0]
+    assert not sass_diff.equal_up_to_register_bijection(old, [old[0].replace("IMAD", "IADD3"), *old[1:]])[0]

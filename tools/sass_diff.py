@@ -10,7 +10,11 @@ nvidia-cutlass-dsl wheel ships under ``nvidia/cu13/bin``, or ``CUOBJDUMP``), and
 instruction lines compared. ``--rename`` maps every register (R, UR, P, UP) to its
 class first, so two builds that differ only in register allocation compare equal: a
 Python-side refactor of a GPU-tested kernel that leaves its instructions as they were.
-No GPU needed. Exit status 0 when equal, 1 when not.
+That is a loose check (two programs that swap two registers' roles compare equal);
+``--bijective`` is the strict one: the instructions must be equal up to one renaming
+of the registers, a bijection per class (R, UR, P, UP) that holds over the whole
+program, so the two compute the same thing. No GPU needed. Exit status 0 when equal,
+1 when not.
 """
 
 from __future__ import annotations
@@ -81,12 +85,39 @@ def sass_lines(obj_path: pathlib.Path, rename: bool) -> list[str]:
     return lines
 
 
+_REGISTER = re.compile(r"\b(UR|R|UP|P)(\d+)\b")
+
+
+def equal_up_to_register_bijection(old: list[str], new: list[str]) -> tuple[bool, str]:
+    """Whether ``new`` is ``old`` with its registers consistently renamed (one bijection
+    per register class over all lines); the first line that breaks it, if any."""
+    if len(old) != len(new):
+        return False, f"{len(old)} vs {len(new)} instructions"
+    fwd: dict[str, str] = {}
+    back: dict[str, str] = {}
+    for i, (a, b) in enumerate(zip(old, new)):
+        ra, rb = _REGISTER.findall(a), _REGISTER.findall(b)
+        if _REGISTER.sub(r"\1#", a) != _REGISTER.sub(r"\1#", b) or len(ra) != len(rb):
+            return False, f"line {i}: {a!r} vs {b!r}"
+        for (ca, na), (cb, nb) in zip(ra, rb):
+            x, y = ca + na, cb + nb
+            if fwd.setdefault(x, y) != y or back.setdefault(y, x) != x:
+                return False, f"line {i}: {x} -> {y} breaks the renaming ({x} -> {fwd[x]}, {back[y]} -> {y})"
+    return True, f"{len(fwd)} registers renamed consistently" if fwd != {k: k for k in fwd} else "identical"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("old", type=pathlib.Path)
     ap.add_argument("new", type=pathlib.Path)
     ap.add_argument("--rename", action="store_true", help="compare modulo register names")
+    ap.add_argument("--bijective", action="store_true",
+                    help="equal up to one consistent renaming of the registers (the strict check)")
     ns = ap.parse_args(argv)
+    if ns.bijective:
+        ok, why = equal_up_to_register_bijection(sass_lines(ns.old, False), sass_lines(ns.new, False))
+        print(("equal: " if ok else "differ: ") + why)
+        return 0 if ok else 1
     old, new = sass_lines(ns.old, ns.rename), sass_lines(ns.new, ns.rename)
     differing = sum(a != b for a, b in zip(old, new)) + abs(len(old) - len(new))
     print(f"{len(old)} vs {len(new)} instructions, {differing} differing lines"
