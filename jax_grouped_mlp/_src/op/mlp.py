@@ -167,7 +167,14 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
         dh, dprobs = srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
-    w1, dh_row = _after(choices, w1, dh_row)
+    if isinstance(dh_row, QUANTIZED):
+        # (The FP8 data alone order it the same. With the E8M0 scales in the barrier,
+        # its transpose under remat fails in grad of grad: jax 0.12, AttributeError
+        # "no attribute accum" in _opt_barrier_fancy_transpose.)
+        w1, dh_data = _after(choices, w1, dh_row.data)
+        dh_row = dataclasses.replace(dh_row, data=dh_data)
+    else:
+        w1, dh_row = _after(choices, w1, dh_row)
     dx = _weight_gemm(dh_row, w1, group_sizes, recipe, choices, dy.dtype, transpose_rhs=True)
     # (fc1_input, needed last, once dh's columns exist.)
     x_leaves, dh_col = residuals.after_cotangent(_leaves(x_col), dh_col)
