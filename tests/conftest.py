@@ -20,6 +20,8 @@ SLOW = frozenset({
     "tests/test_bench_offload.py::test_layouts_layer_counts_and_bars_inprocess",
     "tests/test_bench_offload.py::test_tiny_run_end_to_end",
     "tests/test_flax.py::test_float32_params_get_float32_gradients",
+    "tests/test_fp8_block.py::test_recipe_keeps_fp8_residuals_and_takes_the_reference",
+    "tests/test_fp8_block.py::test_recipe_semantics_exact",
     "tests/test_flax.py::test_params_and_forward",
     "tests/test_flax.py::test_sharded_cases_on_four_cpu_devices",
     "tests/test_grouped_gemm_dgrad_gpu.py::test_static_empty_cases_are_exact_in_jax",

@@ -29,7 +29,7 @@ class BackendInfo:
         for a shape it cannot take, e.g. a hidden size that is not a multiple of 8).
       reason: why the pure-JAX path runs, when it does for every primitive.
       recipes: for each recipe of :func:`jax_grouped_mlp.grouped_mlp`, whether its GEMMs
-        run ``"cuda kernel"``\s or ``"pure JAX"`` on the default device.
+        run on ``"cuda kernel"`` or ``"pure JAX"`` on the default device.
         ``"fp8_block"`` is always ``"pure JAX"``: it has no kernels yet (its FP8
         operands are sent to the reference on every platform).
     """
