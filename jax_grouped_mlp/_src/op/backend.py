@@ -28,8 +28,8 @@ class BackendInfo:
         ``"cuda kernel"`` or ``"pure JAX"`` (a kernel can still fall back to pure JAX
         for a shape it cannot take, e.g. a hidden size that is not a multiple of 8).
       reason: why the pure-JAX path runs, when it does for every primitive.
-      recipes: for each recipe of :func:`jax_grouped_mlp.grouped_mlp`, whether its GEMMs
-        run on ``"cuda kernel"`` or ``"pure JAX"`` on the default device.
+      recipes: for each recipe of :func:`jax_grouped_mlp.grouped_mlp`, what its GEMMs
+        run on the default device: ``"cuda kernel"`` or ``"pure JAX"``.
         ``"fp8_block"`` is always ``"pure JAX"``: it has no kernels yet (its FP8
         operands are sent to the reference on every platform).
     """
