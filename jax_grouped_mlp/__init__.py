@@ -5,6 +5,8 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 * :func:`grouped_mlp` - the op; :func:`offload_policy` - where its residuals live;
 * :func:`quantize_mxfp8`, :func:`quantize_mxfp8_grouped`, :func:`dequantize`,
   :class:`MXFP8Tensor` - the MXFP8 format;
+* :func:`quantize_fp8_block`, :func:`dequantize_fp8_block`, :class:`FP8BlockTensor` -
+  the FP8 128-block format of ``recipe="fp8_block"``;
 * ``RESIDUAL_NAMES`` - the ``checkpoint_name`` tags of the residuals;
   :func:`residual_placements` - where a traced program keeps them;
 * :func:`moe_block` - the whole MoE layer (router, top-k, permute, experts, combine),
@@ -29,6 +31,7 @@ from jax_grouped_mlp._src.offload.measure import measure_host_bandwidth, measure
 from jax_grouped_mlp._src.op.backend import BackendInfo, backend_info
 from jax_grouped_mlp._src.op.mlp import grouped_mlp
 from jax_grouped_mlp._src.moe.block import ExpertParallel, moe_block
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor, dequantize_fp8_block, quantize_fp8_block
 from jax_grouped_mlp._src.formats.mxfp8 import (
     MXFP8Tensor,
     dequantize,
@@ -45,6 +48,7 @@ from jax_grouped_mlp._src.moe.routing import Permutation, RoutingConfig, ScoreFu
 __all__ = [
     "BackendInfo",
     "Exchange",
+    "FP8BlockTensor",
     "ExpertParallel",
     "LayerShape",
     "LayerTime",
@@ -58,6 +62,7 @@ __all__ = [
     "backend_info",
     "combine",
     "dequantize",
+    "dequantize_fp8_block",
     "export_disabled_checks",
     "grouped_mlp",
     "measure_host_bandwidth",
@@ -66,6 +71,7 @@ __all__ = [
     "offload_policy",
     "permute",
     "plan_offload",
+    "quantize_fp8_block",
     "quantize_mxfp8",
     "quantize_mxfp8_grouped",
     "residual_placements",

@@ -107,9 +107,15 @@ def test_backend_info_paths_with_faked_gpus(monkeypatch, fake_gpus):
         assert info.paths["quantize"] == backend.REFERENCE  # no kernel: the reference everywhere
     else:
         assert "not built" in info.reason
+    from jax_grouped_mlp._src.op.recipes import Recipe
+
+    assert set(info.recipes) == {r.value for r in Recipe} and info.recipes["fp8_block"] == backend.REFERENCE
+    assert info.recipes["mxfp8"] == (backend.KERNEL if ffi.available() else backend.REFERENCE)
+    assert "recipe 'fp8_block': pure JAX" in str(info)
     fake_gpus("8.0")
     info = jgm.backend_info()
     assert set(info.paths.values()) == {backend.REFERENCE}
+    assert set(info.recipes.values()) == {backend.REFERENCE}
     assert "compute capability" in info.reason or "not built" in info.reason
     assert "8.0" in str(info)
 

@@ -230,12 +230,12 @@ FULL = os.environ.get("JGM_ALL_POLICIES", "") == "1"
 PAIRWISE = [c for i, c in enumerate(COMBOS) if sum(SETTINGS.index(s) for s in c) % 3 == 0]
 
 
-def _mixed_loss(layout, combos, x, w1, w2, probs, gs):
+def _mixed_loss(layout, combos, x, w1, w2, probs, gs, recipe="mxfp8"):
     """Layers under ``combos[i]``: a loop of one layer per policy, or one scan of
     two stacked layers per policy."""
     for i, combo in enumerate(combos):
         policy = jgm.offload_policy(*combo)
-        layer = _layer(policy, gs, probs)
+        layer = _layer(policy, gs, probs, recipe=recipe)
         if layout == "loop":
             x = layer(x, w1[i], w2[i])
         else:
@@ -243,18 +243,18 @@ def _mixed_loss(layout, combos, x, w1, w2, probs, gs):
     return jnp.sum(x.astype(jnp.float32) ** 2)
 
 
-def _grads(layout, combos, inputs):
-    fn = jax.jit(jax.grad(functools.partial(_mixed_loss, layout, combos), argnums=(0, 1, 2)))
+def _grads(layout, combos, inputs, recipe="mxfp8"):
+    fn = jax.jit(jax.grad(functools.partial(_mixed_loss, layout, combos, recipe=recipe), argnums=(0, 1, 2)))
     return [np.asarray(g.astype(jnp.float32)) for g in fn(*inputs)]
 
 
-def _check_all_policies(layout, rng, combos):
+def _check_all_policies(layout, rng, combos, recipe="mxfp8"):
     inputs = _make_inputs(rng, layers=3 if layout == "loop" else 6)
-    want = _grads(layout, (ALL_DEVICE,) * 3, inputs)
+    want = _grads(layout, (ALL_DEVICE,) * 3, inputs, recipe)
     assert all(np.isfinite(w).all() and np.abs(w).max() > 0 for w in want)  # a test that can fail
     for i in range(0, len(combos), 3):
         group = tuple(combos[i : i + 3])
-        got = _grads(layout, group, inputs)
+        got = _grads(layout, group, inputs, recipe)
         for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
             np.testing.assert_array_equal(a, b, err_msg=f"{layout} {group} {name}")
 
@@ -262,6 +262,12 @@ def _check_all_policies(layout, rng, combos):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gradients_bitwise_equal_under_every_policy(rng, layout):
     _check_all_policies(layout, rng, COMBOS if FULL else PAIRWISE)
+
+
+def test_gradients_bitwise_equal_under_every_policy_fp8_block(rng):
+    """``recipe="fp8_block"`` (FP8 residuals with 128-block scales), all 27 policies in
+    the loop layout."""
+    _check_all_policies("loop", rng, COMBOS, recipe="fp8_block")
 
 
 @pytest.mark.gpu
@@ -313,7 +319,7 @@ def _grads_simple(layout, inputs, combo, choices=DEFAULT):
     return [np.asarray(g.astype(jnp.float32)) for g in fn(*inputs)]
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "fp8_block"])
 def test_rebuilt_fc2_input_under_vmap_and_second_order(rng, recipe, monkeypatch):
     """A policy that recomputes fc2_input (the tag's rebuild program in the backward):
     vmap of the gradient and grad of grad work, and give the bits of JAX's own

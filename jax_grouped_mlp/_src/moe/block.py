@@ -130,7 +130,7 @@ def moe_block(
       routing: top-k, score function, normalisation and scaling (:class:`RoutingConfig`).
       score_bias: optional ``[E]`` added to the scores for expert *selection* only
         (DeepSeek-V3 / Nemotron-3 ``e_score_correction_bias``); gets no gradient.
-      recipe: ``grouped_mlp``'s recipe, ``"mxfp8"`` or ``"bf16"``.
+      recipe: ``grouped_mlp``'s recipe, ``"mxfp8"``, ``"bf16"`` or ``"fp8_block"``.
       parallel: expert parallelism over a mesh (:class:`ExpertParallel`, which also
         holds the optional ``capacity_factor``), or None for one device.
       fuse_fc1_epilogue: ``grouped_mlp``'s (same numbers and the same recompute

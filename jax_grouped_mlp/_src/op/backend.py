@@ -28,6 +28,10 @@ class BackendInfo:
         ``"cuda kernel"`` or ``"pure JAX"`` (a kernel can still fall back to pure JAX
         for a shape it cannot take, e.g. a hidden size that is not a multiple of 8).
       reason: why the pure-JAX path runs, when it does for every primitive.
+      recipes: for each recipe of :func:`jax_grouped_mlp.grouped_mlp`, what its GEMMs
+        run on the default device: ``"cuda kernel"`` or ``"pure JAX"``.
+        ``"fp8_block"`` is always ``"pure JAX"``: it has no kernels yet (its FP8
+        operands are sent to the reference on every platform).
     """
 
     extension: bool
@@ -36,6 +40,7 @@ class BackendInfo:
     cuda_devices: tuple[devices.CudaDevice, ...]
     paths: dict[str, str]
     reason: str | None
+    recipes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [
@@ -46,6 +51,7 @@ class BackendInfo:
             lines.append(f"  cuda:{d.id} {d.kind} (compute capability {d.compute_capability}): "
                          f"{'kernels' if d.kernels else 'pure JAX'}")
         lines += [f"  {name}: {path}" for name, path in self.paths.items()]
+        lines += [f"  recipe {name!r}: {path}" for name, path in self.recipes.items()]
         if self.reason:
             lines.append(f"why pure JAX: {self.reason}")
         return "\n".join(lines)
@@ -70,4 +76,7 @@ def backend_info() -> BackendInfo:
     paths = {n: KERNEL if (reason is None and primitives.cuda_impl(n) is not None) else REFERENCE for n in names}
     if reason is None and not any(p == KERNEL for p in paths.values()):
         reason = "the extension provides no kernel for these primitives"
-    return BackendInfo(ext, devices.KERNEL_ARCH if ext else None, platform, cuda, paths, reason)
+    gemm = paths.get("grouped_gemm", REFERENCE)
+    # (Recipe values, not imported: the recipes module imports the primitives too.)
+    recipes = {"mxfp8": gemm, "bf16": gemm, "fp8_block": REFERENCE}
+    return BackendInfo(ext, devices.KERNEL_ARCH if ext else None, platform, cuda, paths, reason, recipes)

@@ -33,6 +33,7 @@ TransformerEngine.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,9 +42,8 @@ import jax.numpy as jnp
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.op import heuristics, primitives, residuals
 from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
-from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
-from jax_grouped_mlp._src.op.primitives import Operand
+from jax_grouped_mlp._src.op.primitives import QUANTIZED, Operand
 from jax_grouped_mlp._src.op.recipes import Recipe
 from jax_grouped_mlp._src.op.heuristics import KernelChoices
 from jax_grouped_mlp._src.op.validation import as_array, check_mlp_args
@@ -51,9 +51,9 @@ from jax_grouped_mlp._src.op.validation import as_array, check_mlp_args
 
 def _tag(op: Operand, name: str, *, rebuild: residuals.Rebuild | None = None, extra=()) -> Operand:
     """The residual tag on the arrays of an operand (never on its group sizes)."""
-    if isinstance(op, MXFP8Tensor):
+    if isinstance(op, QUANTIZED):
         data, scale = residuals.tag([op.data, op.scale], name, rebuild=rebuild, extra=extra)
-        return MXFP8Tensor(data, scale, op.axis, op.group_sizes)
+        return dataclasses.replace(op, data=data, scale=scale)
     (out,) = residuals.tag([op], name, rebuild=rebuild, extra=extra)
     return out
 
@@ -63,7 +63,7 @@ def _fc2_input_rebuild(recipe: Recipe) -> residuals.Rebuild:
 
     def fn(h, probs, group_sizes):
         _, a_col = recipe.row_and_col(srelu_scaled(h, probs), group_sizes, keep_col=True)
-        return [a_col.data, a_col.scale] if isinstance(a_col, MXFP8Tensor) else [a_col]
+        return [a_col.data, a_col.scale] if isinstance(a_col, QUANTIZED) else [a_col]
 
     return residuals.Rebuild(fn, (FC2_INPUT, recipe))
 
@@ -144,11 +144,13 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool, choices:
 
 
 def _leaves(op: Operand) -> list:
-    return [op.data, op.scale] if isinstance(op, MXFP8Tensor) else [op]
+    return [op.data, op.scale] if isinstance(op, QUANTIZED) else [op]
 
 
 def _with_leaves(op: Operand, leaves) -> Operand:
-    return MXFP8Tensor(*leaves, op.axis, op.group_sizes) if isinstance(op, MXFP8Tensor) else leaves[0]
+    if isinstance(op, QUANTIZED):
+        return dataclasses.replace(op, data=leaves[0], scale=leaves[1])
+    return leaves[0]
 
 
 def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
@@ -165,7 +167,14 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
         dh, dprobs = srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
-    w1, dh_row = _after(choices, w1, dh_row)
+    if isinstance(dh_row, QUANTIZED):
+        # (The FP8 data alone order it the same. With the E8M0 scales in the barrier,
+        # its transpose under remat fails in grad of grad: jax 0.12, AttributeError
+        # "no attribute accum" in _opt_barrier_fancy_transpose.)
+        w1, dh_data = _after(choices, w1, dh_row.data)
+        dh_row = dataclasses.replace(dh_row, data=dh_data)
+    else:
+        w1, dh_row = _after(choices, w1, dh_row)
     dx = _weight_gemm(dh_row, w1, group_sizes, recipe, choices, dy.dtype, transpose_rhs=True)
     # (fc1_input, needed last, once dh's columns exist.)
     x_leaves, dh_col = residuals.after_cotangent(_leaves(x_col), dh_col)
@@ -216,7 +225,11 @@ def grouped_mlp(
         int64 values past the int32 range, in a NumPy array or with x64 enabled) cut
         at ``M`` too instead of wrapping.
       probs: ``[M]`` or ``[M, 1]`` routing weights, or None for all ones.
-      recipe: ``"mxfp8"`` (both GEMMs in MXFP8, forward and backward) or ``"bf16"``.
+      recipe: ``"mxfp8"`` (both GEMMs in MXFP8, forward and backward), ``"bf16"``, or
+        ``"fp8_block"`` (FP8 E4M3 with power-of-two scales per 128-block: 1 x 128 for
+        activations, 128 x 128 for weights; docs/design.md). ``"fp8_block"`` runs the
+        pure-JAX path on every platform, GPUs included, until its Hopper kernels exist:
+        the GEMMs multiply the dequantized values with float32 accumulation.
       fuse_fc1_epilogue: with ``"mxfp8"`` on CUDA, FC1's kernel also writes ``a``'s
         two MXFP8 copies (FC2's operand and the "fc2_input" residual), so no separate
         pass reads ``h`` again. Same numbers either way, and no effect on what the

@@ -19,6 +19,15 @@ Operands of the GEMMs are either :class:`MXFP8Tensor` or plain float arrays (the
 ``bf16`` recipe); the reference dequantizes MXFP8 operands to bfloat16, which is
 exact (E4M3 times a power of two fits bf16), and multiplies in bf16 with float32
 accumulation: the same arithmetic a bf16-MMA kernel does.
+
+Operands of the ``fp8_block`` recipe are :class:`FP8BlockTensor` (FP8 data and
+128-block scales, never bf16 values: the Hopper FP8 kernels to come read those). No
+kernel takes them yet, so :func:`_dispatch` sends any call with such an operand to the
+reference on every platform, explicitly, instead of letting the CUDA branch see them:
+the reference dequantizes them (exact) and multiplies with float32 accumulation
+throughout, where the FP8 wgmma kernels will promote their partial sums into float32
+every 128 of K. Their quantizers (:func:`fp8_block_quantize`,
+:func:`fp8_block_quantize_grouped`) are pure JAX everywhere.
 """
 
 from __future__ import annotations
@@ -35,12 +44,15 @@ import numpy as np
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.cuda import devices
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
-from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.formats import fp8_block, mxfp8
 from jax_grouped_mlp._src.op import reference
 from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
-Operand = Union[MXFP8Tensor, jax.Array]
+Operand = Union[MXFP8Tensor, FP8BlockTensor, jax.Array]
+# The quantized operand types (a pytree of data, scale and maybe group sizes).
+QUANTIZED = (MXFP8Tensor, FP8BlockTensor)
 OpName = Literal[
     "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw",
     "grouped_wgrad", "fc1_fused", "dgrad_fused",
@@ -62,7 +74,8 @@ def cuda_impl(name: OpName) -> Callable | None:
 
 def _dispatch(name: OpName, *args, **static):
     ref = _REFERENCE[name]
-    if name not in _CUDA_IMPLS:
+    if name not in _CUDA_IMPLS or _has_fp8_block(args):
+        # (No kernel takes FP8BlockTensor operands yet: the reference on every platform.)
         return ref(*args, **static)
     kw = tuple(sorted(static.items()))
     return jax.lax.platform_dependent(
@@ -70,6 +83,10 @@ def _dispatch(name: OpName, *args, **static):
         cuda=lambda *a: _cuda_branch(name, kw, *a),
         default=lambda *a: ref(*a, **static),
     )
+
+
+def _has_fp8_block(args) -> bool:
+    return any(isinstance(a, FP8BlockTensor) for a in args)
 
 
 # Which argument is the group sizes that a primitive's group-aware MXFP8 outputs carry.
@@ -102,8 +119,8 @@ def _with_group_sizes(out, group_sizes: jax.Array):
     which a remat policy cannot save (so it recomputes the whole primitive)."""
     gs = group_sizes.astype(jnp.int32)
     return jax.tree.map(
-        lambda t: dataclasses.replace(t, group_sizes=gs) if isinstance(t, MXFP8Tensor) and t.is_grouped else t,
-        out, is_leaf=lambda t: isinstance(t, MXFP8Tensor),
+        lambda t: dataclasses.replace(t, group_sizes=gs) if isinstance(t, QUANTIZED) and t.is_grouped else t,
+        out, is_leaf=lambda t: isinstance(t, QUANTIZED),
     )
 
 
@@ -161,6 +178,8 @@ def _sequential_kernel(name: OpName, static: tuple) -> Callable:
 def _as_bf16(x: Operand) -> jax.Array:
     if isinstance(x, MXFP8Tensor):
         return mxfp8.dequantize(x, jnp.bfloat16)
+    if isinstance(x, FP8BlockTensor):
+        return fp8_block.dequantize_fp8_block(x, jnp.bfloat16)
     return x.astype(jnp.bfloat16)
 
 
@@ -211,16 +230,20 @@ def _ref_fake_quantize_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col_fp
     return _with_group_sizes(_st_fake_quantize_pair(x, group_sizes, keep_col_fp8), group_sizes)
 
 
-def _fp8_tangent(q: MXFP8Tensor, x_dot: jax.Array) -> MXFP8Tensor:
-    """The straight-through tangent of ``q = quantize(x)``: ``x_dot`` over ``q``'s scales
-    as E4M3 (zero where a block's scale underflows or a row is past the groups)."""
-    ones = MXFP8Tensor(jnp.ones_like(q.data), q.scale, q.axis, q.group_sizes)
-    scale = mxfp8.dequantize(ones, jnp.float32)
+def _fp8_tangent(q, x_dot: jax.Array):
+    """The straight-through tangent of ``q = quantize(x)`` (an :class:`MXFP8Tensor` or
+    :class:`FP8BlockTensor`): ``x_dot`` over ``q``'s scales as E4M3 (zero where a
+    block's scale underflows or a row is past the groups)."""
+    ones = dataclasses.replace(q, data=jnp.ones_like(q.data))
+    if isinstance(q, MXFP8Tensor):
+        scale = mxfp8.dequantize(ones, jnp.float32)
+    else:
+        scale = fp8_block.dequantize_fp8_block(ones, jnp.float32)
     ok = scale > 0
     data = jnp.where(ok, x_dot.astype(jnp.float32) / jnp.where(ok, scale, 1.0), 0.0)
-    return MXFP8Tensor(
-        data.astype(jnp.float8_e4m3fn), jnp.zeros_like(q.scale), q.axis,
-        None if q.group_sizes is None else _float0_like(q.group_sizes),
+    return dataclasses.replace(
+        q, data=data.astype(jnp.float8_e4m3fn), scale=jnp.zeros_like(q.scale),
+        group_sizes=None if q.group_sizes is None else _float0_like(q.group_sizes),
     )
 
 
@@ -279,6 +302,28 @@ def _st_fake_quantize_pair_jvp(keep_col_fp8, primals, tangents):
     row, col = _st_fake_quantize_pair(x, group_sizes, keep_col_fp8)
     col_dot = _fp8_tangent(col, x_dot) if keep_col_fp8 else _in_groups(x_dot, group_sizes)
     return (row, col), (x_dot.astype(jnp.bfloat16), col_dot)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _st_fp8_block(x: jax.Array, axis) -> FP8BlockTensor:
+    return fp8_block.quantize_fp8_block(x, axis)
+
+
+@_st_fp8_block.defjvp
+def _st_fp8_block_jvp(axis, primals, tangents):
+    q = _st_fp8_block(primals[0], axis)
+    return q, _fp8_tangent(q, tangents[0])
+
+
+@jax.custom_jvp
+def _st_fp8_block_grouped(x: jax.Array, group_sizes: jax.Array) -> FP8BlockTensor:
+    return fp8_block.quantize_fp8_block(x, 0, group_sizes=group_sizes)
+
+
+@_st_fp8_block_grouped.defjvp
+def _st_fp8_block_grouped_jvp(primals, tangents):
+    q = _st_fp8_block_grouped(*primals)
+    return q, _fp8_tangent(q, tangents[0])
 
 
 def _fc1_composed(gemm: Callable, quantize_pair: Callable, lhs: Operand, rhs: Operand, group_sizes: jax.Array,
@@ -438,6 +483,21 @@ def dgrad_fused(
     zero.
     """
     return _dispatch("dgrad_fused", dy_row, w2, group_sizes, h, probs)
+
+
+def fp8_block_quantize(x: jax.Array, axis: int | tuple[int, int]) -> FP8BlockTensor:
+    """``quantize_fp8_block(x, axis)`` (1 x 128 blocks along ``axis``, or 128 x 128 tiles
+    over a pair of axes), differentiated straight-through. Pure JAX on every platform
+    (no kernel yet)."""
+    return _st_fp8_block(x, axis if isinstance(axis, int) else tuple(axis))
+
+
+def fp8_block_quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> FP8BlockTensor:
+    """``quantize_fp8_block(x, 0, group_sizes=group_sizes)`` for ``[M, K]`` (128-row blocks
+    that never cross a group; ``group_sizes`` already cut at ``M``), differentiated
+    straight-through, carrying ``group_sizes`` itself as int32 (so a remat policy sees
+    them as the operand, not as an output of the quantizer). Pure JAX everywhere."""
+    return _with_group_sizes(_st_fp8_block_grouped(x, group_sizes), group_sizes)
 
 
 def _register_available_kernels() -> None:

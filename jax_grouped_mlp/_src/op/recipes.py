@@ -13,6 +13,14 @@ the quantizer in the same pass, with no FP8 copy and no dequantization pass. Onl
 copy that is *kept* for the backward pass (``row_and_col(..., keep_col=True)``: the
 residuals "fc1_input" and "fc2_input") stays an FP8 :class:`MXFP8Tensor`, half
 the bytes.
+
+``fp8_block`` (DeepSeek-V3-style FP8 with 128-blocks, :mod:`formats.fp8_block`)
+prepares every operand as an FP8 :class:`FP8BlockTensor` (1 x 128 blocks along K for
+activations, 128 x 128 tiles for weights, group-aware 128-row blocks for the
+weight-gradient operands): the form the Hopper FP8 wgmma kernels will read. Until
+they exist, the GEMM primitives run their pure-JAX reference on such operands on every
+platform (the CUDA path included): the GEMMs multiply the dequantized values with
+float32 accumulation throughout (the kernels will promote every 128 of K).
 """
 
 from __future__ import annotations
@@ -30,13 +38,17 @@ from jax_grouped_mlp._src.op.primitives import Operand
 class Recipe(str, enum.Enum):
     MXFP8 = "mxfp8"
     BF16 = "bf16"
+    FP8_BLOCK = "fp8_block"
 
     @classmethod
     def parse(cls, value: "str | Recipe") -> "Recipe":
         return checks.parse_enum(cls, value, "recipe")
 
-    def row(self, x: jax.Array, axis: int) -> jax.Array:
-        """``x`` as a GEMM operand blocked along ``axis``: its MXFP8 values in bf16."""
+    def row(self, x: jax.Array, axis: int) -> Operand:
+        """``x`` as a GEMM operand blocked along ``axis``: its MXFP8 values in bf16, or
+        an :class:`FP8BlockTensor` with 1 x 128 blocks for ``fp8_block``."""
+        if self is Recipe.FP8_BLOCK:
+            return primitives.fp8_block_quantize(x, axis)
         if self is Recipe.MXFP8:
             return primitives.fake_quantize(x, axis)
         return x.astype(jnp.bfloat16)
@@ -51,17 +63,26 @@ class Recipe(str, enum.Enum):
         MXFP8 weights are never kept (they are not residuals), and the GEMM kernels
         multiply bf16, so they come as their MXFP8 values in bf16 (``fake_quantize``:
         one pass, no FP8 copy and no separate dequantization; same numbers).
+
+        ``fp8_block`` weights are 128 x 128 tiles over ``(A, B)``, whichever the
+        ``reduce_axis``: the tile is square, so fprop and dgrad read the same copy.
         """
+        if self is Recipe.FP8_BLOCK:
+            return primitives.fp8_block_quantize(w, (1, 2))
         if self is Recipe.MXFP8:
             return primitives.fake_quantize(w, reduce_axis)
         return w.astype(jnp.bfloat16)
 
-    def row_and_col(self, x: jax.Array, group_sizes: jax.Array, *, keep_col: bool) -> tuple[jax.Array, Operand]:
+    def row_and_col(self, x: jax.Array, group_sizes: jax.Array, *, keep_col: bool) -> tuple[Operand, Operand]:
         """``(row(x, 1), col)`` for ``[M, K]``, col blocked along tokens; one pass on CUDA.
 
         ``keep_col``: col is a residual, so MXFP8 keeps it as FP8 (an
         :class:`MXFP8Tensor`); otherwise it is used at once and comes as bf16 values.
+        ``fp8_block`` returns both as :class:`FP8BlockTensor` always (col in group-aware
+        128-row blocks), pure JAX.
         """
+        if self is Recipe.FP8_BLOCK:
+            return primitives.fp8_block_quantize(x, 1), primitives.fp8_block_quantize_grouped(x, group_sizes)
         if self is Recipe.MXFP8:
             return primitives.fake_quantize_pair(x, group_sizes, keep_col_fp8=keep_col)
         x = x.astype(jnp.bfloat16)

@@ -1,0 +1,274 @@
+"""FP8 block scaling (DeepSeek-V3 style): FP8 E4M3 data, one E8M0 scale per 128-block.
+
+The data and the scale rule are MXFP8's (:mod:`mxfp8`: RCEIL, i.e. the scale is
+``amax / 448`` rounded *up* to a power of two, so no element saturates; the same
+function computes the scale byte); only the blocks differ:
+
+* ``1 x 128`` along one axis (``axis=k``): activations, blocked along the reduction
+  axis K of the GEMM that reads them (x, the squared-ReLU output, dy, dh);
+* ``128 x 128`` tiles over two axes (``axis=(i, j)``): weights ``[G, A, B]`` with
+  ``axis=(1, 2)``. The tile is square, so one quantized copy serves a GEMM that
+  reduces over A (fprop) and one that reduces over B (dgrad): its transpose is the
+  same blocks;
+* group-aware ``128 x 1`` blocks along the token axis of ``[M, K]``
+  (``group_sizes`` given): the weight-gradient operands. A block never crosses a group
+  boundary (each group's tail block is short), exactly as MXFP8's group-aware 32-row
+  blocks (:func:`mxfp8.quantize_mxfp8_grouped`) with 128 rows.
+
+Special values, as MXFP8 documents them: an all-zero block gets scale byte 0
+(``2**-127``) and data ±0; subnormal inputs may be flushed by the backend's float32
+arithmetic; a block that holds a NaN or ±Inf gets scale byte ``0xFF`` (E8M0 NaN) and
+NaN data, so the *whole block* (128 elements, or a 128 x 128 weight tile)
+dequantizes to NaN.
+
+An axis whose length is not a multiple of 128 is padded with zeros internally (zeros
+never change a block's amax): ``data`` keeps the input's shape, ``scale`` has
+``cdiv(n, 128)`` entries along each blocked axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.formats import mxfp8
+
+BLOCK = 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8BlockTensor:
+    """An FP8-block-quantized array (a pytree; ``axes`` is static metadata).
+
+    Attributes:
+      data: float8_e4m3fn, the shape of the original array.
+      scale: float8_e8m0fnu. For a plain tensor, the original shape with every axis in
+        ``axes`` shrunk to ``cdiv(n, 128)`` (a weight ``[G, A, B]`` blocked over
+        ``axes=(1, 2)`` has scale ``[G, cdiv(A, 128), cdiv(B, 128)]``). For a
+        group-aware tensor (``group_sizes`` set, ``axes == (0,)``),
+        ``[cdiv(M, 128) + G, K]``: group ``g`` owns consecutive scale rows starting at
+        the exclusive cumsum of ``cdiv(size_g, 128)``; unused rows are byte 0.
+      axes: the blocked axes (non-negative, increasing): one axis for ``1 x 128``
+        blocks, two for ``128 x 128`` tiles.
+      group_sizes: None, or the int32 ``[G]`` group sizes of a group-aware tensor.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    group_sizes: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def is_grouped(self) -> bool:
+        return self.group_sizes is not None
+
+
+def _normalize_axes(axis, ndim: int) -> tuple[int, ...]:
+    """``axis`` (an int or a pair of distinct ints) as sorted non-negative axes."""
+    if isinstance(axis, (tuple, list)):
+        if len(axis) != 2:
+            raise ValueError(f"axis must be an int or a pair of axes (a 128 x 128 tile), got axis={axis!r}")
+        axes = tuple(mxfp8._normalize_axis(a, ndim, "axis") for a in axis)
+        if axes[0] == axes[1]:
+            raise ValueError(f"axis must name two different axes for 128 x 128 tiles, got axis={axis!r}")
+        return tuple(sorted(axes))
+    return (mxfp8._normalize_axis(axis, ndim, "axis"),)
+
+
+def _quantize_plain(x: jax.Array, axes: tuple[int, ...]) -> FP8BlockTensor:
+    nd = x.ndim
+    rest = [a for a in range(nd) if a not in axes]
+    perm = rest + list(axes)
+    inv = list(np.argsort(perm))
+    xm = jnp.transpose(x, perm)  # blocked axes last
+    lead = xm.shape[: len(rest)]
+    sizes = [x.shape[a] for a in axes]
+    nbs = [groups.cdiv(n, BLOCK) for n in sizes]
+    pad = [(0, 0)] * len(rest) + [(0, nb * BLOCK - n) for n, nb in zip(sizes, nbs)]
+    if any(p for _, p in pad):
+        xm = jnp.pad(xm, pad)
+    if len(axes) == 1:
+        xb = xm.reshape(lead + (nbs[0], BLOCK))
+        e = mxfp8.scale_bytes(mxfp8._block_amax(xb, -1), x.dtype)  # lead + (nb,)
+        data = mxfp8._encode(xb, e[..., None])
+    else:
+        xb = xm.reshape(lead + (nbs[0], BLOCK, nbs[1], BLOCK))
+        e = mxfp8.scale_bytes(mxfp8._block_amax(xb, (-3, -1)), x.dtype)  # lead + (nb0, nb1)
+        data = mxfp8._encode(xb, e[..., :, None, :, None])
+    data = data.reshape(xm.shape)[tuple([slice(None)] * len(rest) + [slice(0, n) for n in sizes])]
+    return FP8BlockTensor(
+        data=jnp.transpose(data, inv),
+        scale=jnp.transpose(jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu), inv),
+        axes=axes,
+    )
+
+
+def grouped_scale_rows(m: int, num_groups: int) -> int:
+    """Static number of scale rows of a group-aware tensor with ``m`` rows and ``num_groups`` groups."""
+    return groups.num_tiles(m, num_groups, BLOCK)
+
+
+def _quantize_grouped(x: jax.Array, group_sizes) -> FP8BlockTensor:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K] for group-aware quantization, got x.shape={x.shape}")
+    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer) or group_sizes.dtype == jnp.bool_:
+        raise TypeError(
+            f"group_sizes must be a 1-D integer array, got group_sizes.shape={group_sizes.shape} "
+            f"group_sizes.dtype={group_sizes.dtype}"
+        )
+    m, k = x.shape
+    group_sizes = groups.clamp_group_sizes(group_sizes, m)
+    nblocks = grouped_scale_rows(m, group_sizes.shape[0])
+    if m == 0:
+        return FP8BlockTensor(
+            data=jnp.zeros((0, k), jnp.float8_e4m3fn),
+            scale=jax.lax.bitcast_convert_type(jnp.zeros((nblocks, k), jnp.uint8), jnp.float8_e8m0fnu),
+            axes=(0,),
+            group_sizes=group_sizes,
+        )
+    # Each block's (at most 128) rows, zero-filled: [nblocks, 128, K]. Unused blocks are
+    # all zero and so get scale byte 0.
+    xb, _, _ = groups.gather_tiles(x, groups.tile_layout(group_sizes, m, BLOCK))
+    e = mxfp8.scale_bytes(mxfp8._block_amax(xb, 1), x.dtype)
+    block_of_row = groups.row_tile_ids(group_sizes, m, BLOCK)  # nblocks past the end
+    row_e = e[jnp.minimum(block_of_row, nblocks - 1)]
+    in_group = (block_of_row < nblocks)[:, None]
+    data = jnp.where(in_group, mxfp8._encode(x, row_e), jnp.zeros((), jnp.float8_e4m3fn))
+    return FP8BlockTensor(
+        data=data, scale=jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu), axes=(0,), group_sizes=group_sizes
+    )
+
+
+def quantize_fp8_block(
+    x: jax.Array, axis: int | tuple[int, int] = -1, *, group_sizes: jax.Array | None = None
+) -> FP8BlockTensor:
+    """Quantizes ``x`` to FP8 E4M3 with one power-of-two (E8M0) scale per 128-block.
+
+    Args:
+      x: bfloat16 or float32 array of rank >= 1.
+      axis: an int: ``1 x 128`` blocks along that axis (an activation, blocked along
+        the reduction axis of the GEMM that reads it). A pair of axes: ``128 x 128``
+        tiles over them (a weight ``[G, A, B]``: ``axis=(1, 2)``; one copy serves
+        the GEMM reducing over either axis).
+      group_sizes: optional ``[G]`` integer sizes, read on the device: then ``x`` must
+        be ``[M, K]`` and ``axis`` 0, and the blocks are 128 rows of one group
+        (a weight-gradient operand): row ``m`` of group ``g`` is in block
+        ``first_block[g] + (m - start[g]) // 128``, ``first_block`` the exclusive cumsum
+        of ``cdiv(size_g, 128)``. Sizes summing past ``M`` are cut at ``M``; rows past
+        the (cut) total get data 0. The tensor keeps the cut sizes (int32).
+
+    Returns:
+      An :class:`FP8BlockTensor` whose ``data`` has ``x``'s shape. The scale rule is
+      MXFP8's (RCEIL); zeros, NaN and Inf behave as documented for
+      :func:`quantize_mxfp8`, per 128-block (a NaN or Inf makes its whole block NaN).
+
+    Raises:
+      TypeError, ValueError: at trace time, naming the argument: ``x`` not
+        bfloat16/float32 or a scalar, ``axis`` not an int or a pair of distinct axes
+        in range, ``group_sizes`` not a 1-D integer array, or ``group_sizes`` with an
+        ``x`` that is not ``[M, K]`` or an ``axis`` other than 0.
+    """
+    x = jnp.asarray(x)
+    if jnp.dtype(x.dtype) not in mxfp8._SUPPORTED_INPUT_DTYPES:
+        raise TypeError(f"x must be bfloat16 or float32 to quantize to FP8 blocks, got x.dtype={x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("x must have rank >= 1 to be quantized, got a scalar")
+    axes = _normalize_axes(axis, x.ndim)
+    if group_sizes is None:
+        return _quantize_plain(x, axes)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K] for group-aware quantization, got x.shape={x.shape}")
+    if axes != (0,):
+        raise ValueError(f"group-aware blocks run along the token axis: axis must be 0, got axis={axis!r}")
+    return _quantize_grouped(x, group_sizes)
+
+
+def _scale_shape(t: FP8BlockTensor) -> tuple[int, ...]:
+    shape = tuple(t.data.shape)
+    if t.is_grouped:
+        return (grouped_scale_rows(shape[0], t.group_sizes.shape[0]), shape[1])
+    return tuple(groups.cdiv(n, BLOCK) if a in t.axes else n for a, n in enumerate(shape))
+
+
+def _check_tensor(t: FP8BlockTensor) -> None:
+    """Raises TypeError/ValueError, naming the field, for a (hand-built) tensor whose
+    fields do not fit together."""
+    for name in ("data", "scale"):
+        arr = getattr(t, name)
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise TypeError(f"t.{name} must be an array, got t.{name}={type(arr).__name__}")
+    if jnp.dtype(t.data.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise TypeError(f"t.data must be float8_e4m3fn, got t.data.dtype={t.data.dtype}")
+    if jnp.dtype(t.scale.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
+        raise TypeError(f"t.scale must be float8_e8m0fnu (or its uint8 bytes), got t.scale.dtype={t.scale.dtype}")
+    nd = t.data.ndim
+    axes = t.axes
+    ok = (
+        isinstance(axes, tuple) and len(axes) in (1, 2) and nd >= 1
+        and all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) and 0 <= a < nd for a in axes)
+        and list(axes) == sorted(set(axes))
+    )
+    if not ok:
+        raise ValueError(
+            f"t.axes must be one or two increasing axes in [0, {nd}) for t.data.shape={tuple(t.data.shape)}, "
+            f"got t.axes={axes!r}"
+        )
+    if t.is_grouped:
+        gs = t.group_sizes
+        if nd != 2 or axes != (0,):
+            raise ValueError(
+                f"a group-aware tensor must be [M, K] blocked along axis 0, got t.data.shape={tuple(t.data.shape)} "
+                f"t.axes={axes}"
+            )
+        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 or not jnp.issubdtype(gs.dtype, jnp.integer):
+            raise TypeError(f"t.group_sizes must be a 1-D integer array or None, got t.group_sizes={gs!r}")
+    want = _scale_shape(t)
+    if tuple(t.scale.shape) != want:
+        raise ValueError(
+            f"t.scale must have shape {want} for t.data.shape={tuple(t.data.shape)} (axes {axes}"
+            f"{', group-aware' if t.is_grouped else ''}), got t.scale.shape={tuple(t.scale.shape)}"
+        )
+
+
+def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+    """Back to ``dtype``, a float dtype: ``data * 2**(scale - 127)`` per block (exact in
+    bfloat16 and float32 except below float32's normal range; rows of a group-aware
+    tensor past its groups are 0).
+
+    Raises:
+      TypeError, ValueError: for a ``dtype`` that is not a float, or a (hand-built)
+        tensor whose fields do not fit together (dtypes, ``axes``, ``scale``'s shape).
+    """
+    if not isinstance(t, FP8BlockTensor):
+        raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}")
+    try:
+        out_dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be a float dtype, got dtype={dtype!r}") from None
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"dtype must be a float dtype, got dtype={dtype!r}")
+    _check_tensor(t)
+    e = jax.lax.bitcast_convert_type(t.scale, jnp.uint8)
+    values = t.data.astype(jnp.float32)
+    if t.is_grouped:
+        m = t.data.shape[0]
+        nblocks = t.scale.shape[0]
+        block_of_row = groups.row_tile_ids(t.group_sizes, m, BLOCK)
+        row_scale = mxfp8._scale_value(e[jnp.minimum(block_of_row, nblocks - 1)])
+        return jnp.where((block_of_row < nblocks)[:, None], values * row_scale, 0.0).astype(out_dtype)
+    scale = mxfp8._scale_value(e)
+    for a in t.axes:
+        n = t.data.shape[a]
+        scale = jnp.repeat(scale, BLOCK, axis=a, total_repeat_length=scale.shape[a] * BLOCK)
+        scale = jax.lax.slice_in_dim(scale, 0, n, axis=a)
+    return (values * scale).astype(out_dtype)
