@@ -56,6 +56,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import VEC, Mxfp8EpiloguePasses
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 
 class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
@@ -183,7 +184,7 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
     def _mma_consumer_dgrad(
         self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
         mH: cute.Tensor, g_h, g_row, g_col, mPart: cute.Tensor, mProbs: cute.Tensor, group_sizes: cute.Tensor,
-        ctid, bidx, gdim, k_tiles, seg0_rows, seg0_tiles,
+        ctid, bidx, gdim, k_tiles, seg0,
     ):
         """:meth:`_mma_consumer` (same mainloop and cursor) with the dgrad epilogue."""
         m = mH.shape[0]
@@ -200,14 +201,11 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
-        )
-        while seg <= num_groups:
-            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+        sched = SegmentTileScheduler.create(group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
+        while sched.seg <= num_groups:
+            row_off, rows_valid, n_tile = sched.tile_coords()
             acc.fill(0.0)
-            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+            if sched.seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 mainloop.consumer_wait(read)
@@ -224,19 +222,16 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
                 mainloop.consumer_release(release)
                 release.advance()
 
-            row0 = seg_row0 + row_off
+            row0 = sched.row0 + row_off
             col0 = n_tile * self.tile_n
-            in_group = seg < num_groups
+            in_group = sched.seg < num_groups
             p2 = self._load_probs2(mProbs, s2g[3], row0, rows_valid, in_group)
             epi_count = self._store_tile_dgrad(
                 epi, s2g, col_read, g_h, g_row, g_col, mPart, p2, row0, col0, n_tile, rows_valid, n, in_group,
                 epi_count, lane,
             )
 
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-            )
+            sched = sched.advance()
 
     @cute.kernel
     def kernel_dgrad(
@@ -258,12 +253,12 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
             tma_atom_a, mA, tma_atom_b, mB, mH, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma_consumer_dgrad(
                 tiled_mma, mainloop, sA, sB, sC, mH, g_h, g_row, g_col, mPart, mProbs, group_sizes,
-                tidx - 128, bidx, gdim, k_tiles, seg0_rows, seg0_tiles,
+                tidx - 128, bidx, gdim, k_tiles, seg0,
             )

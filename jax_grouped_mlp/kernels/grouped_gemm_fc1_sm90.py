@@ -42,8 +42,8 @@ later, after every thread has finished both passes over it.
 
 The scale row of a tile's first block is ``seg_blk0 + row_off / 32`` where ``seg_blk0``
 (the number of 32-row blocks of all earlier groups, sizes clamped as the scheduler
-clamps them) is carried in the consumers' own copy of the segment cursor
-(:meth:`_seek_fc1`; the base ``_seek``, which the producer uses, is untouched). Tiles
+clamps them) is carried by the consumers' scheduler (``SegmentTileScheduler`` with
+``blocks=True``; the producer's does not carry it). Tiles
 start at their group's start + a multiple of 128, so each 32-row sub-block of a tile is
 one block of the group layout, cut short at the group's end.
 """
@@ -57,7 +57,8 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from jax_grouped_mlp.kernels import ptx
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import _BIG, EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 BLOCK = 32  # MXFP8 block
 VEC = 8  # elements per thread vector (16 bytes of bf16)
@@ -215,23 +216,6 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
             stream=stream,
         )
 
-    # ---- the consumers' cursor: the base one plus the blocks of earlier groups ----
-
-    @cute.jit
-    def _seek_fc1(self, group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0, m, n_tiles):
-        """:meth:`_seek`, also carrying ``seg_blk0``: the 32-row blocks of segments before ``seg``."""
-        num_groups = group_sizes.shape[0]
-        while t - seg_tile0 >= seg_tiles:
-            seg_tile0 = seg_tile0 + seg_tiles
-            seg_row0 = seg_row0 + seg_rows
-            seg_blk0 = seg_blk0 + (seg_rows + (BLOCK - 1)) // BLOCK
-            seg = seg + 1
-            seg_rows = self._segment_rows(group_sizes, seg, seg_row0, m)
-            seg_tiles = (seg_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
-            if seg > num_groups:
-                seg_tiles = Int32(_BIG)
-        return seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0
-
     # ---- the epilogue ----
 
     @cute.jit
@@ -313,7 +297,7 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
     def _mma_consumer_fc1(
         self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
         tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, g_row, g_col, g_scale,
-        mProbs: cute.Tensor, group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+        mProbs: cute.Tensor, group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0,
     ):
         """:meth:`_mma_consumer` (same mainloop) with the FC1 epilogue and the block cursor."""
         m = mOut.shape[0]
@@ -331,14 +315,13 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0 = self._seek_fc1(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, Int32(0), m, n_tiles
+        sched = SegmentTileScheduler.create(
+            group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, blocks=True
         )
-        while seg <= num_groups:
-            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+        while sched.seg <= num_groups:
+            row_off, rows_valid, n_tile = sched.tile_coords()
             acc.fill(0.0)
-            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+            if sched.seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 mainloop.consumer_wait(read)
@@ -355,20 +338,17 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
                 mainloop.consumer_release(release)
                 release.advance()
 
-            row0 = seg_row0 + row_off
+            row0 = sched.row0 + row_off
             col0 = n_tile * self.tile_n
             p_row = self._load_probs(mProbs, s2g[3], row0, rows_valid)
             p_col = self._load_probs(mProbs, col_read[1], row0, rows_valid)
             epi_count = self._store_tile_fc1(
                 epi, s2g, col_read, tma_atom_out, sC, mOutTma, mOut, g_row, g_col, g_scale, p_row, p_col,
-                row0, col0, n_tile, rows_valid, n, seg < num_groups, seg_blk0 + row_off // BLOCK, epi_count,
+                row0, col0, n_tile, rows_valid, n, sched.seg < num_groups, sched.blk0 + row_off // BLOCK, epi_count,
                 warp_idx, lane,
             )
 
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0 = self._seek_fc1(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0, m, n_tiles
-            )
+            sched = sched.advance()
         store_pipeline.producer_tail()
 
     @cute.kernel
@@ -392,12 +372,12 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
             tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma_consumer_fc1(
                 tiled_mma, mainloop, sA, sB, sC, tma_atom_out, mOutTma, mOut, g_row, g_col, g_scale, mProbs,
-                group_sizes, tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+                group_sizes, tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0,
             )

@@ -57,6 +57,7 @@ from cutlass.cute.nvgpu.warpgroup import OperandSource
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, SMEM_CAPACITY, GroupedGemmSm90
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 TILE_W = 128  # weight rows (output columns) per CTA tile: two consumer warp groups of 64
 
@@ -453,7 +454,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
     def _qw_consumer(
         self, tiled_mma: cute.TiledMma, mainloop, sW: cute.Tensor, sX: cute.Tensor, sC: cute.Tensor,
         tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, group_sizes: cute.Tensor,
-        ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+        ctid, bidx, gdim, warp_idx, k_tiles, seg0,
     ):
         """The consumer warp groups: the mainloop (register-A, or shared-memory A for the
         ``smem_a`` variants, whose quantized weight tile feeds ``row_boxes`` token
@@ -490,12 +491,10 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, w_tiles
-        )
-        while seg <= num_groups:
-            tok_off, toks_valid, w_tile = self._tile_coords(t, seg_tile0, seg_rows, w_tiles)
+        sched = SegmentTileScheduler.create(group_sizes, m, w_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
+        while sched.seg <= num_groups:
+            seg = sched.seg
+            tok_off, toks_valid, w_tile = sched.tile_coords()
             if cutlass.const_expr(halves == 1):
                 if seg < num_groups:
                     read, release = tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, 1)
@@ -518,7 +517,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
                     for h in cutlass.range_constexpr(halves):
                         accs[h].fill(0.0)  # tokens past the groups: zeros
 
-            tok0 = seg_row0 + tok_off
+            tok0 = sched.row0 + tok_off
             w0 = w_tile * TILE_W
             if toks_valid == self.seg_tile:
                 for h in cutlass.range_constexpr(halves):
@@ -533,10 +532,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
                         warp_idx,
                     )
 
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, w_tiles
-            )
+            sched = sched.advance()
         store_pipeline.producer_tail()
 
     @cute.kernel
@@ -558,7 +554,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
         # The producer's "A" is the token tile (rows from the tile's start), its "B" the
         # group's weight tile: the plain kernel's loads, into the swapped buffers.
-        mainloop, sW, sX, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+        mainloop, sW, sX, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
             tma_atom_x, mX, tma_atom_w, mW, mOut, group_sizes, w_smem, x_smem, epi_smem, tidx, bidx, gdim, warp_idx,
             swapped=True,
         )
@@ -566,5 +562,5 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._qw_consumer(
                 tiled_mma, mainloop, sW, sX, sC, tma_atom_out, mOutTma, mOut, group_sizes,
-                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0,
             )

@@ -62,8 +62,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
+
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
-_BIG = 1 << 30  # "infinitely many tiles": stops the cursor past the tail segment
 EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memory)
 
 
@@ -304,47 +305,6 @@ class GroupedGemmSm90:
             cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
         cute.nvgpu.warpgroup.commit_group()
 
-    # ---- tile scheduler: a forward-only cursor over segments (see module doc) ----
-
-    @cute.jit
-    def _segment_rows(self, group_sizes: cute.Tensor, seg: Int32, row0: Int32, m: Int32) -> Int32:
-        """Rows of segment ``seg`` starting at ``row0`` (clamped to M; tail = the rest)."""
-        num_groups = group_sizes.shape[0]
-        rows = Int32(0)
-        if seg < num_groups:
-            rows = cutlass.min(cutlass.max(Int32(group_sizes[seg]), Int32(0)), m - row0)
-        elif seg == num_groups:
-            rows = m - row0
-        return rows
-
-    @cute.jit
-    def _seek(self, group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles):
-        """Advances the cursor until tile ``t`` lies in segment ``seg`` (or past the tail)."""
-        num_groups = group_sizes.shape[0]
-        while t - seg_tile0 >= seg_tiles:
-            seg_tile0 = seg_tile0 + seg_tiles
-            seg_row0 = seg_row0 + seg_rows
-            seg = seg + 1
-            seg_rows = self._segment_rows(group_sizes, seg, seg_row0, m)
-            seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
-            if seg > num_groups:
-                seg_tiles = Int32(_BIG)
-        return seg, seg_tile0, seg_row0, seg_rows, seg_tiles
-
-    @cute.jit
-    def _tile_coords(self, t, seg_tile0, seg_rows, n_tiles):
-        """(first row offset in the segment, rows valid, column tile) of tile ``t``."""
-        local = t - seg_tile0
-        m_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile
-        panel_tiles = self.panel_m * n_tiles
-        panel = local // panel_tiles
-        r = local - panel * panel_tiles
-        rows_in_panel = cutlass.min(Int32(self.panel_m), m_tiles - panel * self.panel_m)
-        n_tile = r // rows_in_panel
-        m_tile = panel * self.panel_m + (r - n_tile * rows_in_panel)
-        row_off = m_tile * self.seg_tile
-        return row_off, cutlass.min(seg_rows - row_off, Int32(self.seg_tile)), n_tile
-
     # ---- epilogue helpers (shared with the weight-gradient kernel) ----
 
     def _epilogue_copies(self, tiled_mma: cute.TiledMma, sC: cute.Tensor, acc: cute.Tensor, ctid):
@@ -462,24 +422,21 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _produce_tiles(
-        self, mainloop, state, t, cursor, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor,
-        tma_atom_b: cute.CopyAtom, tBgB: cute.Tensor, tBsB: cute.Tensor, group_sizes: cute.Tensor,
-        gdim, m, n_tiles, k_tiles, extra=None,
+        self, mainloop, state, sched: SegmentTileScheduler, tma_atom_a: cute.CopyAtom, mA: cute.Tensor,
+        sA: cute.Tensor, tma_atom_b: cute.CopyAtom, tBgB: cute.Tensor, tBsB: cute.Tensor, k_tiles, extra=None,
     ):
         """The TMA producer (one thread's worth of warp 0): every stage of this CTA's tiles.
 
-        Starts at tile ``t`` with the cursor ``(seg, seg_tile0, seg_row0, seg_rows,
-        seg_tiles)`` from :meth:`_seek` and the pipeline ``state``. Per stage: the A tile
+        Starts at the scheduler's tile ``sched`` with the pipeline ``state``. Per stage: the A tile
         (rows from the tile's start) and the B tile of the tile's group, plus, when
         ``extra = (tma_atom, tXgX, tXsX)`` is given, a third tile partitioned like B
         (``(.., n_tile, k, group)``) into the same stage and transaction.
         """
-        num_groups = group_sizes.shape[0]
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = cursor
-        while seg <= num_groups:
-            row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-            if seg < num_groups:
-                row0 = seg_row0 + row_off
+        num_groups = sched.group_sizes.shape[0]
+        while sched.seg <= num_groups:
+            row_off, _, n_tile = sched.tile_coords()
+            if sched.seg < num_groups:
+                row0 = sched.row0 + row_off
                 # ``row_boxes`` TMA boxes of ``box_rows`` rows each (slices
                 # ``row_boxes * stage + i`` of ``sA``): a tile taller than one box.
                 box_rows = self.seg_tile // self.row_boxes
@@ -493,10 +450,10 @@ class GroupedGemmSm90:
                     )
                     tAs.append(tAsA)
                     tAg.append(tAgA)
-                tBgB_tile = tBgB[(None, n_tile, None, seg)]
+                tBgB_tile = tBgB[(None, n_tile, None, sched.seg)]
                 tXgX_tile = None
                 if cutlass.const_expr(extra is not None):
-                    tXgX_tile = extra[1][(None, n_tile, None, seg)]
+                    tXgX_tile = extra[1][(None, n_tile, None, sched.seg)]
                 for k in range(k_tiles):
                     mainloop.producer_acquire(state)
                     bar = mainloop.producer_get_barrier(state)
@@ -513,17 +470,14 @@ class GroupedGemmSm90:
                         cute.copy(extra[0], tXgX_tile[(None, k)], extra[2][(None, state.index)], tma_bar_ptr=bar)
                     mainloop.producer_commit(state)
                     state.advance()
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-            )
+            sched = sched.advance()
         mainloop.producer_tail(state)
 
     @cute.jit
     def _mma_consumer(
         self, tiled_mma: cute.TiledMma, mainloop, converted, sA: cute.Tensor, sB: cute.Tensor,
         sC: cute.Tensor, tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor,
-        group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+        group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0,
     ):
         """The consumer warp groups (thread ``ctid`` of 256): mainloop and epilogue of every tile.
 
@@ -543,14 +497,11 @@ class GroupedGemmSm90:
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
-        )
-        while seg <= num_groups:
-            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
+        sched = SegmentTileScheduler.create(group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
+        while sched.seg <= num_groups:
+            row_off, rows_valid, n_tile = sched.tile_coords()
             acc.fill(0.0)
-            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
+            if sched.seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 # First stage: issue and keep in flight.
@@ -573,7 +524,7 @@ class GroupedGemmSm90:
                 mainloop.consumer_release(release)
                 release.advance()
 
-            row0 = seg_row0 + row_off
+            row0 = sched.row0 + row_off
             col0 = n_tile * self.tile_n
             if rows_valid == self.tile_m:
                 gTile = cute.local_tile(
@@ -585,10 +536,7 @@ class GroupedGemmSm90:
                     epi, s2g, mOut, row0, col0, rows_valid, n, epi_count, warp_idx
                 )
 
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-            )
+            sched = sched.advance()
         store_pipeline.producer_tail()
 
     @cute.jit
@@ -604,7 +552,8 @@ class GroupedGemmSm90:
         kernel, whose wgmma takes the weight as A): the weight lives in the first
         shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
 
-        Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles)``
+        Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0)`` (``seg0``: the
+        scheduler's start, :meth:`SegmentTileScheduler.first_segment`)
         for the consumers (warp groups 1 and 2), ``sA``/``sB`` in buffer order.
         """
         mainloop, sA, sB, sC = self._shared_and_pipeline(
@@ -627,20 +576,17 @@ class GroupedGemmSm90:
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         # Cursor start: segment 0 (or the tail directly when G == 0).
-        seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
-        seg0_tiles = (seg0_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
+        seg0 = SegmentTileScheduler.first_segment(group_sizes, m, n_tiles, self.seg_tile)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                t = Int32(bidx)
-                cursor = self._seek(group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles)
-                self._produce_tiles(
-                    mainloop, state, t, cursor, tma_atom_a, mA, s_rows, tma_atom_b, tBgB, tBsB, group_sizes,
-                    gdim, m, n_tiles, k_tiles,
+                sched = SegmentTileScheduler.create(
+                    group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0
                 )
-        return mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles
+                self._produce_tiles(mainloop, state, sched, tma_atom_a, mA, s_rows, tma_atom_b, tBgB, tBsB, k_tiles)
+        return mainloop, sA, sB, sC, warp_group, k_tiles, seg0
 
     @cute.kernel
     def kernel(
@@ -659,12 +605,12 @@ class GroupedGemmSm90:
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
+        mainloop, sA, sB, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
             tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma_consumer(
                 tiled_mma, mainloop, None, sA, sB, sC, tma_atom_out, mOutTma, mOut, group_sizes,
-                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0,
             )
