@@ -47,6 +47,8 @@ after the tile's subtiles the lane with column 0 stores it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -55,7 +57,9 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import VEC, Mxfp8EpiloguePasses
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget,
+)
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 
@@ -180,59 +184,6 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
                     mPart[(n_tile, row0 + r)] = dp[i]
         return epi_count + epi_num
 
-    @cute.jit
-    def _mma_consumer_dgrad(
-        self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
-        mH: cute.Tensor, g_h, g_row, g_col, mPart: cute.Tensor, mProbs: cute.Tensor, group_sizes: cute.Tensor,
-        ctid, bidx, gdim, k_tiles, seg0,
-    ):
-        """:meth:`_mma_consumer` (same mainloop and cursor) with the dgrad epilogue."""
-        m = mH.shape[0]
-        n = mH.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-        num_groups = group_sizes.shape[0]
-        lane = ctid % 32
-        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
-
-        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)  # (its TMA-store pipeline stays unused)
-        epi_count = Int32(0)
-        s2g = self._partial_store_copies(sC, ctid)
-        col_read = self._col_read_copies(sC, ctid)
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        sched = SegmentTileScheduler.create(group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
-        while sched.seg <= num_groups:
-            row_off, rows_valid, n_tile = sched.tile_coords()
-            acc.fill(0.0)
-            if sched.seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                mainloop.consumer_wait(read)
-                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for k in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-
-            row0 = sched.row0 + row_off
-            col0 = n_tile * self.tile_n
-            in_group = sched.seg < num_groups
-            p2 = self._load_probs2(mProbs, s2g[3], row0, rows_valid, in_group)
-            epi_count = self._store_tile_dgrad(
-                epi, s2g, col_read, g_h, g_row, g_col, mPart, p2, row0, col0, n_tile, rows_valid, n, in_group,
-                epi_count, lane,
-            )
-
-            sched = sched.advance()
-
     @cute.kernel
     def kernel_dgrad(
         self,
@@ -253,12 +204,58 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
+        pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
             tma_atom_a, mA, tma_atom_b, mB, mH, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._mma_consumer_dgrad(
-                tiled_mma, mainloop, sA, sB, sC, mH, g_h, g_row, g_col, mPart, mProbs, group_sizes,
-                tidx - 128, bidx, gdim, k_tiles, seg0,
+            self._consumer(
+                Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
+                DgradEpilogue(self, StoreTarget(sC, None, None, mH), warp_idx, DgradOutputs(g_h, g_row, g_col, mPart, mProbs)),
+                work, tidx - 128,
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class DgradOutputs:
+    """The dgrad epilogue's extra operands, the bf16 ones viewed as 8-element vectors
+    ``((1, 8), (M, N / 8))``: the residual ``h`` (``g_h``), ``dh``'s rowwise and columnwise
+    MXFP8 values (``g_row``, ``g_col``), the ``dprobs`` partials ``(cdiv(N, tile_n), M)``
+    and ``probs`` ``(M,)``."""
+
+    g_h: cute.Tensor
+    g_row: cute.Tensor
+    g_col: cute.Tensor
+    part: cute.Tensor
+    probs: cute.Tensor
+
+
+class DgradEpilogue(StoreEpilogue):
+    """``da`` staged as :class:`StoreEpilogue` stages it but never stored: the dSReLU pass
+    turns it into ``dh`` in shared memory, then its MXFP8 row and column passes and the
+    ``dprobs`` partials (:meth:`GroupedGemmDgradSm90._store_tile_dgrad`). No TMA store,
+    so nothing to wait for at the end."""
+
+    def __init__(self, kernel: GroupedGemmDgradSm90, out: StoreTarget, warp_idx, extra: DgradOutputs):
+        super().__init__(kernel, out, warp_idx)
+        self.extra = extra
+
+    def setup(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, ctid):
+        super().setup(tiled_mma, acc, ctid)  # (the staging's TMA-store pipeline stays unused)
+        self.lane = ctid % 32
+        self.col_read = self.kernel._col_read_copies(self.out.sC, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: SegmentTileScheduler, row_off, rows_valid, n_tile, epi_count):
+        extra = self.extra
+        row0 = sched.row0 + row_off
+        col0 = n_tile * self.kernel.tile_n
+        in_group = sched.seg < sched.group_sizes.shape[0]
+        p2 = self.kernel._load_probs2(extra.probs, self.s2g[3], row0, rows_valid, in_group)
+        return self.kernel._store_tile_dgrad(
+            self.epi, self.s2g, self.col_read, extra.g_h, extra.g_row, extra.g_col, extra.part, p2, row0, col0,
+            n_tile, rows_valid, self.out.mOut.shape[1], in_group, epi_count, self.lane,
+        )
+
+    def finish(self):
+        pass

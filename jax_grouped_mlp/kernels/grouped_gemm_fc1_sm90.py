@@ -50,6 +50,8 @@ one block of the group layout, cut short at the group's end.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -57,7 +59,9 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from jax_grouped_mlp.kernels import ptx
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget,
+)
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 BLOCK = 32  # MXFP8 block
@@ -293,64 +297,6 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
             ps.append(p)
         return ps
 
-    @cute.jit
-    def _mma_consumer_fc1(
-        self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
-        tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, g_row, g_col, g_scale,
-        mProbs: cute.Tensor, group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0,
-    ):
-        """:meth:`_mma_consumer` (same mainloop) with the FC1 epilogue and the block cursor."""
-        m = mOut.shape[0]
-        n = mOut.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-        num_groups = group_sizes.shape[0]
-        lane = ctid % 32
-        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
-
-        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
-        store_pipeline = epi[5]
-        epi_count = Int32(0)
-        s2g = self._partial_store_copies(sC, ctid)
-        col_read = self._col_read_copies(sC, ctid)
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        sched = SegmentTileScheduler.create(
-            group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, blocks=True
-        )
-        while sched.seg <= num_groups:
-            row_off, rows_valid, n_tile = sched.tile_coords()
-            acc.fill(0.0)
-            if sched.seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                mainloop.consumer_wait(read)
-                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for k in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-
-            row0 = sched.row0 + row_off
-            col0 = n_tile * self.tile_n
-            p_row = self._load_probs(mProbs, s2g[3], row0, rows_valid)
-            p_col = self._load_probs(mProbs, col_read[1], row0, rows_valid)
-            epi_count = self._store_tile_fc1(
-                epi, s2g, col_read, tma_atom_out, sC, mOutTma, mOut, g_row, g_col, g_scale, p_row, p_col,
-                row0, col0, n_tile, rows_valid, n, sched.seg < num_groups, sched.blk0 + row_off // BLOCK, epi_count,
-                warp_idx, lane,
-            )
-
-            sched = sched.advance()
-        store_pipeline.producer_tail()
-
     @cute.kernel
     def kernel_fc1(
         self,
@@ -372,12 +318,57 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
+        pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
             tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._mma_consumer_fc1(
-                tiled_mma, mainloop, sA, sB, sC, tma_atom_out, mOutTma, mOut, g_row, g_col, g_scale, mProbs,
-                group_sizes, tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0,
+            self._consumer(
+                Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
+                Fc1Epilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), warp_idx,
+                            Fc1Outputs(g_row, g_col, g_scale, mProbs)),
+                work, tidx - 128,
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fc1Outputs:
+    """The FC1 epilogue's extra operands: ``a``'s rowwise values (``g_row``), columnwise
+    E4M3 data (``g_col``) and E8M0 scales (``g_scale``), all viewed as 8-element vectors
+    ``((1, 8), (rows, N / 8))``, and ``probs`` ``(M,)``."""
+
+    g_row: cute.Tensor
+    g_col: cute.Tensor
+    g_scale: cute.Tensor
+    probs: cute.Tensor
+
+
+class Fc1Epilogue(StoreEpilogue):
+    """``h`` as :class:`StoreEpilogue` stores it, plus the MXFP8 row and column passes of
+    ``a = probs * relu(h)**2`` over each staged subtile (:meth:`GroupedGemmFc1Sm90._store_tile_fc1`).
+    Its scheduler counts MXFP8 blocks (the scale row of a tile's first block)."""
+
+    blocks = True
+
+    def __init__(self, kernel: GroupedGemmFc1Sm90, out: StoreTarget, warp_idx, extra: Fc1Outputs):
+        super().__init__(kernel, out, warp_idx)
+        self.extra = extra
+
+    def setup(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, ctid):
+        super().setup(tiled_mma, acc, ctid)
+        self.lane = ctid % 32
+        self.col_read = self.kernel._col_read_copies(self.out.sC, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: SegmentTileScheduler, row_off, rows_valid, n_tile, epi_count):
+        out, extra = self.out, self.extra
+        row0 = sched.row0 + row_off
+        col0 = n_tile * self.kernel.tile_n
+        p_row = self.kernel._load_probs(extra.probs, self.s2g[3], row0, rows_valid)
+        p_col = self.kernel._load_probs(extra.probs, self.col_read[1], row0, rows_valid)
+        return self.kernel._store_tile_fc1(
+            self.epi, self.s2g, self.col_read, out.tma_atom, out.sC, out.mOutTma, out.mOut, extra.g_row,
+            extra.g_col, extra.g_scale, p_row, p_col, row0, col0, n_tile, rows_valid, out.mOut.shape[1],
+            sched.seg < sched.group_sizes.shape[0], sched.blk0 + row_off // BLOCK, epi_count, self.warp_idx,
+            self.lane,
+        )

@@ -554,7 +554,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
         # The producer's "A" is the token tile (rows from the tile's start), its "B" the
         # group's weight tile: the plain kernel's loads, into the swapped buffers.
-        mainloop, sW, sX, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
+        mainloop, sW, sX, sC, warp_group, work = self._setup_and_produce(
             tma_atom_x, mX, tma_atom_w, mW, mOut, group_sizes, w_smem, x_smem, epi_smem, tidx, bidx, gdim, warp_idx,
             swapped=True,
         )
@@ -562,5 +562,5 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._qw_consumer(
                 tiled_mma, mainloop, sW, sX, sC, tma_atom_out, mOutTma, mOut, group_sizes,
-                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0,
+                tidx - 128, bidx, gdim, warp_idx, work.k_tiles, work.seg0,
             )

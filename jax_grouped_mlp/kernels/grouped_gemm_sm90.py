@@ -62,7 +62,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
 
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
 EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memory)
@@ -474,70 +474,31 @@ class GroupedGemmSm90:
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _mma_consumer(
-        self, tiled_mma: cute.TiledMma, mainloop, converted, sA: cute.Tensor, sB: cute.Tensor,
-        sC: cute.Tensor, tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor,
-        group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0,
-    ):
-        """The consumer warp groups (thread ``ctid`` of 256): mainloop and epilogue of every tile.
+    def _consumer(self, mainloop, epilogue, work: TileWork, ctid):
+        """The consumer warp groups (thread ``ctid`` of 256), one loop for every kernel:
+        for each tile of the scheduler, ``mainloop`` fills the accumulator (or zeroes it
+        for tail tiles), then ``epilogue`` writes it.
 
-        ``converted``: None, or a second pipeline with the same stage indices that must
-        also complete a stage before its wgmmas read it (the in-kernel B conversion).
+        ``mainloop``: :class:`Bf16Mainloop` or the weight-quantizing ones of
+        :mod:`grouped_gemm_qw_sm90`; ``epilogue``: :class:`StoreEpilogue` or the FC1,
+        dgrad and transposed-store epilogues. Both are trace-time objects: ``setup``
+        before the loop, then per tile ``mainloop.tile`` (returns the advanced pipeline
+        states) and ``epilogue.store_tile`` (returns the epilogue subtile count, which
+        rotates the staging buffers), and ``epilogue.finish`` after the last tile.
         """
-        m = mOut.shape[0]
-        n = mOut.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-        num_groups = group_sizes.shape[0]
-        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
-
-        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
-        store_pipeline = epi[5]
+        num_groups = work.group_sizes.shape[0]
+        accs = mainloop.setup(ctid)
+        epilogue.setup(mainloop.tiled_mma, accs, ctid)
         epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
-        s2g = self._partial_store_copies(sC, ctid)
-
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        sched = SegmentTileScheduler.create(group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
+        sched = work.scheduler(blocks=epilogue.blocks)
         while sched.seg <= num_groups:
             row_off, rows_valid, n_tile = sched.tile_coords()
-            acc.fill(0.0)
-            if sched.seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                # First stage: issue and keep in flight.
-                mainloop.consumer_wait(read)
-                if cutlass.const_expr(converted is not None):
-                    converted.consumer_wait(read)
-                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for k in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    if cutlass.const_expr(converted is not None):
-                        converted.consumer_wait(read)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    # The previous stage's wgmmas are done: hand its slot back.
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-
-            row0 = sched.row0 + row_off
-            col0 = n_tile * self.tile_n
-            if rows_valid == self.tile_m:
-                gTile = cute.local_tile(
-                    cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile)
-                )
-                epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
-            else:
-                epi_count = self._store_tile_partial(
-                    epi, s2g, mOut, row0, col0, rows_valid, n, epi_count, warp_idx
-                )
-
+            read, release = mainloop.tile(sched, rows_valid, read, release, work.k_tiles)
+            epi_count = epilogue.store_tile(sched, row_off, rows_valid, n_tile, epi_count)
             sched = sched.advance()
-        store_pipeline.producer_tail()
+        epilogue.finish()
 
     @cute.jit
     def _setup_and_produce(
@@ -552,9 +513,9 @@ class GroupedGemmSm90:
         kernel, whose wgmma takes the weight as A): the weight lives in the first
         shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
 
-        Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0)`` (``seg0``: the
-        scheduler's start, :meth:`SegmentTileScheduler.first_segment`)
-        for the consumers (warp groups 1 and 2), ``sA``/``sB`` in buffer order.
+        Returns ``(mainloop, sA, sB, sC, warp_group, work)`` for the consumers (warp
+        groups 1 and 2): the TMA pipeline, the shared-memory buffers (``sA``/``sB`` in
+        buffer order) and the CTA's :class:`TileWork`.
         """
         mainloop, sA, sB, sC = self._shared_and_pipeline(
             a_smem, b_smem, epi_smem, b_slices=self.row_boxes if swapped else 1
@@ -586,7 +547,8 @@ class GroupedGemmSm90:
                     group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0
                 )
                 self._produce_tiles(mainloop, state, sched, tma_atom_a, mA, s_rows, tma_atom_b, tBgB, tBsB, k_tiles)
-        return mainloop, sA, sB, sC, warp_group, k_tiles, seg0
+        work = TileWork(group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
+        return mainloop, sA, sB, sC, warp_group, work
 
     @cute.kernel
     def kernel(
@@ -605,12 +567,110 @@ class GroupedGemmSm90:
         epi_smem: cute.ComposedLayout,
     ):
         tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0 = self._setup_and_produce(
+        pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
             tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._mma_consumer(
-                tiled_mma, mainloop, None, sA, sB, sC, tma_atom_out, mOutTma, mOut, group_sizes,
-                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0,
+            self._consumer(
+                Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
+                StoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), warp_idx),
+                work, tidx - 128,
             )
+
+
+# ---- the consumer's pluggable parts (see GroupedGemmSm90._consumer) ----
+
+
+class Bf16Mainloop(TraceTimeObject):
+    """The bf16 mainloop: wgmma with both operands from shared memory, one stage's wgmmas
+    in flight while the next stage is awaited, each slot handed back to the producer as
+    soon as the wgmmas that read it are done. Tail tiles (rows past the groups) skip it
+    and leave a zero accumulator."""
+
+    def __init__(self, kernel: GroupedGemmSm90, tiled_mma: cute.TiledMma, pipe, sA: cute.Tensor, sB: cute.Tensor):
+        self.kernel = kernel
+        self.tiled_mma = tiled_mma
+        self.pipe = pipe
+        self.sA = sA
+        self.sB = sB
+
+    def setup(self, ctid):
+        """Consumer thread ``ctid``'s operand fragments; returns the fp32 accumulator."""
+        self.tCrA, self.tCrB, self.acc = self.kernel._mma_fragments(self.tiled_mma, self.sA, self.sB, ctid)
+        return self.acc
+
+    @cute.jit
+    def tile(self, sched: SegmentTileScheduler, rows_valid, read, release, k_tiles):
+        """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
+        tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
+        acc.fill(0.0)
+        if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            # First stage: issue and keep in flight.
+            mainloop.consumer_wait(read)
+            self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+            read.advance()
+            for k in range(1, k_tiles):
+                mainloop.consumer_wait(read)
+                self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                # The previous stage's wgmmas are done: hand its slot back.
+                cute.nvgpu.warpgroup.wait_group(1)
+                mainloop.consumer_release(release)
+                release.advance()
+                read.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+            release.advance()
+        return read, release
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreTarget:
+    """Where an epilogue stages and stores ``out``: the shared-memory staging buffers
+    ``sC``, the TMA store atom and coordinate tensor (``tma_atom`` None: no TMA store),
+    and ``out`` itself for the predicated stores."""
+
+    sC: cute.Tensor
+    tma_atom: cute.CopyAtom | None
+    mOutTma: cute.Tensor | None
+    mOut: cute.Tensor
+
+
+class StoreEpilogue(TraceTimeObject):
+    """The plain epilogue: the accumulator rounded to ``out``'s dtype, staged in shared
+    memory (stmatrix), TMA-stored for full tiles, stored with row-predicated 16-byte
+    stores for partial ones (:meth:`GroupedGemmSm90._store_tile_tma`,
+    :meth:`GroupedGemmSm90._store_tile_partial`)."""
+
+    blocks = False  # the scheduler need not count MXFP8 blocks
+
+    def __init__(self, kernel: GroupedGemmSm90, out: StoreTarget, warp_idx):
+        self.kernel = kernel
+        self.out = out
+        self.warp_idx = warp_idx
+
+    def setup(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, ctid):
+        """The register -> shared -> global copies of consumer thread ``ctid``."""
+        self.epi = self.kernel._epilogue_copies(tiled_mma, self.out.sC, acc, ctid)
+        self.s2g = self.kernel._partial_store_copies(self.out.sC, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: SegmentTileScheduler, row_off, rows_valid, n_tile, epi_count):
+        """Writes the current tile; returns the new subtile count."""
+        tile_m, tile_n, out = self.kernel.tile_m, self.kernel.tile_n, self.out
+        row0 = sched.row0 + row_off
+        col0 = n_tile * tile_n
+        if rows_valid == tile_m:
+            gTile = cute.local_tile(cute.domain_offset((row0, 0), out.mOutTma), (tile_m, tile_n), (0, n_tile))
+            epi_count = self.kernel._store_tile_tma(self.epi, out.tma_atom, out.sC, gTile, epi_count, self.warp_idx)
+        else:
+            epi_count = self.kernel._store_tile_partial(
+                self.epi, self.s2g, out.mOut, row0, col0, rows_valid, out.mOut.shape[1], epi_count, self.warp_idx
+            )
+        return epi_count
+
+    def finish(self):
+        """Waits for the last TMA stores."""
+        self.epi[5].producer_tail()

@@ -44,6 +44,19 @@ def segment_rows(group_sizes: cute.Tensor, seg: Int32, row0: Int32, m: Int32) ->
     return rows
 
 
+class TraceTimeObject:
+    """Base of the kernels' trace-time helper objects (mainloops, epilogues, :class:`TileWork`):
+    a ``while`` of the DSL carries every object whose method its body calls, so these say
+    that they carry no run-time value (their tensors and copies are set up before the
+    loop and only read in it)."""
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+
 class SegmentTileScheduler:
     """This role's tile ``t`` and the segment cursor ``(seg, tile0, row0, rows, tiles[, blk0])``:
     tile ``t`` lies in segment ``seg``, whose first tile is ``tile0``, first row ``row0``,
@@ -160,3 +173,29 @@ class SegmentTileScheduler:
         m_tile = panel * self.panel_m + (r - n_tile * rows_in_panel)
         row_off = m_tile * self.seg_tile
         return row_off, cutlass.min(self.rows - row_off, Int32(self.seg_tile)), n_tile
+
+
+class TileWork(TraceTimeObject):
+    """One CTA's share of a ragged grouped GEMM, as the kernel body sets it up for its roles:
+    the problem (``group_sizes``, ``m`` ragged rows, ``n_tiles`` column tiles, ``k_tiles``
+    pipeline stages per tile), the persistent grid (``bidx`` of ``gdim``), the tiling
+    (``seg_tile`` rows per tile, ``panel_m``) and segment 0 (``seg0``,
+    :meth:`SegmentTileScheduler.first_segment`). Trace-time only: never loop-carried."""
+
+    def __init__(self, group_sizes: cute.Tensor, m, n_tiles, k_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0):
+        self.group_sizes = group_sizes
+        self.m = m
+        self.n_tiles = n_tiles
+        self.k_tiles = k_tiles
+        self.bidx = bidx
+        self.gdim = gdim
+        self.seg_tile = seg_tile
+        self.panel_m = panel_m
+        self.seg0 = seg0
+
+    def scheduler(self, blocks: bool = False) -> SegmentTileScheduler:
+        """A role's scheduler at this CTA's first tile (``blocks``: also count MXFP8 blocks)."""
+        return SegmentTileScheduler.create(
+            self.group_sizes, self.m, self.n_tiles, self.bidx, self.gdim, self.seg_tile, self.panel_m, self.seg0,
+            blocks=blocks,
+        )
