@@ -246,7 +246,8 @@ class DgradEpilogue(StoreEpilogue):
         self.col_read = self.kernel._col_read_copies(self.out.sC, ctid)
 
     @cute.jit
-    def store_tile(self, sched: SegmentTileScheduler, row_off, rows_valid, n_tile, epi_count):
+    def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        row_off, rows_valid, n_tile = tile
         extra = self.extra
         row0 = sched.row0 + row_off
         col0 = n_tile * self.kernel.tile_n

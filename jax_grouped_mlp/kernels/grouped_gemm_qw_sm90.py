@@ -59,7 +59,7 @@ from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
     EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget,
 )
-from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TraceTimeObject
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
 
 TILE_W = 128  # weight rows (output columns) per CTA tile: two consumer warp groups of 64
 
@@ -525,8 +525,9 @@ class QwMainloop(TraceTimeObject):
         return self.accs
 
     @cute.jit
-    def tile(self, sched: SegmentTileScheduler, toks_valid, read, release, k_tiles):
+    def tile(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork):
         """The current tile's accumulators; returns the advanced ``(read, release)`` states."""
+        toks_valid, k_tiles = tile[1], work.k_tiles
         halves = self.kernel.row_boxes
         num_groups = sched.group_sizes.shape[0]
         seg = sched.seg
@@ -568,7 +569,8 @@ class TransposedStoreEpilogue(StoreEpilogue):
         self.s2g = self.kernel._partial_store_copies_t(self.out.sC, ctid)
 
     @cute.jit
-    def store_tile(self, sched: SegmentTileScheduler, tok_off, toks_valid, w_tile, epi_count):
+    def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        tok_off, toks_valid, w_tile = tile
         out, tile_t = self.out, self.kernel.tile_t
         tok0 = sched.row0 + tok_off
         w0 = w_tile * TILE_W

@@ -476,28 +476,28 @@ class GroupedGemmSm90:
     @cute.jit
     def _consumer(self, mainloop, epilogue, work: TileWork, ctid):
         """The consumer warp groups (thread ``ctid`` of 256), one loop for every kernel:
-        for each tile of the scheduler, ``mainloop`` fills the accumulator (or zeroes it
-        for tail tiles), then ``epilogue`` writes it.
+        for each tile of the scheduler (``work.scheduler()``: :class:`SegmentTileScheduler`,
+        or :class:`GroupTileScheduler` for the weight gradient), ``mainloop`` fills the
+        accumulator (or zeroes it for tiles without rows), then ``epilogue`` writes it.
 
         ``mainloop``: :class:`Bf16Mainloop` or the weight-quantizing ones of
-        :mod:`grouped_gemm_qw_sm90`; ``epilogue``: :class:`StoreEpilogue` or the FC1,
-        dgrad and transposed-store epilogues. Both are trace-time objects: ``setup``
-        before the loop, then per tile ``mainloop.tile`` (returns the advanced pipeline
-        states) and ``epilogue.store_tile`` (returns the epilogue subtile count, which
+        :mod:`grouped_gemm_qw_sm90` or the weight gradient's; ``epilogue``:
+        :class:`StoreEpilogue` or the FC1, dgrad, transposed-store and weight-gradient ones. Both are trace-time objects: ``setup``
+        before the loop, then per tile (``tile``: the scheduler's ``tile_coords()``)
+        ``mainloop.tile`` (returns the advanced pipeline states) and ``epilogue.store_tile`` (returns the epilogue subtile count, which
         rotates the staging buffers), and ``epilogue.finish`` after the last tile.
         """
-        num_groups = work.group_sizes.shape[0]
         accs = mainloop.setup(ctid)
         epilogue.setup(mainloop.tiled_mma, accs, ctid)
         epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         sched = work.scheduler(blocks=epilogue.blocks)
-        while sched.seg <= num_groups:
-            row_off, rows_valid, n_tile = sched.tile_coords()
-            read, release = mainloop.tile(sched, rows_valid, read, release, work.k_tiles)
-            epi_count = epilogue.store_tile(sched, row_off, rows_valid, n_tile, epi_count)
-            sched = sched.advance()
+        while sched.valid():
+            tile = sched.tile_coords()
+            read, release = mainloop.tile(sched, tile, read, release, work)
+            epi_count = epilogue.store_tile(sched, tile, epi_count)
+            sched = sched.advance(tile)
         epilogue.finish()
 
     @cute.jit
@@ -601,9 +601,10 @@ class Bf16Mainloop(TraceTimeObject):
         return self.acc
 
     @cute.jit
-    def tile(self, sched: SegmentTileScheduler, rows_valid, read, release, k_tiles):
+    def tile(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork):
         """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
         tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
+        k_tiles = work.k_tiles
         acc.fill(0.0)
         if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -657,8 +658,9 @@ class StoreEpilogue(TraceTimeObject):
         self.s2g = self.kernel._partial_store_copies(self.out.sC, ctid)
 
     @cute.jit
-    def store_tile(self, sched: SegmentTileScheduler, row_off, rows_valid, n_tile, epi_count):
+    def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
         """Writes the current tile; returns the new subtile count."""
+        row_off, rows_valid, n_tile = tile
         tile_m, tile_n, out = self.kernel.tile_m, self.kernel.tile_n, self.out
         row0 = sched.row0 + row_off
         col0 = n_tile * tile_n

@@ -146,8 +146,9 @@ class SegmentTileScheduler:
             seg_rows, seg_tiles, seg_blk0,
         )
 
-    def advance(self) -> "SegmentTileScheduler":
-        """The cursor at this CTA's next tile (``t + gdim``)."""
+    def advance(self, tile=None) -> "SegmentTileScheduler":
+        """The cursor at this CTA's next tile (``t + gdim``; ``tile``, the current tile's
+        coordinates, is not needed here)."""
         return self._seek(self.t + self.gdim)
 
     # ---- the current tile ----
@@ -193,9 +194,79 @@ class TileWork(TraceTimeObject):
         self.panel_m = panel_m
         self.seg0 = seg0
 
-    def scheduler(self, blocks: bool = False) -> SegmentTileScheduler:
+    def scheduler(self, blocks: bool = False):
         """A role's scheduler at this CTA's first tile (``blocks``: also count MXFP8 blocks)."""
         return SegmentTileScheduler.create(
             self.group_sizes, self.m, self.n_tiles, self.bidx, self.gdim, self.seg_tile, self.panel_m, self.seg0,
             blocks=blocks,
         )
+
+
+class GroupTileScheduler:
+    """The weight-gradient kernel's walk: every group has the same ``group_tiles`` output
+    tiles (``m_tiles`` row tiles x column tiles, row tile inner), numbered group by group;
+    CTA ``b`` takes tiles ``b, b + gdim, ...`` below ``num_groups * group_tiles``. The
+    cursor ``(g, start, size)`` (the group of the last located tile, its first row and its
+    clamped size) moves forward only: one ``group_sizes`` load per group passed.
+
+    Same use as :class:`SegmentTileScheduler`: ``while sched.valid()``, ``tile_coords()``,
+    ``advance(tile)``. Here :meth:`tile_coords` moves the cursor to the tile's group (the
+    moved cursor is the tile's first element) and :meth:`advance` continues from it.
+    """
+
+    _DYNAMIC = ("t", "g", "start", "size")
+
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size):
+        self.group_sizes = group_sizes
+        self.m = m
+        self.m_tiles = m_tiles
+        self.group_tiles = group_tiles
+        self.total_tiles = total_tiles
+        self.gdim = gdim
+        self.t, self.g, self.start, self.size = t, g, start, size
+
+    def __extract_mlir_values__(self):
+        values = []
+        for f in self._DYNAMIC:
+            values += extract_mlir_values(getattr(self, f))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = copy.copy(self)
+        for f, v in zip(self._DYNAMIC, values, strict=True):
+            setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
+        return new
+
+    def _with(self, t, g, start, size) -> "GroupTileScheduler":
+        return GroupTileScheduler(
+            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, t, g, start, size
+        )
+
+    @staticmethod
+    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        """The cursor at group 0 (``size0``: its clamped size) and this CTA's first tile ``bidx``."""
+        return GroupTileScheduler(
+            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, Int32(bidx), Int32(0), Int32(0), size0
+        )
+
+    def valid(self):
+        return self.t < self.total_tiles
+
+    @cute.jit
+    def tile_coords(self):
+        """``(cursor at the tile's group, row tile, column tile)`` of the current tile."""
+        g, start, size = self.g, self.start, self.size
+        target = self.t // self.group_tiles
+        group_sizes, m = self.group_sizes, self.m
+        while g < target:
+            start = start + size
+            g = g + 1
+            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m - start)
+        local = self.t - g * self.group_tiles
+        n_tile = local // self.m_tiles
+        return self._with(self.t, g, start, size), local - n_tile * self.m_tiles, n_tile
+
+    def advance(self, tile) -> "GroupTileScheduler":
+        """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
+        located = tile[0]
+        return self._with(located.t + self.gdim, located.g, located.start, located.size)
