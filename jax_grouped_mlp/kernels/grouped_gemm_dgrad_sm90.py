@@ -52,7 +52,6 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Uint32
 
 from jax_grouped_mlp.kernels import ptx
@@ -152,18 +151,12 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         n_tile: Int32, rows_valid: Int32, n: Int32, in_group, epi_count: Int32, lane,
     ):
         """The tile's epilogue (see the module docstring). Returns the new subtile count."""
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, _ = epi
         _, _, tSG_sC, tSG_cC = s2g
         tCR_sC, tCR_cC = col_read
-        size_tRS_rD = cute.size(tRS_rD)
         epi_num = self.tile_n // EPI_N
         dp = [Float32(0.0) for _ in range(cute.size(tSG_cC, mode=[1]))]
         for e in cutlass.range_constexpr(epi_num):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))  # da, rounded as the plain kernel does
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)  # da, rounded as the plain kernel does
             self.epi_barrier.arrive_and_wait()
             gcol0 = col0 + e * EPI_N
             cols_valid = n - gcol0

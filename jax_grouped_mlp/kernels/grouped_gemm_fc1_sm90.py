@@ -55,7 +55,6 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from jax_grouped_mlp.kernels import ptx
@@ -232,30 +231,19 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         predicated 16-byte stores for partial ones), then per subtile the row and column
         passes of ``a`` from the same staged shared-memory subtile. Returns the new
         subtile count."""
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
+        _, _, tSG_sC, tSG_cC = s2g
         tCR_sC, tCR_cC = col_read
-        size_tRS_rD = cute.size(tRS_rD)
         full = rows_valid == self.tile_m
         gTile = cute.local_tile(cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile))
-        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, 32), (1, tile_n / 32))
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
-        )
-        epi_num = cute.size(gEpi, mode=[1])
-        epi_shape = gEpi.shape[1]
-        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        tma_part = self._tma_store_partition(tma_atom_out, sC, gTile)
+        epi_num = tma_part[2]
         if rows_valid < self.tile_m:  # partial tile
             if warp_idx == self.epi_store_warp:
                 # Earlier TMA stores may still read the buffers about to be overwritten
                 # (the first subtile's barrier publishes this wait).
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         for e in cutlass.range_constexpr(epi_num):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)
             # stmatrix writes go through the generic proxy; TMA reads async.
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_barrier.arrive_and_wait()
@@ -263,19 +251,9 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
             cols_valid = n - gcol0
             tSG_s = tSG_sC[(None, None, None, buf)]
             if full:
-                if warp_idx == self.epi_store_warp:
-                    cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
-                    store_pipeline.producer_commit()
-                    store_pipeline.producer_acquire()  # the buffer written next is free again
+                self._tma_store_subtile(epi, tma_atom_out, tma_part, e, buf, warp_idx)
             else:
-                gSub = cute.local_tile(cute.domain_offset((row0, gcol0), mOut), self.epi_tile, (0, 0))
-                tSG_g = thr_s2g.partition_D(gSub)
-                for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                    for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                        r, c = tSG_cC[(0, i, j)]
-                        if r < rows_valid:
-                            if c < cols_valid:
-                                cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+                self._store_subtile_rows(s2g, tSG_s, mOut, row0, gcol0, rows_valid, cols_valid)
             self._row_pass(tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid)
             self._col_pass(
                 tCR_sC[(None, None, None, buf)], tCR_cC, g_col, g_scale, p_col, row0, gcol0, rows_valid,

@@ -307,29 +307,15 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         epi_count: Int32, warp_idx,
     ):
         """Stores the accumulator's first ``toks_valid`` tokens (columns of ``out^T``)."""
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
-        size_tRS_rD = cute.size(tRS_rD)
         if warp_idx == self.epi_store_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         rows_valid = nw - w0
         for e in cutlass.range_constexpr(self.tile_t // EPI_N):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)
             self.epi_barrier.arrive_and_wait()
-            gSub = cute.local_tile(cute.domain_offset((w0, tok0 + e * EPI_N), mOut), self.epi_tile, (0, 0))
-            tSG_g = thr_s2g.partition_D(gSub)
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            cols_valid = toks_valid - e * EPI_N
-            for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                    r, c = tSG_cC[(0, i, j)]
-                    if r < rows_valid:
-                        if c < cols_valid:
-                            cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+            self._store_subtile_rows(
+                s2g, s2g[2][(None, None, None, buf)], mOut, w0, tok0 + e * EPI_N, rows_valid, toks_valid - e * EPI_N
+            )
         return epi_count + self.tile_t // EPI_N
 
     @cute.jit

@@ -331,6 +331,57 @@ class GroupedGemmSm90:
         )
         return tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline
 
+    # ---- the store tail: the steps every epilogue's subtile loop is made of ----
+
+    @cute.jit
+    def _stage_subtile(self, epi, e: int, epi_count: Int32):
+        """Subtile ``e`` of the accumulator, rounded to ``out_dtype``, into its staging
+        buffer (stmatrix; buffers rotate with the running subtile count). Returns the buffer."""
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, _ = epi
+        size_tRS_rD = cute.size(tRS_rD)
+        for v in cutlass.range_constexpr(size_tRS_rD):
+            tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+        buf = (epi_count + e) % self.epi_stages
+        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+        return buf
+
+    def _tma_store_partition(self, tma_atom_out, sC: cute.Tensor, gTile: cute.Tensor):
+        """The TMA store's view of ``gTile`` in ``epi_tile`` subtiles: ``(bSG_sD, bSG_gD,
+        epi_num, epi_order)`` (``epi_order`` maps subtile ``e`` to its coordinate)."""
+        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, EPI), (1, tile_n / EPI))
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
+        )
+        epi_num = cute.size(gEpi, mode=[1])
+        epi_shape = gEpi.shape[1]
+        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        return bSG_sD, bSG_gD, epi_num, epi_order
+
+    @cute.jit
+    def _tma_store_subtile(self, epi, tma_atom_out, tma_part, e: int, buf, warp_idx) -> None:
+        """The staged subtile ``e`` (buffer ``buf``) to global memory by TMA, issued by the
+        store warp, which then waits until the buffer written next is free again."""
+        bSG_sD, bSG_gD, _, epi_order = tma_part
+        if warp_idx == self.epi_store_warp:
+            cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
+            epi[5].producer_commit()
+            epi[5].producer_acquire()  # the buffer written next is free again
+
+    @cute.jit
+    def _store_subtile_rows(self, s2g, tSG_s: cute.Tensor, mOut: cute.Tensor, row0, col0, rows_valid, cols_valid):
+        """The staged subtile ``tSG_s`` (this thread's view) to ``(row0, col0)`` of ``mOut``
+        with 16-byte stores, only rows ``< rows_valid`` and columns ``< cols_valid``."""
+        s2g_atom, thr_s2g, _, tSG_cC = s2g
+        gSub = cute.local_tile(cute.domain_offset((row0, col0), mOut), self.epi_tile, (0, 0))
+        tSG_g = thr_s2g.partition_D(gSub)
+        for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
+                r, c = tSG_cC[(0, i, j)]
+                if r < rows_valid:
+                    if c < cols_valid:
+                        cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+
     @cute.jit
     def _store_tile_tma(self, epi, tma_atom_out, sC: cute.Tensor, gTile: cute.Tensor, epi_count: Int32, warp_idx):
         """Stores the accumulator as the tile ``gTile`` (a TMA coordinate tile, tile_m x tile_n).
@@ -340,28 +391,14 @@ class GroupedGemmSm90:
         the next. TMA clips whatever lies outside the output tensor. Returns the new
         subtile count (it picks the buffer).
         """
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        size_tRS_rD = cute.size(tRS_rD)
-        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, EPI), (1, tile_n / EPI))
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
-        )
-        epi_num = cute.size(gEpi, mode=[1])
-        epi_shape = gEpi.shape[1]
-        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        tma_part = self._tma_store_partition(tma_atom_out, sC, gTile)
+        epi_num = tma_part[2]
         for e in cutlass.range_constexpr(epi_num):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)
             # stmatrix writes go through the generic proxy; TMA reads async.
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_barrier.arrive_and_wait()
-            if warp_idx == self.epi_store_warp:
-                cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
-                store_pipeline.producer_commit()
-                store_pipeline.producer_acquire()  # the buffer written next is free again
+            self._tma_store_subtile(epi, tma_atom_out, tma_part, e, buf, warp_idx)
             self.epi_barrier.arrive_and_wait()
         return epi_count + epi_num
 
@@ -392,32 +429,16 @@ class GroupedGemmSm90:
         valid rows only, so the tile never writes the next group's rows. Columns past
         N are whole vectors (N % 8 == 0) and are skipped too. Returns the new subtile count.
         """
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
-        size_tRS_rD = cute.size(tRS_rD)
         if warp_idx == self.epi_store_warp:
             # Earlier TMA stores may still read the buffers we are about to
             # overwrite (the barrier of the first subtile publishes this wait).
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         for e in cutlass.range_constexpr(self.tile_n // EPI_N):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)
             self.epi_barrier.arrive_and_wait()
-            gSub = cute.local_tile(
-                cute.domain_offset((row0, col0 + e * EPI_N), mOut), self.epi_tile, (0, 0)
+            self._store_subtile_rows(
+                s2g, s2g[2][(None, None, None, buf)], mOut, row0, col0 + e * EPI_N, rows_valid, n - (col0 + e * EPI_N)
             )
-            tSG_g = thr_s2g.partition_D(gSub)
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            cols_valid = n - (col0 + e * EPI_N)
-            for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                    r, c = tSG_cC[(0, i, j)]
-                    if r < rows_valid:
-                        if c < cols_valid:
-                            cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
         return epi_count + self.tile_n // EPI_N
 
     @cute.jit
