@@ -145,38 +145,6 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
             dp_out.append(acc)
         return dp_out
 
-    @cute.jit
-    def _store_tile_dgrad(
-        self, epi, s2g, col_read, g_h, g_row, g_col, mPart: cute.Tensor, p2, row0: Int32, col0: Int32,
-        n_tile: Int32, rows_valid: Int32, n: Int32, in_group, epi_count: Int32, lane,
-    ):
-        """The tile's epilogue (see the module docstring). Returns the new subtile count."""
-        _, _, tSG_sC, tSG_cC = s2g
-        tCR_sC, tCR_cC = col_read
-        epi_num = self.tile_n // EPI_N
-        dp = [Float32(0.0) for _ in range(cute.size(tSG_cC, mode=[1]))]
-        for e in cutlass.range_constexpr(epi_num):
-            buf = self._stage_subtile(epi, e, epi_count)  # da, rounded as the plain kernel does
-            self.epi_barrier.arrive_and_wait()
-            gcol0 = col0 + e * EPI_N
-            cols_valid = n - gcol0
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            dp = self._dsrelu_pass(tSG_s, tSG_cC, g_h, p2, dp, row0, gcol0, rows_valid, cols_valid, in_group)
-            self._row_pass(tSG_s, tSG_cC, g_row, None, row0, gcol0, rows_valid, cols_valid)
-            # Every thread's dh is in shared memory before the column pass reads across threads.
-            self.epi_barrier.arrive_and_wait()
-            self._col_pass(
-                tCR_sC[(None, None, None, buf)], tCR_cC, g_col, None, None, row0, gcol0, rows_valid, cols_valid,
-                in_group, None, lane, col_bf16=True,
-            )
-        # dprobs partials (every lane of a row holds the row's sum): the lane with column 0 stores.
-        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
-            r, c = tSG_cC[(0, i, 0)]
-            if c == 0:
-                if r < rows_valid:
-                    mPart[(n_tile, row0 + r)] = dp[i]
-        return epi_count + epi_num
-
     @cute.kernel
     def kernel_dgrad(
         self,
@@ -226,7 +194,7 @@ class DgradOutputs:
 class DgradEpilogue(StoreEpilogue):
     """``da`` staged as :class:`StoreEpilogue` stages it but never stored: the dSReLU pass
     turns it into ``dh`` in shared memory, then its MXFP8 row and column passes and the
-    ``dprobs`` partials (:meth:`GroupedGemmDgradSm90._store_tile_dgrad`). No TMA store,
+    ``dprobs`` partials (:meth:`GroupedGemmDgradSm90._dsrelu_pass`, :class:`Mxfp8EpiloguePasses`). No TMA store,
     so nothing to wait for at the end."""
 
     def __init__(self, kernel: GroupedGemmDgradSm90, out: StoreTarget, warp_idx, extra: DgradOutputs):
@@ -240,16 +208,42 @@ class DgradEpilogue(StoreEpilogue):
 
     @cute.jit
     def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        """The tile's epilogue (see the module docstring). Returns the new subtile count."""
         row_off, rows_valid, n_tile = tile
-        extra = self.extra
+        extra, lane = self.extra, self.lane
         row0 = sched.row0 + row_off
         col0 = n_tile * self.kernel.tile_n
         in_group = sched.seg < sched.group_sizes.shape[0]
         p2 = self.kernel._load_probs2(extra.probs, self.s2g[3], row0, rows_valid, in_group)
-        return self.kernel._store_tile_dgrad(
-            self.epi, self.s2g, self.col_read, extra.g_h, extra.g_row, extra.g_col, extra.part, p2, row0, col0,
-            n_tile, rows_valid, self.out.mOut.shape[1], in_group, epi_count, self.lane,
-        )
+        n = self.out.mOut.shape[1]
+        mPart = extra.part
+        _, _, tSG_sC, tSG_cC = self.s2g
+        tCR_sC, tCR_cC = self.col_read
+        epi_num = self.kernel.tile_n // EPI_N
+        dp = [Float32(0.0) for _ in range(cute.size(tSG_cC, mode=[1]))]
+        for e in cutlass.range_constexpr(epi_num):
+            buf = self.kernel._stage_subtile(self.epi, e, epi_count)  # da, rounded as the plain kernel does
+            self.kernel.epi_barrier.arrive_and_wait()
+            gcol0 = col0 + e * EPI_N
+            cols_valid = n - gcol0
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            dp = self.kernel._dsrelu_pass(
+                tSG_s, tSG_cC, extra.g_h, p2, dp, row0, gcol0, rows_valid, cols_valid, in_group
+            )
+            self.kernel._row_pass(tSG_s, tSG_cC, extra.g_row, None, row0, gcol0, rows_valid, cols_valid)
+            # Every thread's dh is in shared memory before the column pass reads across threads.
+            self.kernel.epi_barrier.arrive_and_wait()
+            self.kernel._col_pass(
+                tCR_sC[(None, None, None, buf)], tCR_cC, extra.g_col, None, None, row0, gcol0, rows_valid,
+                cols_valid, in_group, None, lane, col_bf16=True,
+            )
+        # dprobs partials (every lane of a row holds the row's sum): the lane with column 0 stores.
+        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
+            r, c = tSG_cC[(0, i, 0)]
+            if c == 0:
+                if r < rows_valid:
+                    mPart[(n_tile, row0 + r)] = dp[i]
+        return epi_count + epi_num
 
     def finish(self):
         pass

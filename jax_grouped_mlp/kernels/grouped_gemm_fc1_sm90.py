@@ -222,48 +222,6 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
     # ---- the epilogue ----
 
     @cute.jit
-    def _store_tile_fc1(
-        self, epi, s2g, col_read, tma_atom_out, sC: cute.Tensor, mOutTma: cute.Tensor, mOut: cute.Tensor,
-        g_row, g_col, g_scale, p_row, p_col, row0: Int32, col0: Int32, n_tile: Int32, rows_valid: Int32,
-        n: Int32, in_group, blk0: Int32, epi_count: Int32, warp_idx, lane,
-    ):
-        """The tile's epilogue: ``h`` as the bf16 kernel stores it (TMA for full tiles,
-        predicated 16-byte stores for partial ones), then per subtile the row and column
-        passes of ``a`` from the same staged shared-memory subtile. Returns the new
-        subtile count."""
-        _, _, tSG_sC, tSG_cC = s2g
-        tCR_sC, tCR_cC = col_read
-        full = rows_valid == self.tile_m
-        gTile = cute.local_tile(cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile))
-        tma_part = self._tma_store_partition(tma_atom_out, sC, gTile)
-        epi_num = tma_part[2]
-        if rows_valid < self.tile_m:  # partial tile
-            if warp_idx == self.epi_store_warp:
-                # Earlier TMA stores may still read the buffers about to be overwritten
-                # (the first subtile's barrier publishes this wait).
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        for e in cutlass.range_constexpr(epi_num):
-            buf = self._stage_subtile(epi, e, epi_count)
-            # stmatrix writes go through the generic proxy; TMA reads async.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.epi_barrier.arrive_and_wait()
-            gcol0 = col0 + e * EPI_N
-            cols_valid = n - gcol0
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            if full:
-                self._tma_store_subtile(epi, tma_atom_out, tma_part, e, buf, warp_idx)
-            else:
-                self._store_subtile_rows(s2g, tSG_s, mOut, row0, gcol0, rows_valid, cols_valid)
-            self._row_pass(tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid)
-            self._col_pass(
-                tCR_sC[(None, None, None, buf)], tCR_cC, g_col, g_scale, p_col, row0, gcol0, rows_valid,
-                cols_valid, in_group, blk0, lane,
-            )
-            # Every thread is done reading this buffer before it is written again.
-            self.epi_barrier.arrive_and_wait()
-        return epi_count + epi_num
-
-    @cute.jit
     def _load_probs(self, mProbs: cute.Tensor, coords, row0: Int32, rows_valid: Int32):
         """``probs`` of this thread's two rows in ``coords`` (tile-relative); 0 past the valid rows."""
         ps = []
@@ -323,7 +281,7 @@ class Fc1Outputs:
 
 class Fc1Epilogue(StoreEpilogue):
     """``h`` as :class:`StoreEpilogue` stores it, plus the MXFP8 row and column passes of
-    ``a = probs * relu(h)**2`` over each staged subtile (:meth:`GroupedGemmFc1Sm90._store_tile_fc1`).
+    ``a = probs * relu(h)**2`` over each staged subtile (:class:`Mxfp8EpiloguePasses`).
     Its scheduler counts MXFP8 blocks (the scale row of a tile's first block)."""
 
     blocks = True
@@ -339,15 +297,46 @@ class Fc1Epilogue(StoreEpilogue):
 
     @cute.jit
     def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        """``h`` as :class:`StoreEpilogue` stores it (TMA for full tiles, predicated 16-byte
+        stores for partial ones), then per subtile the row and column passes of ``a`` from
+        the same staged shared-memory subtile. Returns the new subtile count."""
         row_off, rows_valid, n_tile = tile
-        out, extra = self.out, self.extra
+        out, extra, tile_m, warp_idx = self.out, self.extra, self.kernel.tile_m, self.warp_idx
         row0 = sched.row0 + row_off
         col0 = n_tile * self.kernel.tile_n
         p_row = self.kernel._load_probs(extra.probs, self.s2g[3], row0, rows_valid)
         p_col = self.kernel._load_probs(extra.probs, self.col_read[1], row0, rows_valid)
-        return self.kernel._store_tile_fc1(
-            self.epi, self.s2g, self.col_read, out.tma_atom, out.sC, out.mOutTma, out.mOut, extra.g_row,
-            extra.g_col, extra.g_scale, p_row, p_col, row0, col0, n_tile, rows_valid, out.mOut.shape[1],
-            sched.seg < sched.group_sizes.shape[0], sched.blk0 + row_off // BLOCK, epi_count, self.warp_idx,
-            self.lane,
-        )
+        n = out.mOut.shape[1]
+        in_group = sched.seg < sched.group_sizes.shape[0]
+        blk0 = sched.blk0 + row_off // BLOCK
+        _, _, tSG_sC, tSG_cC = self.s2g
+        tCR_sC, tCR_cC = self.col_read
+        full = rows_valid == tile_m
+        gTile = cute.local_tile(cute.domain_offset((row0, 0), out.mOutTma), (tile_m, self.kernel.tile_n), (0, n_tile))
+        tma_part = self.kernel._tma_store_partition(out.tma_atom, out.sC, gTile)
+        epi_num = tma_part[2]
+        if rows_valid < tile_m:  # partial tile
+            if warp_idx == self.kernel.epi_store_warp:
+                # Earlier TMA stores may still read the buffers about to be overwritten
+                # (the first subtile's barrier publishes this wait).
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        for e in cutlass.range_constexpr(epi_num):
+            buf = self.kernel._stage_subtile(self.epi, e, epi_count)
+            # stmatrix writes go through the generic proxy; TMA reads async.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.kernel.epi_barrier.arrive_and_wait()
+            gcol0 = col0 + e * EPI_N
+            cols_valid = n - gcol0
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            if full:
+                self.kernel._tma_store_subtile(self.epi, out.tma_atom, tma_part, e, buf, warp_idx)
+            else:
+                self.kernel._store_subtile_rows(self.s2g, tSG_s, out.mOut, row0, gcol0, rows_valid, cols_valid)
+            self.kernel._row_pass(tSG_s, tSG_cC, extra.g_row, p_row, row0, gcol0, rows_valid, cols_valid)
+            self.kernel._col_pass(
+                tCR_sC[(None, None, None, buf)], tCR_cC, extra.g_col, extra.g_scale, p_col, row0, gcol0, rows_valid,
+                cols_valid, in_group, blk0, self.lane,
+            )
+            # Every thread is done reading this buffer before it is written again.
+            self.kernel.epi_barrier.arrive_and_wait()
+        return epi_count + epi_num
