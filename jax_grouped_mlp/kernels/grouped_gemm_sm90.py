@@ -47,6 +47,13 @@ Pipeline: ``stages`` shared-memory slots of (A tile, B tile), ``PipelineTmaAsync
 (full barrier with TMA transaction bytes, empty barrier arrived by each consumer warp).
 The producer runs ahead across tile boundaries, so the next tile's loads overlap this
 tile's epilogue.
+
+This module is also the skeleton every grouped GEMM kernel of the package is built on
+(docs/notes/2026-12-01-architecture.md, "The GEMM skeleton"): the scheduler
+(:mod:`tile_scheduler`), the producer (:meth:`GroupedGemmSm90._produce_tiles`), the one
+consumer loop (:meth:`GroupedGemmSm90._consumer`) and its pluggable parts, a mainloop
+(:class:`Bf16Mainloop` here) and an epilogue (:class:`StoreEpilogue` here) built on the
+shared store tail (``_stage_subtile``, ``_tma_store_subtile``, ``_store_subtile_rows``).
 """
 
 from __future__ import annotations
