@@ -57,7 +57,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import VEC, Mxfp8EpiloguePasses
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget,
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
@@ -164,16 +164,18 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b))
+        cta = self._kernel_start((tma_atom_a, tma_atom_b))
         pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
-            tma_atom_a, mA, tma_atom_b, mB, mH, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mH, group_sizes, (a_smem, b_smem, epi_smem), cta
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
                 Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
-                DgradEpilogue(self, StoreTarget(sC, None, None, mH), warp_idx, DgradOutputs(g_h, g_row, g_col, mPart, mProbs)),
-                work, tidx - 128,
+                DgradEpilogue(
+                    self, StoreTarget(sC, None, None, mH), cta.warp_idx, DgradOutputs(g_h, g_row, g_col, mPart, mProbs)
+                ),
+                work, cta.tidx - 128,
             )
 
 

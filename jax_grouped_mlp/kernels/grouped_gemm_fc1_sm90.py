@@ -59,7 +59,7 @@ from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget,
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
@@ -253,17 +253,17 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        cta = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
         pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
-            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mOut, group_sizes, (a_smem, b_smem, epi_smem), cta
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
                 Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
-                Fc1Epilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), warp_idx,
+                Fc1Epilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx,
                             Fc1Outputs(g_row, g_col, g_scale, mProbs)),
-                work, tidx - 128,
+                work, cta.tidx - 128,
             )
 
 

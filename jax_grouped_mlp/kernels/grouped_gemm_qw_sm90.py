@@ -57,7 +57,7 @@ from cutlass.cute.nvgpu.warpgroup import OperandSource
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget,
+    EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
 
@@ -454,19 +454,19 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         x_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
+        cta = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
         # The producer's "A" is the token tile (rows from the tile's start), its "B" the
         # group's weight tile: the plain kernel's loads, into the swapped buffers.
         pipe, sW, sX, sC, warp_group, work = self._setup_and_produce(
-            tma_atom_x, mX, tma_atom_w, mW, mOut, group_sizes, w_smem, x_smem, epi_smem, tidx, bidx, gdim, warp_idx,
+            TmaLoad(tma_atom_x, mX), TmaLoad(tma_atom_w, mW), mOut, group_sizes, (w_smem, x_smem, epi_smem), cta,
             swapped=True,
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
                 QwMainloop(self, tiled_mma, pipe, sW, sX),
-                TransposedStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), warp_idx),
-                work, tidx - 128,
+                TransposedStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
+                work, cta.tidx - 128,
             )
 
 

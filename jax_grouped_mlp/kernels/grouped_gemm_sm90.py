@@ -59,6 +59,7 @@ shared store tail (``_stage_subtile``, ``_tma_store_subtile``, ``_store_subtile_
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -259,8 +260,8 @@ class GroupedGemmSm90:
         return (tma_atom_a, tma_a, tma_atom_b, tma_b) + tma_out_pair, (a_smem, b_smem, epi_smem)
 
     @cute.jit
-    def _kernel_start(self, tma_atoms):
-        """``(tidx, bidx, gdim, warp_idx)`` of this thread; warp 0 prefetches ``tma_atoms``' descriptors."""
+    def _kernel_start(self, tma_atoms) -> "CtaIds":
+        """This thread's :class:`CtaIds`; warp 0 prefetches ``tma_atoms``' descriptors."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -268,7 +269,7 @@ class GroupedGemmSm90:
         if warp_idx == 0:
             for atom in tma_atoms:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
-        return tidx, bidx, gdim, warp_idx
+        return CtaIds(tidx, bidx, gdim, warp_idx)
 
     def _shared_and_pipeline(self, a_smem, b_smem, epi_smem, b_slices: int = 1):
         """Allocates shared memory and creates the TMA -> wgmma pipeline (inside the kernel).
@@ -449,17 +450,16 @@ class GroupedGemmSm90:
         return epi_count + self.tile_n // EPI_N
 
     @cute.jit
-    def _produce_tiles(
-        self, mainloop, state, sched: SegmentTileScheduler, tma_atom_a: cute.CopyAtom, mA: cute.Tensor,
-        sA: cute.Tensor, tma_atom_b: cute.CopyAtom, tBgB: cute.Tensor, tBsB: cute.Tensor, k_tiles, extra=None,
-    ):
+    def _produce_tiles(self, mainloop, state, sched: SegmentTileScheduler, rows: "TmaLoad", weight: "TmaLoad", k_tiles):
         """The TMA producer (one thread's worth of warp 0): every stage of this CTA's tiles.
 
-        Starts at the scheduler's tile ``sched`` with the pipeline ``state``. Per stage: the A tile
-        (rows from the tile's start) and the B tile of the tile's group, plus, when
-        ``extra = (tma_atom, tXgX, tXsX)`` is given, a third tile partitioned like B
-        (``(.., n_tile, k, group)``) into the same stage and transaction.
+        Starts at the scheduler's tile ``sched`` with the pipeline ``state``. Per stage: the
+        ragged operand's tile (``rows``: rows of the coordinate tensor from the tile's start,
+        into its staged shared-memory buffer) and the tile's group's weight tile (``weight``:
+        already partitioned ``(.., n_tile, k, group)`` in global and per stage in shared).
         """
+        tma_atom_a, mA, sA = rows.atom, rows.gmem, rows.smem
+        tma_atom_b, tBgB, tBsB = weight.atom, weight.gmem, weight.smem
         num_groups = sched.group_sizes.shape[0]
         while sched.seg <= num_groups:
             row_off, _, n_tile = sched.tile_coords()
@@ -479,9 +479,6 @@ class GroupedGemmSm90:
                     tAs.append(tAsA)
                     tAg.append(tAgA)
                 tBgB_tile = tBgB[(None, n_tile, None, sched.seg)]
-                tXgX_tile = None
-                if cutlass.const_expr(extra is not None):
-                    tXgX_tile = extra[1][(None, n_tile, None, sched.seg)]
                 for k in range(k_tiles):
                     mainloop.producer_acquire(state)
                     bar = mainloop.producer_get_barrier(state)
@@ -494,8 +491,6 @@ class GroupedGemmSm90:
                                 tma_bar_ptr=bar,
                             )
                     cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    if cutlass.const_expr(extra is not None):
-                        cute.copy(extra[0], tXgX_tile[(None, k)], extra[2][(None, state.index)], tma_bar_ptr=bar)
                     mainloop.producer_commit(state)
                     state.advance()
             sched = sched.advance()
@@ -530,24 +525,25 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _setup_and_produce(
-        self, tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx,
-        swapped: bool = False,
+        self, rows: "TmaLoad", weight: "TmaLoad", mOut: cute.Tensor, group_sizes: cute.Tensor, smem_layouts,
+        cta: "CtaIds", swapped: bool = False,
     ):
         """The kernel body up to the consumers (bf16 B): shared memory and pipeline, the B
         partition, the cursor start, and warp group 0 as the TMA producer (warp 0).
 
-        ``A`` is the ragged operand (rows of ``mA`` from a tile's start) and ``B`` the
-        group's weight (``b_tile`` rows of ``mB`` per tile). ``swapped`` (the ``_qw``
-        kernel, whose wgmma takes the weight as A): the weight lives in the first
-        shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
+        ``rows`` is the ragged operand's TMA atom and coordinate tensor (rows from a tile's
+        start) and ``weight`` the group's weight's (``b_tile`` rows per tile); their
+        ``smem`` is unset: allocated here from ``smem_layouts`` ``(a, b, epi)``. ``swapped``
+        (the ``_qw`` kernel, whose wgmma takes the weight as A): the weight lives in the
+        first shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
 
         Returns ``(mainloop, sA, sB, sC, warp_group, work)`` for the consumers (warp
         groups 1 and 2): the TMA pipeline, the shared-memory buffers (``sA``/``sB`` in
         buffer order) and the CTA's :class:`TileWork`.
         """
-        mainloop, sA, sB, sC = self._shared_and_pipeline(
-            a_smem, b_smem, epi_smem, b_slices=self.row_boxes if swapped else 1
-        )
+        tidx, bidx, gdim, warp_idx = cta
+        mB = weight.gmem
+        mainloop, sA, sB, sC = self._shared_and_pipeline(*smem_layouts, b_slices=self.row_boxes if swapped else 1)
         s_rows, s_weight = (sB, sA) if swapped else (sA, sB)
 
         s0, s1 = mOut.shape[0], mOut.shape[1]
@@ -557,7 +553,7 @@ class GroupedGemmSm90:
         # (b_tile, tile_k, n_tiles, k_tiles, G)
         gB = cute.local_tile(mB, (self.b_tile, self.tile_k), (None, None, None))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(s_weight, 0, 2), cute.group_modes(gB, 0, 2)
+            weight.atom, 0, cute.make_layout(1), cute.group_modes(s_weight, 0, 2), cute.group_modes(gB, 0, 2)
         )
         k_tiles = cute.size(gB, mode=[3])
 
@@ -574,7 +570,10 @@ class GroupedGemmSm90:
                 sched = SegmentTileScheduler.create(
                     group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0
                 )
-                self._produce_tiles(mainloop, state, sched, tma_atom_a, mA, s_rows, tma_atom_b, tBgB, tBsB, k_tiles)
+                self._produce_tiles(
+                    mainloop, state, sched, TmaLoad(rows.atom, rows.gmem, s_rows), TmaLoad(weight.atom, tBgB, tBsB),
+                    k_tiles,
+                )
         work = TileWork(group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
         return mainloop, sA, sB, sC, warp_group, work
 
@@ -594,16 +593,16 @@ class GroupedGemmSm90:
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        cta = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
         pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
-            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mOut, group_sizes, (a_smem, b_smem, epi_smem), cta
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
                 Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
-                StoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), warp_idx),
-                work, tidx - 128,
+                StoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
+                work, cta.tidx - 128,
             )
 
 
@@ -704,3 +703,24 @@ class StoreEpilogue(TraceTimeObject):
     def finish(self):
         """Waits for the last TMA stores."""
         self.epi[5].producer_tail()
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaLoad:
+    """A TMA-loaded operand: the copy atom, its global side (the coordinate tensor, or a
+    partition of it) and its shared side (the staged buffer or its partition; None
+    before shared memory is allocated)."""
+
+    atom: cute.CopyAtom
+    gmem: cute.Tensor
+    smem: cute.Tensor | None = None
+
+
+class CtaIds(NamedTuple):
+    """This thread's place: thread index in the CTA, CTA index and count of the persistent
+    grid, warp index (warp-uniform)."""
+
+    tidx: Int32
+    bidx: Int32
+    gdim: Int32
+    warp_idx: Int32
