@@ -466,7 +466,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             self._consumer(
                 QwMainloop(self, tiled_mma, pipe, sW, sX),
                 TransposedStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
-                work, cta.tidx - 128,
+                work, cta.tidx - 128, carry_order=("read", "release", "epi_count", "sched"),
             )
 
 

@@ -58,6 +58,7 @@ shared store tail (``_stage_subtile``, ``_tma_store_subtile``, ``_store_subtile_
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import NamedTuple
 
@@ -68,6 +69,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
@@ -497,7 +499,7 @@ class GroupedGemmSm90:
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consumer(self, mainloop, epilogue, work: TileWork, ctid):
+    def _consumer(self, mainloop, epilogue, work: TileWork, ctid, carry_order: tuple = ("epi_count", "sched", "read", "release")):
         """The consumer warp groups (thread ``ctid`` of 256), one loop for every kernel:
         for each tile of the scheduler (``work.scheduler()``: :class:`SegmentTileScheduler`,
         or :class:`GroupTileScheduler` for the weight gradient), ``mainloop`` fills the
@@ -509,6 +511,10 @@ class GroupedGemmSm90:
         before the loop, then per tile (``tile``: the scheduler's ``tile_coords()``)
         ``mainloop.tile`` (returns the advanced pipeline states) and ``epilogue.store_tile`` (returns the epilogue subtile count, which
         rotates the staging buffers), and ``epilogue.finish`` after the last tile.
+
+        ``carry_order``: the order in which the loop carries its run-time state
+        (:class:`ConsumerCarry`); each kernel passes the order its former loop had, which
+        keeps its machine code byte for byte.
         """
         accs = mainloop.setup(ctid)
         epilogue.setup(mainloop.tiled_mma, accs, ctid)
@@ -516,12 +522,19 @@ class GroupedGemmSm90:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         sched = work.scheduler(blocks=epilogue.blocks)
-        while sched.valid():
-            tile = sched.tile_coords()
-            read, release = mainloop.tile(sched, tile, read, release, work)
-            epi_count = epilogue.store_tile(sched, tile, epi_count)
-            sched = sched.advance(tile)
+        carry = ConsumerCarry(carry_order, epi_count, sched, read, release)
+        while carry.sched.valid():
+            carry = self._consumer_tile(mainloop, epilogue, work, carry)
         epilogue.finish()
+
+    @cute.jit
+    def _consumer_tile(self, mainloop, epilogue, work: TileWork, carry: "ConsumerCarry") -> "ConsumerCarry":
+        """One tile of :meth:`_consumer`: mainloop, epilogue, the scheduler's next tile."""
+        sched, read, release = carry.sched, carry.read, carry.release
+        tile = sched.tile_coords()
+        read, release = mainloop.tile(sched, tile, read, release, work)
+        epi_count = epilogue.store_tile(sched, tile, carry.epi_count)
+        return ConsumerCarry(carry.order, epi_count, sched.advance(tile), read, release)
 
     @cute.jit
     def _setup_and_produce(
@@ -606,7 +619,59 @@ class GroupedGemmSm90:
             )
 
 
-# ---- the consumer's pluggable parts (see GroupedGemmSm90._consumer) ----
+# ---- the consumer's loop state and pluggable parts (see GroupedGemmSm90._consumer) ----
+
+
+class ConsumerCarry:
+    """The consumer loop's run-time state: the epilogue subtile count, the scheduler and
+    the two consumer pipeline states, carried through the loop as one value.
+
+    ``order`` lists the order of its values in the loop (names of ``epi_count``,
+    ``sched``, ``read``, ``release``, or ``sched.<field>`` for a single scheduler field).
+    It changes no computation, only which register the allocator picks for what; each
+    kernel passes the order of the loop it had before the skeleton, so its machine code
+    stayed byte for byte what was tested on the GPU.
+    """
+
+    def __init__(self, order: tuple, epi_count, sched, read, release):
+        self.order = order
+        self.epi_count, self.sched, self.read, self.release = epi_count, sched, read, release
+
+    def _leaf(self, name: str):
+        if name.startswith("sched."):
+            return getattr(self.sched, name[len("sched."):])
+        return getattr(self, name)
+
+    def _leaves(self) -> list:
+        names = []
+        for name in self.order:
+            if name == "sched":
+                names += [f"sched.{f}" for f in self.sched._fields()]
+            else:
+                names.append(name)
+        return names
+
+    def __extract_mlir_values__(self):
+        values = []
+        for name in self._leaves():
+            values += extract_mlir_values(self._leaf(name))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = copy.copy(self)
+        new.sched = copy.copy(self.sched)
+        i = 0
+        for name in self._leaves():
+            leaf = self._leaf(name)
+            n = len(extract_mlir_values(leaf))
+            rebuilt = new_from_mlir_values(leaf, values[i:i + n])
+            i += n
+            if name.startswith("sched."):
+                setattr(new.sched, name[len("sched."):], rebuilt)
+            else:
+                setattr(new, name, rebuilt)
+        assert i == len(values), (i, len(values))
+        return new
 
 
 class Bf16Mainloop(TraceTimeObject):

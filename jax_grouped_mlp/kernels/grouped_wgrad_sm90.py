@@ -185,6 +185,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
                 WgradMainloop(self, tiled_mma, mainloop, sA, sB),
                 WgradStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, None), warp_idx),
                 work, tidx - 128,
+                carry_order=("sched.g", "sched.start", "sched.size", "epi_count", "sched.t", "read", "release"),
             )
 
 

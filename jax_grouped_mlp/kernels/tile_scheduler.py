@@ -214,7 +214,7 @@ class GroupTileScheduler:
     moved cursor is the tile's first element) and :meth:`advance` continues from it.
     """
 
-    _DYNAMIC = ("t", "g", "start", "size")
+    _DYNAMIC = ("g", "start", "size", "t")  # (the order the kernel's loops carried them in)
 
     def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size):
         self.group_sizes = group_sizes
@@ -224,6 +224,9 @@ class GroupTileScheduler:
         self.total_tiles = total_tiles
         self.gdim = gdim
         self.t, self.g, self.start, self.size = t, g, start, size
+
+    def _fields(self):
+        return list(self._DYNAMIC)
 
     def __extract_mlir_values__(self):
         values = []
