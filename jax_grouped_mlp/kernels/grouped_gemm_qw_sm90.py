@@ -565,7 +565,9 @@ class TransposedStoreEpilogue(StoreEpilogue):
                 gTile = cute.local_tile(
                     cute.domain_offset((0, tok0 + h * tile_t), out.mOutTma), (TILE_W, tile_t), (w_tile, 0)
                 )
-                epi_count = self.kernel._store_tile_tma(self.epis[h], out.tma_atom, out.sC, gTile, epi_count, self.warp_idx)
+                epi_count = self.kernel._store_tile_tma(
+                    self.epis[h], out.tma_atom, out.sC, gTile, epi_count, self.warp_idx
+                )
         else:
             for h in cutlass.range_constexpr(len(self.epis)):
                 epi_count = self.kernel._store_tile_partial_t(

@@ -499,18 +499,22 @@ class GroupedGemmSm90:
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consumer(self, mainloop, epilogue, work: TileWork, ctid, carry_order: tuple = ("epi_count", "sched", "read", "release")):
+    def _consumer(
+        self, mainloop, epilogue, work: TileWork, ctid,
+        carry_order: tuple = ("epi_count", "sched", "read", "release"),
+    ):
         """The consumer warp groups (thread ``ctid`` of 256), one loop for every kernel:
         for each tile of the scheduler (``work.scheduler()``: :class:`SegmentTileScheduler`,
         or :class:`GroupTileScheduler` for the weight gradient), ``mainloop`` fills the
         accumulator (or zeroes it for tiles without rows), then ``epilogue`` writes it.
 
-        ``mainloop``: :class:`Bf16Mainloop` or the weight-quantizing ones of
-        :mod:`grouped_gemm_qw_sm90` or the weight gradient's; ``epilogue``:
-        :class:`StoreEpilogue` or the FC1, dgrad, transposed-store and weight-gradient ones. Both are trace-time objects: ``setup``
-        before the loop, then per tile (``tile``: the scheduler's ``tile_coords()``)
-        ``mainloop.tile`` (returns the advanced pipeline states) and ``epilogue.store_tile`` (returns the epilogue subtile count, which
-        rotates the staging buffers), and ``epilogue.finish`` after the last tile.
+        ``mainloop``: :class:`Bf16Mainloop`, the weight-quantizing ``QwMainloop`` or
+        ``WgradMainloop``; ``epilogue``: :class:`StoreEpilogue` or the FC1, dgrad,
+        transposed-store and weight-gradient ones. Both are trace-time objects: ``setup``
+        before the loop; per tile (``tile``: the scheduler's ``tile_coords()``)
+        ``mainloop.tile`` (returns the advanced pipeline states) and
+        ``epilogue.store_tile`` (returns the epilogue subtile count, which rotates the
+        staging buffers); ``epilogue.finish`` after the last tile.
 
         ``carry_order``: the order in which the loop carries its run-time state
         (:class:`ConsumerCarry`); each kernel passes the order its former loop had, which
