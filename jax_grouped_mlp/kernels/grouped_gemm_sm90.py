@@ -452,51 +452,22 @@ class GroupedGemmSm90:
         return epi_count + self.tile_n // EPI_N
 
     @cute.jit
-    def _produce_tiles(self, mainloop, state, sched: SegmentTileScheduler, rows: "TmaLoad", weight: "TmaLoad", k_tiles):
-        """The TMA producer (one thread's worth of warp 0): every stage of this CTA's tiles.
-
-        Starts at the scheduler's tile ``sched`` with the pipeline ``state``. Per stage: the
-        ragged operand's tile (``rows``: rows of the coordinate tensor from the tile's start,
-        into its staged shared-memory buffer) and the tile's group's weight tile (``weight``:
-        already partitioned ``(.., n_tile, k, group)`` in global and per stage in shared).
-        """
-        tma_atom_a, mA, sA = rows.atom, rows.gmem, rows.smem
-        tma_atom_b, tBgB, tBsB = weight.atom, weight.gmem, weight.smem
-        num_groups = sched.group_sizes.shape[0]
-        while sched.seg <= num_groups:
-            row_off, _, n_tile = sched.tile_coords()
-            if sched.seg < num_groups:
-                row0 = sched.row0 + row_off
-                # ``row_boxes`` TMA boxes of ``box_rows`` rows each (slices
-                # ``row_boxes * stage + i`` of ``sA``): a tile taller than one box.
-                box_rows = self.seg_tile // self.row_boxes
-                tAs, tAg = [], []
-                for i in cutlass.range_constexpr(self.row_boxes):
-                    gA = cute.local_tile(
-                        cute.domain_offset((row0 + i * box_rows, 0), mA), (box_rows, self.tile_k), (0, None)
-                    )
-                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
-                    )
-                    tAs.append(tAsA)
-                    tAg.append(tAgA)
-                tBgB_tile = tBgB[(None, n_tile, None, sched.seg)]
-                for k in range(k_tiles):
-                    mainloop.producer_acquire(state)
-                    bar = mainloop.producer_get_barrier(state)
-                    if cutlass.const_expr(self.row_boxes == 1):
-                        cute.copy(tma_atom_a, tAg[0][(None, k)], tAs[0][(None, state.index)], tma_bar_ptr=bar)
-                    else:
-                        for i in cutlass.range_constexpr(self.row_boxes):
-                            cute.copy(
-                                tma_atom_a, tAg[i][(None, k)], tAs[i][(None, state.index * self.row_boxes + i)],
-                                tma_bar_ptr=bar,
-                            )
-                    cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    mainloop.producer_commit(state)
-                    state.advance()
-            sched = sched.advance()
+    def _produce_tiles(self, mainloop, state, sched, loads) -> None:
+        """The TMA producer (one thread's worth of warp 0): every stage of this CTA's tiles,
+        from the scheduler's tile ``sched`` on, with the pipeline ``state``; ``loads``
+        (:class:`SegmentLoads`, or the weight gradient's) issues a tile's stages."""
+        while sched.valid():
+            # (One assignment, scheduler first: the order in which the loop carries its
+            # values, as the kernels' former producer loops did; see ConsumerCarry.)
+            sched, state = self._produce_tile(mainloop, state, sched, loads)
         mainloop.producer_tail(state)
+
+    @cute.jit
+    def _produce_tile(self, mainloop, state, sched, loads):
+        """One tile of :meth:`_produce_tiles`; returns the next ``(sched, state)``."""
+        tile = sched.tile_coords()
+        state = loads.load_tile(mainloop, state, sched, tile)
+        return sched.advance(tile), state
 
     @cute.jit
     def _consumer(
@@ -587,10 +558,10 @@ class GroupedGemmSm90:
                 sched = SegmentTileScheduler.create(
                     group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0
                 )
-                self._produce_tiles(
-                    mainloop, state, sched, TmaLoad(rows.atom, rows.gmem, s_rows), TmaLoad(weight.atom, tBgB, tBsB),
-                    k_tiles,
+                loads = SegmentLoads(
+                    self, TmaLoad(rows.atom, rows.gmem, s_rows), TmaLoad(weight.atom, tBgB, tBsB), k_tiles
                 )
+                self._produce_tiles(mainloop, state, sched, loads)
         work = TileWork(group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
         return mainloop, sA, sB, sC, warp_group, work
 
@@ -621,6 +592,60 @@ class GroupedGemmSm90:
                 StoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
                 work, cta.tidx - 128,
             )
+
+
+# ---- the producer's pluggable part (see GroupedGemmSm90._produce_tiles) ----
+
+
+class SegmentLoads(TraceTimeObject):
+    """A tile's TMA loads for the segment-scheduled kernels: per stage the ragged
+    operand's tile (``rows``: rows of the coordinate tensor from the tile's start, into its
+    staged buffer, in ``row_boxes`` boxes) and the tile's group's weight tile (``weight``:
+    already partitioned ``(.., n_tile, k, group)`` in global and per stage in shared),
+    ``k_tiles`` stages. Tail tiles (rows past the groups) load nothing."""
+
+    def __init__(self, kernel: GroupedGemmSm90, rows: "TmaLoad", weight: "TmaLoad", k_tiles):
+        self.kernel = kernel
+        self.rows = rows
+        self.weight = weight
+        self.k_tiles = k_tiles
+
+    @cute.jit
+    def load_tile(self, mainloop, state, sched: SegmentTileScheduler, tile):
+        """Issues the current tile's stages; returns the advanced pipeline ``state``."""
+        tma_atom_a, mA, sA = self.rows.atom, self.rows.gmem, self.rows.smem
+        tma_atom_b, tBgB, tBsB = self.weight.atom, self.weight.gmem, self.weight.smem
+        row_boxes, seg_tile, tile_k, k_tiles = self.kernel.row_boxes, self.kernel.seg_tile, self.kernel.tile_k, self.k_tiles
+        row_off, _, n_tile = tile
+        if sched.seg < sched.group_sizes.shape[0]:
+            row0 = sched.row0 + row_off
+            # ``row_boxes`` TMA boxes of ``box_rows`` rows each (slices
+            # ``row_boxes * stage + i`` of ``sA``): a tile taller than one box.
+            box_rows = seg_tile // row_boxes
+            tAs, tAg = [], []
+            for i in cutlass.range_constexpr(row_boxes):
+                gA = cute.local_tile(cute.domain_offset((row0 + i * box_rows, 0), mA), (box_rows, tile_k), (0, None))
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+                )
+                tAs.append(tAsA)
+                tAg.append(tAgA)
+            tBgB_tile = tBgB[(None, n_tile, None, sched.seg)]
+            for k in range(k_tiles):
+                mainloop.producer_acquire(state)
+                bar = mainloop.producer_get_barrier(state)
+                if cutlass.const_expr(row_boxes == 1):
+                    cute.copy(tma_atom_a, tAg[0][(None, k)], tAs[0][(None, state.index)], tma_bar_ptr=bar)
+                else:
+                    for i in cutlass.range_constexpr(row_boxes):
+                        cute.copy(
+                            tma_atom_a, tAg[i][(None, k)], tAs[i][(None, state.index * row_boxes + i)],
+                            tma_bar_ptr=bar,
+                        )
+                cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                mainloop.producer_commit(state)
+                state.advance()
+        return state
 
 
 # ---- the consumer's loop state and pluggable parts (see GroupedGemmSm90._consumer) ----

@@ -27,8 +27,8 @@ to the next group are zeroed in shared memory by the consumers before their wgmm
 
 Warp roles, pipeline and epilogue are those of :class:`GroupedGemmSm90` (producer warp,
 two consumer warp groups of 64 output rows each, TMA-store epilogue); the consumers run
-its one consumer loop with :class:`WgradMainloop` and :class:`WgradStoreEpilogue`. The
-producer is this kernel's own (both operands start at the group's row).
+its one consumer loop with :class:`WgradMainloop` and :class:`WgradStoreEpilogue`, and
+its producer loop with :class:`GroupLoads` (both operands start at the group's row).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from cutlass import Int32
 from cutlass.pipeline import pipeline_init_wait
 
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget,
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import GroupTileScheduler, TraceTimeObject
 
@@ -157,28 +157,8 @@ class GroupedWgradSm90(GroupedGemmSm90):
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 sched = work.scheduler()
-                while sched.valid():
-                    tile = sched.tile_coords()
-                    at, m_tile, n_tile = tile
-                    start, size = at.start, at.size
-                    gA = cute.local_tile(cute.domain_offset((0, start), mA), (self.tile_m, self.tile_k), (m_tile, None))
-                    gB = cute.local_tile(cute.domain_offset((0, start), mB), (self.tile_n, self.tile_k), (n_tile, None))
-                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-                    )
-                    tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-                    )
-                    k_tiles = (size + (self.tile_k - 1)) // self.tile_k
-                    for k in range(k_tiles):
-                        mainloop.producer_acquire(state)
-                        bar = mainloop.producer_get_barrier(state)
-                        cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                        mainloop.producer_commit(state)
-                        state.advance()
-                    sched = sched.advance(tile)
-                mainloop.producer_tail(state)
+                loads = GroupLoads(self, TmaLoad(tma_atom_a, mA, sA), TmaLoad(tma_atom_b, mB, sB))
+                self._produce_tiles(mainloop, state, sched, loads)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
@@ -198,6 +178,43 @@ class GroupWork(TraceTimeObject):
 
     def scheduler(self, blocks: bool = False) -> GroupTileScheduler:
         return GroupTileScheduler.create(*self.args)
+
+
+class GroupLoads(TraceTimeObject):
+    """A weight-gradient tile's TMA loads: both operands (``(K, M)`` and ``(N, M)``
+    coordinate tensors, ``rows`` and ``weight``) from the tile's group's first row, in
+    ``tile_k``-row slices, as many as the group has (none for an empty group)."""
+
+    def __init__(self, kernel: GroupedWgradSm90, rows: TmaLoad, weight: TmaLoad):
+        self.kernel = kernel
+        self.rows = rows
+        self.weight = weight
+
+    @cute.jit
+    def load_tile(self, mainloop, state, sched: GroupTileScheduler, tile):
+        """Issues the current tile's stages; returns the advanced pipeline ``state``."""
+        tma_atom_a, mA, sA = self.rows.atom, self.rows.gmem, self.rows.smem
+        tma_atom_b, mB, sB = self.weight.atom, self.weight.gmem, self.weight.smem
+        tile_m, tile_n, tile_k = self.kernel.tile_m, self.kernel.tile_n, self.kernel.tile_k
+        at, m_tile, n_tile = tile
+        start, size = at.start, at.size
+        gA = cute.local_tile(cute.domain_offset((0, start), mA), (tile_m, tile_k), (m_tile, None))
+        gB = cute.local_tile(cute.domain_offset((0, start), mB), (tile_n, tile_k), (n_tile, None))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        k_tiles = (size + (tile_k - 1)) // tile_k
+        for k in range(k_tiles):
+            mainloop.producer_acquire(state)
+            bar = mainloop.producer_get_barrier(state)
+            cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            mainloop.producer_commit(state)
+            state.advance()
+        return state
 
 
 class WgradMainloop(Bf16Mainloop):
