@@ -615,7 +615,8 @@ class SegmentLoads(TraceTimeObject):
         """Issues the current tile's stages; returns the advanced pipeline ``state``."""
         tma_atom_a, mA, sA = self.rows.atom, self.rows.gmem, self.rows.smem
         tma_atom_b, tBgB, tBsB = self.weight.atom, self.weight.gmem, self.weight.smem
-        row_boxes, seg_tile, tile_k, k_tiles = self.kernel.row_boxes, self.kernel.seg_tile, self.kernel.tile_k, self.k_tiles
+        row_boxes, seg_tile, tile_k = self.kernel.row_boxes, self.kernel.seg_tile, self.kernel.tile_k
+        k_tiles = self.k_tiles
         row_off, _, n_tile = tile
         if sched.seg < sched.group_sizes.shape[0]:
             row0 = sched.row0 + row_off
