@@ -47,15 +47,19 @@ after the tile's subtiles the lane with column 0 stores it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Uint32
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import VEC, Mxfp8EpiloguePasses
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
+)
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 
 class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
@@ -141,103 +145,6 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
             dp_out.append(acc)
         return dp_out
 
-    @cute.jit
-    def _store_tile_dgrad(
-        self, epi, s2g, col_read, g_h, g_row, g_col, mPart: cute.Tensor, p2, row0: Int32, col0: Int32,
-        n_tile: Int32, rows_valid: Int32, n: Int32, in_group, epi_count: Int32, lane,
-    ):
-        """The tile's epilogue (see the module docstring). Returns the new subtile count."""
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, _ = epi
-        _, _, tSG_sC, tSG_cC = s2g
-        tCR_sC, tCR_cC = col_read
-        size_tRS_rD = cute.size(tRS_rD)
-        epi_num = self.tile_n // EPI_N
-        dp = [Float32(0.0) for _ in range(cute.size(tSG_cC, mode=[1]))]
-        for e in cutlass.range_constexpr(epi_num):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))  # da, rounded as the plain kernel does
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-            self.epi_barrier.arrive_and_wait()
-            gcol0 = col0 + e * EPI_N
-            cols_valid = n - gcol0
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            dp = self._dsrelu_pass(tSG_s, tSG_cC, g_h, p2, dp, row0, gcol0, rows_valid, cols_valid, in_group)
-            self._row_pass(tSG_s, tSG_cC, g_row, None, row0, gcol0, rows_valid, cols_valid)
-            # Every thread's dh is in shared memory before the column pass reads across threads.
-            self.epi_barrier.arrive_and_wait()
-            self._col_pass(
-                tCR_sC[(None, None, None, buf)], tCR_cC, g_col, None, None, row0, gcol0, rows_valid, cols_valid,
-                in_group, None, lane, col_bf16=True,
-            )
-        # dprobs partials (every lane of a row holds the row's sum): the lane with column 0 stores.
-        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
-            r, c = tSG_cC[(0, i, 0)]
-            if c == 0:
-                if r < rows_valid:
-                    mPart[(n_tile, row0 + r)] = dp[i]
-        return epi_count + epi_num
-
-    @cute.jit
-    def _mma_consumer_dgrad(
-        self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
-        mH: cute.Tensor, g_h, g_row, g_col, mPart: cute.Tensor, mProbs: cute.Tensor, group_sizes: cute.Tensor,
-        ctid, bidx, gdim, k_tiles, seg0_rows, seg0_tiles,
-    ):
-        """:meth:`_mma_consumer` (same mainloop and cursor) with the dgrad epilogue."""
-        m = mH.shape[0]
-        n = mH.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-        num_groups = group_sizes.shape[0]
-        lane = ctid % 32
-        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
-
-        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)  # (its TMA-store pipeline stays unused)
-        epi_count = Int32(0)
-        s2g = self._partial_store_copies(sC, ctid)
-        col_read = self._col_read_copies(sC, ctid)
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
-        )
-        while seg <= num_groups:
-            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-            acc.fill(0.0)
-            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                mainloop.consumer_wait(read)
-                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for k in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-
-            row0 = seg_row0 + row_off
-            col0 = n_tile * self.tile_n
-            in_group = seg < num_groups
-            p2 = self._load_probs2(mProbs, s2g[3], row0, rows_valid, in_group)
-            epi_count = self._store_tile_dgrad(
-                epi, s2g, col_read, g_h, g_row, g_col, mPart, p2, row0, col0, n_tile, rows_valid, n, in_group,
-                epi_count, lane,
-            )
-
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-            )
-
     @cute.kernel
     def kernel_dgrad(
         self,
@@ -257,13 +164,88 @@ class GroupedGemmDgradSm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
-            tma_atom_a, mA, tma_atom_b, mB, mH, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        cta = self._kernel_start((tma_atom_a, tma_atom_b))
+        pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
+            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mH, group_sizes, (a_smem, b_smem, epi_smem), cta
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._mma_consumer_dgrad(
-                tiled_mma, mainloop, sA, sB, sC, mH, g_h, g_row, g_col, mPart, mProbs, group_sizes,
-                tidx - 128, bidx, gdim, k_tiles, seg0_rows, seg0_tiles,
+            self._consumer(
+                Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
+                DgradEpilogue(
+                    self, StoreTarget(sC, None, None, mH), cta.warp_idx, DgradOutputs(g_h, g_row, g_col, mPart, mProbs)
+                ),
+                work, cta.tidx - 128,
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class DgradOutputs:
+    """The dgrad epilogue's extra operands, the bf16 ones viewed as 8-element vectors
+    ``((1, 8), (M, N / 8))``: the residual ``h`` (``g_h``), ``dh``'s rowwise and columnwise
+    MXFP8 values (``g_row``, ``g_col``), the ``dprobs`` partials ``(cdiv(N, tile_n), M)``
+    and ``probs`` ``(M,)``."""
+
+    g_h: cute.Tensor
+    g_row: cute.Tensor
+    g_col: cute.Tensor
+    part: cute.Tensor
+    probs: cute.Tensor
+
+
+class DgradEpilogue(StoreEpilogue):
+    """``da`` staged as :class:`StoreEpilogue` stages it but never stored: the dSReLU pass
+    turns it into ``dh`` in shared memory, then its MXFP8 row and column passes and the
+    ``dprobs`` partials (:meth:`GroupedGemmDgradSm90._dsrelu_pass`, :class:`Mxfp8EpiloguePasses`). No TMA store,
+    so nothing to wait for at the end."""
+
+    def __init__(self, kernel: GroupedGemmDgradSm90, out: StoreTarget, warp_idx, extra: DgradOutputs):
+        super().__init__(kernel, out, warp_idx)
+        self.extra = extra
+
+    def setup(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, ctid):
+        super().setup(tiled_mma, acc, ctid)  # (the staging's TMA-store pipeline stays unused)
+        self.lane = ctid % 32
+        self.col_read = self.kernel._col_read_copies(self.out.sC, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        """The tile's epilogue (see the module docstring). Returns the new subtile count."""
+        row_off, rows_valid, n_tile = tile
+        extra, lane = self.extra, self.lane
+        row0 = sched.row0 + row_off
+        col0 = n_tile * self.kernel.tile_n
+        in_group = sched.seg < sched.group_sizes.shape[0]
+        p2 = self.kernel._load_probs2(extra.probs, self.s2g[3], row0, rows_valid, in_group)
+        n = self.out.mOut.shape[1]
+        mPart = extra.part
+        _, _, tSG_sC, tSG_cC = self.s2g
+        tCR_sC, tCR_cC = self.col_read
+        epi_num = self.kernel.tile_n // EPI_N
+        dp = [Float32(0.0) for _ in range(cute.size(tSG_cC, mode=[1]))]
+        for e in cutlass.range_constexpr(epi_num):
+            buf = self.kernel._stage_subtile(self.epi, e, epi_count)  # da, rounded as the plain kernel does
+            self.kernel.epi_barrier.arrive_and_wait()
+            gcol0 = col0 + e * EPI_N
+            cols_valid = n - gcol0
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            dp = self.kernel._dsrelu_pass(
+                tSG_s, tSG_cC, extra.g_h, p2, dp, row0, gcol0, rows_valid, cols_valid, in_group
+            )
+            self.kernel._row_pass(tSG_s, tSG_cC, extra.g_row, None, row0, gcol0, rows_valid, cols_valid)
+            # Every thread's dh is in shared memory before the column pass reads across threads.
+            self.kernel.epi_barrier.arrive_and_wait()
+            self.kernel._col_pass(
+                tCR_sC[(None, None, None, buf)], tCR_cC, extra.g_col, None, None, row0, gcol0, rows_valid,
+                cols_valid, in_group, None, lane, col_bf16=True,
+            )
+        # dprobs partials (every lane of a row holds the row's sum): the lane with column 0 stores.
+        for i in cutlass.range_constexpr(cute.size(tSG_cC, mode=[1])):
+            r, c = tSG_cC[(0, i, 0)]
+            if c == 0:
+                if r < rows_valid:
+                    mPart[(n_tile, row0 + r)] = dp[i]
+        return epi_count + epi_num
+
+    def finish(self):
+        pass

@@ -42,22 +42,26 @@ later, after every thread has finished both passes over it.
 
 The scale row of a tile's first block is ``seg_blk0 + row_off / 32`` where ``seg_blk0``
 (the number of 32-row blocks of all earlier groups, sizes clamped as the scheduler
-clamps them) is carried in the consumers' own copy of the segment cursor
-(:meth:`_seek_fc1`; the base ``_seek``, which the producer uses, is untouched). Tiles
+clamps them) is carried by the consumers' scheduler (``SegmentTileScheduler`` with
+``blocks=True``; the producer's does not carry it). Tiles
 start at their group's start + a multiple of 128, so each 32-row sub-block of a tile is
 one block of the group layout, cut short at the group's end.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from jax_grouped_mlp.kernels import ptx
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import _BIG, EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
+)
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 BLOCK = 32  # MXFP8 block
 VEC = 8  # elements per thread vector (16 bytes of bf16)
@@ -215,87 +219,7 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
             stream=stream,
         )
 
-    # ---- the consumers' cursor: the base one plus the blocks of earlier groups ----
-
-    @cute.jit
-    def _seek_fc1(self, group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0, m, n_tiles):
-        """:meth:`_seek`, also carrying ``seg_blk0``: the 32-row blocks of segments before ``seg``."""
-        num_groups = group_sizes.shape[0]
-        while t - seg_tile0 >= seg_tiles:
-            seg_tile0 = seg_tile0 + seg_tiles
-            seg_row0 = seg_row0 + seg_rows
-            seg_blk0 = seg_blk0 + (seg_rows + (BLOCK - 1)) // BLOCK
-            seg = seg + 1
-            seg_rows = self._segment_rows(group_sizes, seg, seg_row0, m)
-            seg_tiles = (seg_rows + (self.tile_m - 1)) // self.tile_m * n_tiles
-            if seg > num_groups:
-                seg_tiles = Int32(_BIG)
-        return seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0
-
     # ---- the epilogue ----
-
-    @cute.jit
-    def _store_tile_fc1(
-        self, epi, s2g, col_read, tma_atom_out, sC: cute.Tensor, mOutTma: cute.Tensor, mOut: cute.Tensor,
-        g_row, g_col, g_scale, p_row, p_col, row0: Int32, col0: Int32, n_tile: Int32, rows_valid: Int32,
-        n: Int32, in_group, blk0: Int32, epi_count: Int32, warp_idx, lane,
-    ):
-        """The tile's epilogue: ``h`` as the bf16 kernel stores it (TMA for full tiles,
-        predicated 16-byte stores for partial ones), then per subtile the row and column
-        passes of ``a`` from the same staged shared-memory subtile. Returns the new
-        subtile count."""
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
-        tCR_sC, tCR_cC = col_read
-        size_tRS_rD = cute.size(tRS_rD)
-        full = rows_valid == self.tile_m
-        gTile = cute.local_tile(cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile))
-        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, 32), (1, tile_n / 32))
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
-        )
-        epi_num = cute.size(gEpi, mode=[1])
-        epi_shape = gEpi.shape[1]
-        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        if rows_valid < self.tile_m:  # partial tile
-            if warp_idx == self.epi_store_warp:
-                # Earlier TMA stores may still read the buffers about to be overwritten
-                # (the first subtile's barrier publishes this wait).
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        for e in cutlass.range_constexpr(epi_num):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-            # stmatrix writes go through the generic proxy; TMA reads async.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.epi_barrier.arrive_and_wait()
-            gcol0 = col0 + e * EPI_N
-            cols_valid = n - gcol0
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            if full:
-                if warp_idx == self.epi_store_warp:
-                    cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
-                    store_pipeline.producer_commit()
-                    store_pipeline.producer_acquire()  # the buffer written next is free again
-            else:
-                gSub = cute.local_tile(cute.domain_offset((row0, gcol0), mOut), self.epi_tile, (0, 0))
-                tSG_g = thr_s2g.partition_D(gSub)
-                for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                    for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                        r, c = tSG_cC[(0, i, j)]
-                        if r < rows_valid:
-                            if c < cols_valid:
-                                cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
-            self._row_pass(tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid)
-            self._col_pass(
-                tCR_sC[(None, None, None, buf)], tCR_cC, g_col, g_scale, p_col, row0, gcol0, rows_valid,
-                cols_valid, in_group, blk0, lane,
-            )
-            # Every thread is done reading this buffer before it is written again.
-            self.epi_barrier.arrive_and_wait()
-        return epi_count + epi_num
 
     @cute.jit
     def _load_probs(self, mProbs: cute.Tensor, coords, row0: Int32, rows_valid: Int32):
@@ -308,68 +232,6 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
                 p = Float32(mProbs[row0 + r])
             ps.append(p)
         return ps
-
-    @cute.jit
-    def _mma_consumer_fc1(
-        self, tiled_mma: cute.TiledMma, mainloop, sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor,
-        tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, g_row, g_col, g_scale,
-        mProbs: cute.Tensor, group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
-    ):
-        """:meth:`_mma_consumer` (same mainloop) with the FC1 epilogue and the block cursor."""
-        m = mOut.shape[0]
-        n = mOut.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-        num_groups = group_sizes.shape[0]
-        lane = ctid % 32
-        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
-
-        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
-        store_pipeline = epi[5]
-        epi_count = Int32(0)
-        s2g = self._partial_store_copies(sC, ctid)
-        col_read = self._col_read_copies(sC, ctid)
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0 = self._seek_fc1(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, Int32(0), m, n_tiles
-        )
-        while seg <= num_groups:
-            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-            acc.fill(0.0)
-            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                mainloop.consumer_wait(read)
-                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for k in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-
-            row0 = seg_row0 + row_off
-            col0 = n_tile * self.tile_n
-            p_row = self._load_probs(mProbs, s2g[3], row0, rows_valid)
-            p_col = self._load_probs(mProbs, col_read[1], row0, rows_valid)
-            epi_count = self._store_tile_fc1(
-                epi, s2g, col_read, tma_atom_out, sC, mOutTma, mOut, g_row, g_col, g_scale, p_row, p_col,
-                row0, col0, n_tile, rows_valid, n, seg < num_groups, seg_blk0 + row_off // BLOCK, epi_count,
-                warp_idx, lane,
-            )
-
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0 = self._seek_fc1(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, seg_blk0, m, n_tiles
-            )
-        store_pipeline.producer_tail()
 
     @cute.kernel
     def kernel_fc1(
@@ -391,13 +253,90 @@ class GroupedGemmFc1Sm90(Mxfp8EpiloguePasses, GroupedGemmSm90):
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
-            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        cta = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
+            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mOut, group_sizes, (a_smem, b_smem, epi_smem), cta
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._mma_consumer_fc1(
-                tiled_mma, mainloop, sA, sB, sC, tma_atom_out, mOutTma, mOut, g_row, g_col, g_scale, mProbs,
-                group_sizes, tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+            self._consumer(
+                Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
+                Fc1Epilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx,
+                            Fc1Outputs(g_row, g_col, g_scale, mProbs)),
+                work, cta.tidx - 128,
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fc1Outputs:
+    """The FC1 epilogue's extra operands: ``a``'s rowwise values (``g_row``), columnwise
+    E4M3 data (``g_col``) and E8M0 scales (``g_scale``), all viewed as 8-element vectors
+    ``((1, 8), (rows, N / 8))``, and ``probs`` ``(M,)``."""
+
+    g_row: cute.Tensor
+    g_col: cute.Tensor
+    g_scale: cute.Tensor
+    probs: cute.Tensor
+
+
+class Fc1Epilogue(StoreEpilogue):
+    """``h`` as :class:`StoreEpilogue` stores it, plus the MXFP8 row and column passes of
+    ``a = probs * relu(h)**2`` over each staged subtile (:class:`Mxfp8EpiloguePasses`).
+    Its scheduler counts MXFP8 blocks (the scale row of a tile's first block)."""
+
+    blocks = True
+
+    def __init__(self, kernel: GroupedGemmFc1Sm90, out: StoreTarget, warp_idx, extra: Fc1Outputs):
+        super().__init__(kernel, out, warp_idx)
+        self.extra = extra
+
+    def setup(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, ctid):
+        super().setup(tiled_mma, acc, ctid)
+        self.lane = ctid % 32
+        self.col_read = self.kernel._col_read_copies(self.out.sC, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        """``h`` as :class:`StoreEpilogue` stores it (TMA for full tiles, predicated 16-byte
+        stores for partial ones), then per subtile the row and column passes of ``a`` from
+        the same staged shared-memory subtile. Returns the new subtile count."""
+        row_off, rows_valid, n_tile = tile
+        out, extra, tile_m, warp_idx = self.out, self.extra, self.kernel.tile_m, self.warp_idx
+        row0 = sched.row0 + row_off
+        col0 = n_tile * self.kernel.tile_n
+        p_row = self.kernel._load_probs(extra.probs, self.s2g[3], row0, rows_valid)
+        p_col = self.kernel._load_probs(extra.probs, self.col_read[1], row0, rows_valid)
+        n = out.mOut.shape[1]
+        in_group = sched.seg < sched.group_sizes.shape[0]
+        blk0 = sched.blk0 + row_off // BLOCK
+        _, _, tSG_sC, tSG_cC = self.s2g
+        tCR_sC, tCR_cC = self.col_read
+        full = rows_valid == tile_m
+        gTile = cute.local_tile(cute.domain_offset((row0, 0), out.mOutTma), (tile_m, self.kernel.tile_n), (0, n_tile))
+        tma_part = self.kernel._tma_store_partition(out.tma_atom, out.sC, gTile)
+        epi_num = tma_part[2]
+        if rows_valid < tile_m:  # partial tile
+            if warp_idx == self.kernel.epi_store_warp:
+                # Earlier TMA stores may still read the buffers about to be overwritten
+                # (the first subtile's barrier publishes this wait).
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        for e in cutlass.range_constexpr(epi_num):
+            buf = self.kernel._stage_subtile(self.epi, e, epi_count)
+            # stmatrix writes go through the generic proxy; TMA reads async.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.kernel.epi_barrier.arrive_and_wait()
+            gcol0 = col0 + e * EPI_N
+            cols_valid = n - gcol0
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            if full:
+                self.kernel._tma_store_subtile(self.epi, out.tma_atom, tma_part, e, buf, warp_idx)
+            else:
+                self.kernel._store_subtile_rows(self.s2g, tSG_s, out.mOut, row0, gcol0, rows_valid, cols_valid)
+            self.kernel._row_pass(tSG_s, tSG_cC, extra.g_row, p_row, row0, gcol0, rows_valid, cols_valid)
+            self.kernel._col_pass(
+                tCR_sC[(None, None, None, buf)], tCR_cC, extra.g_col, extra.g_scale, p_col, row0, gcol0, rows_valid,
+                cols_valid, in_group, blk0, self.lane,
+            )
+            # Every thread is done reading this buffer before it is written again.
+            self.kernel.epi_barrier.arrive_and_wait()
+        return epi_count + epi_num

@@ -56,7 +56,10 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.cute.nvgpu.warpgroup import OperandSource
 
 from jax_grouped_mlp.kernels import ptx
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, SMEM_CAPACITY, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
+    EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
+)
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
 
 TILE_W = 128  # weight rows (output columns) per CTA tile: two consumer warp groups of 64
 
@@ -304,29 +307,15 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         epi_count: Int32, warp_idx,
     ):
         """Stores the accumulator's first ``toks_valid`` tokens (columns of ``out^T``)."""
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
-        size_tRS_rD = cute.size(tRS_rD)
         if warp_idx == self.epi_store_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         rows_valid = nw - w0
         for e in cutlass.range_constexpr(self.tile_t // EPI_N):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)
             self.epi_barrier.arrive_and_wait()
-            gSub = cute.local_tile(cute.domain_offset((w0, tok0 + e * EPI_N), mOut), self.epi_tile, (0, 0))
-            tSG_g = thr_s2g.partition_D(gSub)
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            cols_valid = toks_valid - e * EPI_N
-            for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                    r, c = tSG_cC[(0, i, j)]
-                    if r < rows_valid:
-                        if c < cols_valid:
-                            cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+            self._store_subtile_rows(
+                s2g, s2g[2][(None, None, None, buf)], mOut, w0, tok0 + e * EPI_N, rows_valid, toks_valid - e * EPI_N
+            )
         return epi_count + self.tile_t // EPI_N
 
     @cute.jit
@@ -449,96 +438,6 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         release.advance()
         return read, release
 
-    @cute.jit
-    def _qw_consumer(
-        self, tiled_mma: cute.TiledMma, mainloop, sW: cute.Tensor, sX: cute.Tensor, sC: cute.Tensor,
-        tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor, group_sizes: cute.Tensor,
-        ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
-    ):
-        """The consumer warp groups: the mainloop (register-A, or shared-memory A for the
-        ``smem_a`` variants, whose quantized weight tile feeds ``row_boxes`` token
-        sub-tiles, each its own accumulator) and the epilogue of every tile."""
-        nw = mOut.shape[0]
-        m = mOut.shape[1]
-        w_tiles = (nw + (TILE_W - 1)) // TILE_W
-        num_groups = group_sizes.shape[0]
-        halves = self.row_boxes
-        smem_a = self.qw_config.smem_a
-
-        # Two MMAs with fixed accumulate flags (set once here: a flag changed inside the
-        # tile loop would be a value escaping its region).
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        mma_first = self._make_mma(smem_a)
-        mma_first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        mmas = (tiled_mma, mma_first)
-        thread = (ctid % 32, ctid // 128)  # lane, consumer warp group
-        thr_mma = tiled_mma.get_slice(ctid)
-        tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_W, self.tile_t)))
-        accs = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in range(halves)]
-        if cutlass.const_expr(smem_a):
-            ops = self._ss_operands(tiled_mma, sW, ctid)
-            tile_mainloop = self._ss_tile_mainloop
-        else:
-            ops = self._rs_operands(tiled_mma, sW, ctid)
-            tile_mainloop = self._rs_tile_mainloop
-
-        epis = [self._epilogue_copies(tiled_mma, sC, accs[h], ctid) for h in range(halves)]
-        store_pipeline = epis[0][5]
-        epi_count = Int32(0)
-        s2g = self._partial_store_copies_t(sC, ctid)
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, w_tiles
-        )
-        while seg <= num_groups:
-            tok_off, toks_valid, w_tile = self._tile_coords(t, seg_tile0, seg_rows, w_tiles)
-            if cutlass.const_expr(halves == 1):
-                if seg < num_groups:
-                    read, release = tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, 1)
-                else:
-                    accs[0].fill(0.0)  # tokens past the groups: zeros
-            else:
-                # Each branch holds a whole wgmma pipeline (ptxas serializes the wgmmas
-                # of one that crosses control flow).
-                if seg < num_groups and toks_valid > self.tile_t:
-                    read, release = tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, halves)
-                elif seg < num_groups:
-                    # A group's last tile with tokens in the first sub-tile only: its
-                    # wgmmas alone (the same conversion). The other accumulators are
-                    # zeroed: past the group, the partial store writes none of them,
-                    # and without it ptxas spills at the branches' merge.
-                    for h in cutlass.range_constexpr(1, halves):
-                        accs[h].fill(0.0)
-                    read, release = tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, 1)
-                else:
-                    for h in cutlass.range_constexpr(halves):
-                        accs[h].fill(0.0)  # tokens past the groups: zeros
-
-            tok0 = seg_row0 + tok_off
-            w0 = w_tile * TILE_W
-            if toks_valid == self.seg_tile:
-                for h in cutlass.range_constexpr(halves):
-                    gTile = cute.local_tile(
-                        cute.domain_offset((0, tok0 + h * self.tile_t), mOutTma), (TILE_W, self.tile_t), (w_tile, 0)
-                    )
-                    epi_count = self._store_tile_tma(epis[h], tma_atom_out, sC, gTile, epi_count, warp_idx)
-            else:
-                for h in cutlass.range_constexpr(halves):
-                    epi_count = self._store_tile_partial_t(
-                        epis[h], s2g, mOut, w0, tok0 + h * self.tile_t, toks_valid - h * self.tile_t, nw, epi_count,
-                        warp_idx,
-                    )
-
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, w_tiles
-            )
-        store_pipeline.producer_tail()
-
     @cute.kernel
     def kernel(
         self,
@@ -555,16 +454,127 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         x_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
+        cta = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
         # The producer's "A" is the token tile (rows from the tile's start), its "B" the
         # group's weight tile: the plain kernel's loads, into the swapped buffers.
-        mainloop, sW, sX, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
-            tma_atom_x, mX, tma_atom_w, mW, mOut, group_sizes, w_smem, x_smem, epi_smem, tidx, bidx, gdim, warp_idx,
+        pipe, sW, sX, sC, warp_group, work = self._setup_and_produce(
+            TmaLoad(tma_atom_x, mX), TmaLoad(tma_atom_w, mW), mOut, group_sizes, (w_smem, x_smem, epi_smem), cta,
             swapped=True,
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._qw_consumer(
-                tiled_mma, mainloop, sW, sX, sC, tma_atom_out, mOutTma, mOut, group_sizes,
-                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+            self._consumer(
+                QwMainloop(self, tiled_mma, pipe, sW, sX),
+                TransposedStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
+                work, cta.tidx - 128, carry_order=("read", "release", "epi_count", "sched"),
             )
+
+
+# ---- the consumer's parts (GroupedGemmSm90._consumer runs them) ----
+
+
+class QwMainloop(TraceTimeObject):
+    """The weight-quantizing mainloop: register-A (:meth:`GroupedGemmQwSm90._rs_tile_mainloop`)
+    or, for the ``smem_a`` variants, shared-memory A (:meth:`GroupedGemmQwSm90._ss_tile_mainloop`),
+    whose quantized weight tile feeds ``row_boxes`` token sub-tiles, each its own
+    accumulator. Tail tiles (tokens past the groups) leave zero accumulators."""
+
+    def __init__(self, kernel: GroupedGemmQwSm90, tiled_mma: cute.TiledMma, pipe, sW: cute.Tensor, sX: cute.Tensor):
+        self.kernel = kernel
+        self.tiled_mma = tiled_mma
+        self.pipe = pipe
+        self.sW = sW
+        self.sX = sX
+
+    def setup(self, ctid):
+        """The MMAs, operand fragments and conversion copies of consumer thread ``ctid``;
+        returns the accumulators (one per token sub-tile)."""
+        kernel, tiled_mma = self.kernel, self.tiled_mma
+        smem_a = kernel.qw_config.smem_a
+        # Two MMAs with fixed accumulate flags (set once here: a flag changed inside the
+        # tile loop would be a value escaping its region).
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        mma_first = kernel._make_mma(smem_a)
+        mma_first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        self.mmas = (tiled_mma, mma_first)
+        self.thread = (ctid % 32, ctid // 128)  # lane, consumer warp group
+        thr_mma = tiled_mma.get_slice(ctid)
+        self.tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(self.sX))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_W, kernel.tile_t)))
+        self.accs = [cute.make_rmem_tensor(tCcC.shape, kernel.acc_dtype) for _ in range(kernel.row_boxes)]
+        if cutlass.const_expr(smem_a):
+            self.ops = kernel._ss_operands(tiled_mma, self.sW, ctid)
+            self.tile_mainloop = kernel._ss_tile_mainloop
+        else:
+            self.ops = kernel._rs_operands(tiled_mma, self.sW, ctid)
+            self.tile_mainloop = kernel._rs_tile_mainloop
+        return self.accs
+
+    @cute.jit
+    def tile(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork):
+        """The current tile's accumulators; returns the advanced ``(read, release)`` states."""
+        toks_valid, k_tiles = tile[1], work.k_tiles
+        halves = self.kernel.row_boxes
+        num_groups = sched.group_sizes.shape[0]
+        seg = sched.seg
+        mainloop, mmas, accs, ops, tCrX, thread = self.pipe, self.mmas, self.accs, self.ops, self.tCrX, self.thread
+        if cutlass.const_expr(halves == 1):
+            if seg < num_groups:
+                read, release = self.tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, 1)
+            else:
+                accs[0].fill(0.0)  # tokens past the groups: zeros
+        else:
+            # Each branch holds a whole wgmma pipeline (ptxas serializes the wgmmas
+            # of one that crosses control flow).
+            if seg < num_groups and toks_valid > self.kernel.tile_t:
+                read, release = self.tile_mainloop(
+                    mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, halves
+                )
+            elif seg < num_groups:
+                # A group's last tile with tokens in the first sub-tile only: its
+                # wgmmas alone (the same conversion). The other accumulators are
+                # zeroed: past the group, the partial store writes none of them,
+                # and without it ptxas spills at the branches' merge.
+                for h in cutlass.range_constexpr(1, halves):
+                    accs[h].fill(0.0)
+                read, release = self.tile_mainloop(mainloop, read, release, k_tiles, mmas, accs, ops, tCrX, thread, 1)
+            else:
+                for h in cutlass.range_constexpr(halves):
+                    accs[h].fill(0.0)  # tokens past the groups: zeros
+        return read, release
+
+
+class TransposedStoreEpilogue(StoreEpilogue):
+    """:class:`StoreEpilogue` for the swapped GEMM: the accumulators are ``out^T`` (weight
+    rows x tokens, one per token sub-tile) and ``out`` is viewed as ``(N, M)``; full token
+    tiles are TMA-stored, partial ones stored with token-predicated 16-byte stores along
+    n (:meth:`GroupedGemmQwSm90._store_tile_partial_t`)."""
+
+    def setup(self, tiled_mma: cute.TiledMma, accs, ctid):
+        self.epis = [self.kernel._epilogue_copies(tiled_mma, self.out.sC, accs[h], ctid) for h in range(len(accs))]
+        self.s2g = self.kernel._partial_store_copies_t(self.out.sC, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        tok_off, toks_valid, w_tile = tile
+        out, tile_t = self.out, self.kernel.tile_t
+        tok0 = sched.row0 + tok_off
+        w0 = w_tile * TILE_W
+        if toks_valid == self.kernel.seg_tile:
+            for h in cutlass.range_constexpr(len(self.epis)):
+                gTile = cute.local_tile(
+                    cute.domain_offset((0, tok0 + h * tile_t), out.mOutTma), (TILE_W, tile_t), (w_tile, 0)
+                )
+                epi_count = self.kernel._store_tile_tma(
+                    self.epis[h], out.tma_atom, out.sC, gTile, epi_count, self.warp_idx
+                )
+        else:
+            for h in cutlass.range_constexpr(len(self.epis)):
+                epi_count = self.kernel._store_tile_partial_t(
+                    self.epis[h], self.s2g, out.mOut, w0, tok0 + h * tile_t, toks_valid - h * tile_t,
+                    out.mOut.shape[0], epi_count, self.warp_idx,
+                )
+        return epi_count
+
+    def finish(self):
+        self.epis[0][5].producer_tail()

@@ -47,11 +47,20 @@ Pipeline: ``stages`` shared-memory slots of (A tile, B tile), ``PipelineTmaAsync
 (full barrier with TMA transaction bytes, empty barrier arrived by each consumer warp).
 The producer runs ahead across tile boundaries, so the next tile's loads overlap this
 tile's epilogue.
+
+This module is also the skeleton every grouped GEMM kernel of the package is built on
+(docs/notes/2026-12-01-architecture.md, "The GEMM skeleton"): the scheduler
+(:mod:`tile_scheduler`), the producer (:meth:`GroupedGemmSm90._produce_tiles`), the one
+consumer loop (:meth:`GroupedGemmSm90._consumer`) and its pluggable parts, a mainloop
+(:class:`Bf16Mainloop` here) and an epilogue (:class:`StoreEpilogue` here) built on the
+shared store tail (``_stage_subtile``, ``_tma_store_subtile``, ``_store_subtile_rows``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -60,10 +69,12 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
+from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
+
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
-_BIG = 1 << 30  # "infinitely many tiles": stops the cursor past the tail segment
 EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memory)
 
 
@@ -251,8 +262,8 @@ class GroupedGemmSm90:
         return (tma_atom_a, tma_a, tma_atom_b, tma_b) + tma_out_pair, (a_smem, b_smem, epi_smem)
 
     @cute.jit
-    def _kernel_start(self, tma_atoms):
-        """``(tidx, bidx, gdim, warp_idx)`` of this thread; warp 0 prefetches ``tma_atoms``' descriptors."""
+    def _kernel_start(self, tma_atoms) -> "CtaIds":
+        """This thread's :class:`CtaIds`; warp 0 prefetches ``tma_atoms``' descriptors."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -260,7 +271,7 @@ class GroupedGemmSm90:
         if warp_idx == 0:
             for atom in tma_atoms:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
-        return tidx, bidx, gdim, warp_idx
+        return CtaIds(tidx, bidx, gdim, warp_idx)
 
     def _shared_and_pipeline(self, a_smem, b_smem, epi_smem, b_slices: int = 1):
         """Allocates shared memory and creates the TMA -> wgmma pipeline (inside the kernel).
@@ -304,47 +315,6 @@ class GroupedGemmSm90:
             cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
         cute.nvgpu.warpgroup.commit_group()
 
-    # ---- tile scheduler: a forward-only cursor over segments (see module doc) ----
-
-    @cute.jit
-    def _segment_rows(self, group_sizes: cute.Tensor, seg: Int32, row0: Int32, m: Int32) -> Int32:
-        """Rows of segment ``seg`` starting at ``row0`` (clamped to M; tail = the rest)."""
-        num_groups = group_sizes.shape[0]
-        rows = Int32(0)
-        if seg < num_groups:
-            rows = cutlass.min(cutlass.max(Int32(group_sizes[seg]), Int32(0)), m - row0)
-        elif seg == num_groups:
-            rows = m - row0
-        return rows
-
-    @cute.jit
-    def _seek(self, group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles):
-        """Advances the cursor until tile ``t`` lies in segment ``seg`` (or past the tail)."""
-        num_groups = group_sizes.shape[0]
-        while t - seg_tile0 >= seg_tiles:
-            seg_tile0 = seg_tile0 + seg_tiles
-            seg_row0 = seg_row0 + seg_rows
-            seg = seg + 1
-            seg_rows = self._segment_rows(group_sizes, seg, seg_row0, m)
-            seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
-            if seg > num_groups:
-                seg_tiles = Int32(_BIG)
-        return seg, seg_tile0, seg_row0, seg_rows, seg_tiles
-
-    @cute.jit
-    def _tile_coords(self, t, seg_tile0, seg_rows, n_tiles):
-        """(first row offset in the segment, rows valid, column tile) of tile ``t``."""
-        local = t - seg_tile0
-        m_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile
-        panel_tiles = self.panel_m * n_tiles
-        panel = local // panel_tiles
-        r = local - panel * panel_tiles
-        rows_in_panel = cutlass.min(Int32(self.panel_m), m_tiles - panel * self.panel_m)
-        n_tile = r // rows_in_panel
-        m_tile = panel * self.panel_m + (r - n_tile * rows_in_panel)
-        row_off = m_tile * self.seg_tile
-        return row_off, cutlass.min(seg_rows - row_off, Int32(self.seg_tile)), n_tile
-
     # ---- epilogue helpers (shared with the weight-gradient kernel) ----
 
     def _epilogue_copies(self, tiled_mma: cute.TiledMma, sC: cute.Tensor, acc: cute.Tensor, ctid):
@@ -371,6 +341,57 @@ class GroupedGemmSm90:
         )
         return tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline
 
+    # ---- the store tail: the steps every epilogue's subtile loop is made of ----
+
+    @cute.jit
+    def _stage_subtile(self, epi, e: int, epi_count: Int32):
+        """Subtile ``e`` of the accumulator, rounded to ``out_dtype``, into its staging
+        buffer (stmatrix; buffers rotate with the running subtile count). Returns the buffer."""
+        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, _ = epi
+        size_tRS_rD = cute.size(tRS_rD)
+        for v in cutlass.range_constexpr(size_tRS_rD):
+            tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
+        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+        buf = (epi_count + e) % self.epi_stages
+        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+        return buf
+
+    def _tma_store_partition(self, tma_atom_out, sC: cute.Tensor, gTile: cute.Tensor):
+        """The TMA store's view of ``gTile`` in ``epi_tile`` subtiles: ``(bSG_sD, bSG_gD,
+        epi_num, epi_order)`` (``epi_order`` maps subtile ``e`` to its coordinate)."""
+        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, EPI), (1, tile_n / EPI))
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
+        )
+        epi_num = cute.size(gEpi, mode=[1])
+        epi_shape = gEpi.shape[1]
+        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        return bSG_sD, bSG_gD, epi_num, epi_order
+
+    @cute.jit
+    def _tma_store_subtile(self, epi, tma_atom_out, tma_part, e: int, buf, warp_idx) -> None:
+        """The staged subtile ``e`` (buffer ``buf``) to global memory by TMA, issued by the
+        store warp, which then waits until the buffer written next is free again."""
+        bSG_sD, bSG_gD, _, epi_order = tma_part
+        if warp_idx == self.epi_store_warp:
+            cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
+            epi[5].producer_commit()
+            epi[5].producer_acquire()  # the buffer written next is free again
+
+    @cute.jit
+    def _store_subtile_rows(self, s2g, tSG_s: cute.Tensor, mOut: cute.Tensor, row0, col0, rows_valid, cols_valid):
+        """The staged subtile ``tSG_s`` (this thread's view) to ``(row0, col0)`` of ``mOut``
+        with 16-byte stores, only rows ``< rows_valid`` and columns ``< cols_valid``."""
+        s2g_atom, thr_s2g, _, tSG_cC = s2g
+        gSub = cute.local_tile(cute.domain_offset((row0, col0), mOut), self.epi_tile, (0, 0))
+        tSG_g = thr_s2g.partition_D(gSub)
+        for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
+                r, c = tSG_cC[(0, i, j)]
+                if r < rows_valid:
+                    if c < cols_valid:
+                        cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
+
     @cute.jit
     def _store_tile_tma(self, epi, tma_atom_out, sC: cute.Tensor, gTile: cute.Tensor, epi_count: Int32, warp_idx):
         """Stores the accumulator as the tile ``gTile`` (a TMA coordinate tile, tile_m x tile_n).
@@ -380,28 +401,14 @@ class GroupedGemmSm90:
         the next. TMA clips whatever lies outside the output tensor. Returns the new
         subtile count (it picks the buffer).
         """
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        size_tRS_rD = cute.size(tRS_rD)
-        gEpi = cute.zipped_divide(gTile, self.epi_tile)  # ((128, EPI), (1, tile_n / EPI))
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gEpi
-        )
-        epi_num = cute.size(gEpi, mode=[1])
-        epi_shape = gEpi.shape[1]
-        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        tma_part = self._tma_store_partition(tma_atom_out, sC, gTile)
+        epi_num = tma_part[2]
         for e in cutlass.range_constexpr(epi_num):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)
             # stmatrix writes go through the generic proxy; TMA reads async.
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_barrier.arrive_and_wait()
-            if warp_idx == self.epi_store_warp:
-                cute.copy(tma_atom_out, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
-                store_pipeline.producer_commit()
-                store_pipeline.producer_acquire()  # the buffer written next is free again
+            self._tma_store_subtile(epi, tma_atom_out, tma_part, e, buf, warp_idx)
             self.epi_barrier.arrive_and_wait()
         return epi_count + epi_num
 
@@ -432,184 +439,99 @@ class GroupedGemmSm90:
         valid rows only, so the tile never writes the next group's rows. Columns past
         N are whole vectors (N % 8 == 0) and are skipped too. Returns the new subtile count.
         """
-        tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, store_pipeline = epi
-        s2g_atom, thr_s2g, tSG_sC, tSG_cC = s2g
-        size_tRS_rD = cute.size(tRS_rD)
         if warp_idx == self.epi_store_warp:
             # Earlier TMA stores may still read the buffers we are about to
             # overwrite (the barrier of the first subtile publishes this wait).
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         for e in cutlass.range_constexpr(self.tile_n // EPI_N):
-            for v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[v] = tRS_rAcc[e * size_tRS_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            buf = (epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            buf = self._stage_subtile(epi, e, epi_count)
             self.epi_barrier.arrive_and_wait()
-            gSub = cute.local_tile(
-                cute.domain_offset((row0, col0 + e * EPI_N), mOut), self.epi_tile, (0, 0)
+            self._store_subtile_rows(
+                s2g, s2g[2][(None, None, None, buf)], mOut, row0, col0 + e * EPI_N, rows_valid, n - (col0 + e * EPI_N)
             )
-            tSG_g = thr_s2g.partition_D(gSub)
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            cols_valid = n - (col0 + e * EPI_N)
-            for i in cutlass.range_constexpr(cute.size(tSG_g, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(tSG_g, mode=[2])):
-                    r, c = tSG_cC[(0, i, j)]
-                    if r < rows_valid:
-                        if c < cols_valid:
-                            cute.copy(s2g_atom, tSG_s[(None, i, j)], tSG_g[(None, i, j)])
         return epi_count + self.tile_n // EPI_N
 
     @cute.jit
-    def _produce_tiles(
-        self, mainloop, state, t, cursor, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor,
-        tma_atom_b: cute.CopyAtom, tBgB: cute.Tensor, tBsB: cute.Tensor, group_sizes: cute.Tensor,
-        gdim, m, n_tiles, k_tiles, extra=None,
-    ):
-        """The TMA producer (one thread's worth of warp 0): every stage of this CTA's tiles.
-
-        Starts at tile ``t`` with the cursor ``(seg, seg_tile0, seg_row0, seg_rows,
-        seg_tiles)`` from :meth:`_seek` and the pipeline ``state``. Per stage: the A tile
-        (rows from the tile's start) and the B tile of the tile's group, plus, when
-        ``extra = (tma_atom, tXgX, tXsX)`` is given, a third tile partitioned like B
-        (``(.., n_tile, k, group)``) into the same stage and transaction.
-        """
-        num_groups = group_sizes.shape[0]
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = cursor
-        while seg <= num_groups:
-            row_off, _, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-            if seg < num_groups:
-                row0 = seg_row0 + row_off
-                # ``row_boxes`` TMA boxes of ``box_rows`` rows each (slices
-                # ``row_boxes * stage + i`` of ``sA``): a tile taller than one box.
-                box_rows = self.seg_tile // self.row_boxes
-                tAs, tAg = [], []
-                for i in cutlass.range_constexpr(self.row_boxes):
-                    gA = cute.local_tile(
-                        cute.domain_offset((row0 + i * box_rows, 0), mA), (box_rows, self.tile_k), (0, None)
-                    )
-                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
-                    )
-                    tAs.append(tAsA)
-                    tAg.append(tAgA)
-                tBgB_tile = tBgB[(None, n_tile, None, seg)]
-                tXgX_tile = None
-                if cutlass.const_expr(extra is not None):
-                    tXgX_tile = extra[1][(None, n_tile, None, seg)]
-                for k in range(k_tiles):
-                    mainloop.producer_acquire(state)
-                    bar = mainloop.producer_get_barrier(state)
-                    if cutlass.const_expr(self.row_boxes == 1):
-                        cute.copy(tma_atom_a, tAg[0][(None, k)], tAs[0][(None, state.index)], tma_bar_ptr=bar)
-                    else:
-                        for i in cutlass.range_constexpr(self.row_boxes):
-                            cute.copy(
-                                tma_atom_a, tAg[i][(None, k)], tAs[i][(None, state.index * self.row_boxes + i)],
-                                tma_bar_ptr=bar,
-                            )
-                    cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    if cutlass.const_expr(extra is not None):
-                        cute.copy(extra[0], tXgX_tile[(None, k)], extra[2][(None, state.index)], tma_bar_ptr=bar)
-                    mainloop.producer_commit(state)
-                    state.advance()
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-            )
+    def _produce_tiles(self, mainloop, state, sched, loads) -> None:
+        """The TMA producer (one thread's worth of warp 0): every stage of this CTA's tiles,
+        from the scheduler's tile ``sched`` on, with the pipeline ``state``; ``loads``
+        (:class:`SegmentLoads`, or the weight gradient's) issues a tile's stages."""
+        while sched.valid():
+            # (One assignment, scheduler first: the order in which the loop carries its
+            # values, as the kernels' former producer loops did; see ConsumerCarry.)
+            sched, state = self._produce_tile(mainloop, state, sched, loads)
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _mma_consumer(
-        self, tiled_mma: cute.TiledMma, mainloop, converted, sA: cute.Tensor, sB: cute.Tensor,
-        sC: cute.Tensor, tma_atom_out: cute.CopyAtom, mOutTma: cute.Tensor, mOut: cute.Tensor,
-        group_sizes: cute.Tensor, ctid, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+    def _produce_tile(self, mainloop, state, sched, loads):
+        """One tile of :meth:`_produce_tiles`; returns the next ``(sched, state)``."""
+        tile = sched.tile_coords()
+        state = loads.load_tile(mainloop, state, sched, tile)
+        return sched.advance(tile), state
+
+    @cute.jit
+    def _consumer(
+        self, mainloop, epilogue, work: TileWork, ctid,
+        carry_order: tuple = ("epi_count", "sched", "read", "release"),
     ):
-        """The consumer warp groups (thread ``ctid`` of 256): mainloop and epilogue of every tile.
+        """The consumer warp groups (thread ``ctid`` of 256), one loop for every kernel:
+        for each tile of the scheduler (``work.scheduler()``: :class:`SegmentTileScheduler`,
+        or :class:`GroupTileScheduler` for the weight gradient), ``mainloop`` fills the
+        accumulator (or zeroes it for tiles without rows), then ``epilogue`` writes it.
 
-        ``converted``: None, or a second pipeline with the same stage indices that must
-        also complete a stage before its wgmmas read it (the in-kernel B conversion).
+        ``mainloop``: :class:`Bf16Mainloop`, the weight-quantizing ``QwMainloop`` or
+        ``WgradMainloop``; ``epilogue``: :class:`StoreEpilogue` or the FC1, dgrad,
+        transposed-store and weight-gradient ones. Both are trace-time objects: ``setup``
+        before the loop; per tile (``tile``: the scheduler's ``tile_coords()``)
+        ``mainloop.tile`` (returns the advanced pipeline states) and
+        ``epilogue.store_tile`` (returns the epilogue subtile count, which rotates the
+        staging buffers); ``epilogue.finish`` after the last tile.
+
+        ``carry_order``: the order in which the loop carries its run-time state
+        (:class:`ConsumerCarry`); each kernel passes the order its former loop had, which
+        keeps its machine code byte for byte.
         """
-        m = mOut.shape[0]
-        n = mOut.shape[1]
-        n_tiles = (n + (self.tile_n - 1)) // self.tile_n
-        num_groups = group_sizes.shape[0]
-        tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
-
-        epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
-        store_pipeline = epi[5]
+        accs = mainloop.setup(ctid)
+        epilogue.setup(mainloop.tiled_mma, accs, ctid)
         epi_count = Int32(0)  # epilogue subtiles stored so far (buffer rotation)
-        s2g = self._partial_store_copies(sC, ctid)
-
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        t = Int32(bidx)
-        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-            group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles
-        )
-        while seg <= num_groups:
-            row_off, rows_valid, n_tile = self._tile_coords(t, seg_tile0, seg_rows, n_tiles)
-            acc.fill(0.0)
-            if seg < num_groups:  # (k_tiles >= 1: the handler never launches K = 0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                # First stage: issue and keep in flight.
-                mainloop.consumer_wait(read)
-                if cutlass.const_expr(converted is not None):
-                    converted.consumer_wait(read)
-                self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for k in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    if cutlass.const_expr(converted is not None):
-                        converted.consumer_wait(read)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    # The previous stage's wgmmas are done: hand its slot back.
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
+        sched = work.scheduler(blocks=epilogue.blocks)
+        carry = ConsumerCarry(carry_order, epi_count, sched, read, release)
+        while carry.sched.valid():
+            carry = self._consumer_tile(mainloop, epilogue, work, carry)
+        epilogue.finish()
 
-            row0 = seg_row0 + row_off
-            col0 = n_tile * self.tile_n
-            if rows_valid == self.tile_m:
-                gTile = cute.local_tile(
-                    cute.domain_offset((row0, 0), mOutTma), (self.tile_m, self.tile_n), (0, n_tile)
-                )
-                epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
-            else:
-                epi_count = self._store_tile_partial(
-                    epi, s2g, mOut, row0, col0, rows_valid, n, epi_count, warp_idx
-                )
-
-            t = t + gdim
-            seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self._seek(
-                group_sizes, t, seg, seg_tile0, seg_row0, seg_rows, seg_tiles, m, n_tiles
-            )
-        store_pipeline.producer_tail()
+    @cute.jit
+    def _consumer_tile(self, mainloop, epilogue, work: TileWork, carry: "ConsumerCarry") -> "ConsumerCarry":
+        """One tile of :meth:`_consumer`: mainloop, epilogue, the scheduler's next tile."""
+        sched, read, release = carry.sched, carry.read, carry.release
+        tile = sched.tile_coords()
+        read, release = mainloop.tile(sched, tile, read, release, work)
+        epi_count = epilogue.store_tile(sched, tile, carry.epi_count)
+        return ConsumerCarry(carry.order, epi_count, sched.advance(tile), read, release)
 
     @cute.jit
     def _setup_and_produce(
-        self, tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx,
-        swapped: bool = False,
+        self, rows: "TmaLoad", weight: "TmaLoad", mOut: cute.Tensor, group_sizes: cute.Tensor, smem_layouts,
+        cta: "CtaIds", swapped: bool = False,
     ):
         """The kernel body up to the consumers (bf16 B): shared memory and pipeline, the B
         partition, the cursor start, and warp group 0 as the TMA producer (warp 0).
 
-        ``A`` is the ragged operand (rows of ``mA`` from a tile's start) and ``B`` the
-        group's weight (``b_tile`` rows of ``mB`` per tile). ``swapped`` (the ``_qw``
-        kernel, whose wgmma takes the weight as A): the weight lives in the first
-        shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
+        ``rows`` is the ragged operand's TMA atom and coordinate tensor (rows from a tile's
+        start) and ``weight`` the group's weight's (``b_tile`` rows per tile); their
+        ``smem`` is unset: allocated here from ``smem_layouts`` ``(a, b, epi)``. ``swapped``
+        (the ``_qw`` kernel, whose wgmma takes the weight as A): the weight lives in the
+        first shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
 
-        Returns ``(mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles)``
-        for the consumers (warp groups 1 and 2), ``sA``/``sB`` in buffer order.
+        Returns ``(mainloop, sA, sB, sC, warp_group, work)`` for the consumers (warp
+        groups 1 and 2): the TMA pipeline, the shared-memory buffers (``sA``/``sB`` in
+        buffer order) and the CTA's :class:`TileWork`.
         """
-        mainloop, sA, sB, sC = self._shared_and_pipeline(
-            a_smem, b_smem, epi_smem, b_slices=self.row_boxes if swapped else 1
-        )
+        tidx, bidx, gdim, warp_idx = cta
+        mB = weight.gmem
+        mainloop, sA, sB, sC = self._shared_and_pipeline(*smem_layouts, b_slices=self.row_boxes if swapped else 1)
         s_rows, s_weight = (sB, sA) if swapped else (sA, sB)
 
         s0, s1 = mOut.shape[0], mOut.shape[1]
@@ -619,7 +541,7 @@ class GroupedGemmSm90:
         # (b_tile, tile_k, n_tiles, k_tiles, G)
         gB = cute.local_tile(mB, (self.b_tile, self.tile_k), (None, None, None))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(s_weight, 0, 2), cute.group_modes(gB, 0, 2)
+            weight.atom, 0, cute.make_layout(1), cute.group_modes(s_weight, 0, 2), cute.group_modes(gB, 0, 2)
         )
         k_tiles = cute.size(gB, mode=[3])
 
@@ -627,20 +549,21 @@ class GroupedGemmSm90:
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         # Cursor start: segment 0 (or the tail directly when G == 0).
-        seg0_rows = self._segment_rows(group_sizes, Int32(0), Int32(0), m)
-        seg0_tiles = (seg0_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
+        seg0 = SegmentTileScheduler.first_segment(group_sizes, m, n_tiles, self.seg_tile)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                t = Int32(bidx)
-                cursor = self._seek(group_sizes, t, Int32(0), Int32(0), Int32(0), seg0_rows, seg0_tiles, m, n_tiles)
-                self._produce_tiles(
-                    mainloop, state, t, cursor, tma_atom_a, mA, s_rows, tma_atom_b, tBgB, tBsB, group_sizes,
-                    gdim, m, n_tiles, k_tiles,
+                sched = SegmentTileScheduler.create(
+                    group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0
                 )
-        return mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles
+                loads = SegmentLoads(
+                    self, TmaLoad(rows.atom, rows.gmem, s_rows), TmaLoad(weight.atom, tBgB, tBsB), k_tiles
+                )
+                self._produce_tiles(mainloop, state, sched, loads)
+        work = TileWork(group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
+        return mainloop, sA, sB, sC, warp_group, work
 
     @cute.kernel
     def kernel(
@@ -658,13 +581,241 @@ class GroupedGemmSm90:
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        tidx, bidx, gdim, warp_idx = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
-        mainloop, sA, sB, sC, warp_group, k_tiles, seg0_rows, seg0_tiles = self._setup_and_produce(
-            tma_atom_a, mA, tma_atom_b, mB, mOut, group_sizes, a_smem, b_smem, epi_smem, tidx, bidx, gdim, warp_idx
+        cta = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
+        pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
+            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mOut, group_sizes, (a_smem, b_smem, epi_smem), cta
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._mma_consumer(
-                tiled_mma, mainloop, None, sA, sB, sC, tma_atom_out, mOutTma, mOut, group_sizes,
-                tidx - 128, bidx, gdim, warp_idx, k_tiles, seg0_rows, seg0_tiles,
+            self._consumer(
+                Bf16Mainloop(self, tiled_mma, pipe, sA, sB),
+                StoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
+                work, cta.tidx - 128,
             )
+
+
+# ---- the producer's pluggable part (see GroupedGemmSm90._produce_tiles) ----
+
+
+class SegmentLoads(TraceTimeObject):
+    """A tile's TMA loads for the segment-scheduled kernels: per stage the ragged
+    operand's tile (``rows``: rows of the coordinate tensor from the tile's start, into its
+    staged buffer, in ``row_boxes`` boxes) and the tile's group's weight tile (``weight``:
+    already partitioned ``(.., n_tile, k, group)`` in global and per stage in shared),
+    ``k_tiles`` stages. Tail tiles (rows past the groups) load nothing."""
+
+    def __init__(self, kernel: GroupedGemmSm90, rows: "TmaLoad", weight: "TmaLoad", k_tiles):
+        self.kernel = kernel
+        self.rows = rows
+        self.weight = weight
+        self.k_tiles = k_tiles
+
+    @cute.jit
+    def load_tile(self, mainloop, state, sched: SegmentTileScheduler, tile):
+        """Issues the current tile's stages; returns the advanced pipeline ``state``."""
+        tma_atom_a, mA, sA = self.rows.atom, self.rows.gmem, self.rows.smem
+        tma_atom_b, tBgB, tBsB = self.weight.atom, self.weight.gmem, self.weight.smem
+        row_boxes, seg_tile, tile_k = self.kernel.row_boxes, self.kernel.seg_tile, self.kernel.tile_k
+        k_tiles = self.k_tiles
+        row_off, _, n_tile = tile
+        if sched.seg < sched.group_sizes.shape[0]:
+            row0 = sched.row0 + row_off
+            # ``row_boxes`` TMA boxes of ``box_rows`` rows each (slices
+            # ``row_boxes * stage + i`` of ``sA``): a tile taller than one box.
+            box_rows = seg_tile // row_boxes
+            tAs, tAg = [], []
+            for i in cutlass.range_constexpr(row_boxes):
+                gA = cute.local_tile(cute.domain_offset((row0 + i * box_rows, 0), mA), (box_rows, tile_k), (0, None))
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+                )
+                tAs.append(tAsA)
+                tAg.append(tAgA)
+            tBgB_tile = tBgB[(None, n_tile, None, sched.seg)]
+            for k in range(k_tiles):
+                mainloop.producer_acquire(state)
+                bar = mainloop.producer_get_barrier(state)
+                if cutlass.const_expr(row_boxes == 1):
+                    cute.copy(tma_atom_a, tAg[0][(None, k)], tAs[0][(None, state.index)], tma_bar_ptr=bar)
+                else:
+                    for i in cutlass.range_constexpr(row_boxes):
+                        cute.copy(
+                            tma_atom_a, tAg[i][(None, k)], tAs[i][(None, state.index * row_boxes + i)],
+                            tma_bar_ptr=bar,
+                        )
+                cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                mainloop.producer_commit(state)
+                state.advance()
+        return state
+
+
+# ---- the consumer's loop state and pluggable parts (see GroupedGemmSm90._consumer) ----
+
+
+class ConsumerCarry:
+    """The consumer loop's run-time state: the epilogue subtile count, the scheduler and
+    the two consumer pipeline states, carried through the loop as one value.
+
+    ``order`` lists the order of its values in the loop (names of ``epi_count``,
+    ``sched``, ``read``, ``release``, or ``sched.<field>`` for a single scheduler field).
+    It changes no computation, only which register the allocator picks for what; each
+    kernel passes the order of the loop it had before the skeleton, so its machine code
+    stayed byte for byte what was tested on the GPU.
+    """
+
+    def __init__(self, order: tuple, epi_count, sched, read, release):
+        self.order = order
+        self.epi_count, self.sched, self.read, self.release = epi_count, sched, read, release
+
+    def _leaf(self, name: str):
+        if name.startswith("sched."):
+            return getattr(self.sched, name[len("sched."):])
+        return getattr(self, name)
+
+    def _leaves(self) -> list:
+        names = []
+        for name in self.order:
+            if name == "sched":
+                names += [f"sched.{f}" for f in self.sched._fields()]
+            else:
+                names.append(name)
+        return names
+
+    def __extract_mlir_values__(self):
+        values = []
+        for name in self._leaves():
+            values += extract_mlir_values(self._leaf(name))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = copy.copy(self)
+        new.sched = copy.copy(self.sched)
+        i = 0
+        for name in self._leaves():
+            leaf = self._leaf(name)
+            n = len(extract_mlir_values(leaf))
+            rebuilt = new_from_mlir_values(leaf, values[i:i + n])
+            i += n
+            if name.startswith("sched."):
+                setattr(new.sched, name[len("sched."):], rebuilt)
+            else:
+                setattr(new, name, rebuilt)
+        assert i == len(values), (i, len(values))
+        return new
+
+
+class Bf16Mainloop(TraceTimeObject):
+    """The bf16 mainloop: wgmma with both operands from shared memory, one stage's wgmmas
+    in flight while the next stage is awaited, each slot handed back to the producer as
+    soon as the wgmmas that read it are done. Tail tiles (rows past the groups) skip it
+    and leave a zero accumulator."""
+
+    def __init__(self, kernel: GroupedGemmSm90, tiled_mma: cute.TiledMma, pipe, sA: cute.Tensor, sB: cute.Tensor):
+        self.kernel = kernel
+        self.tiled_mma = tiled_mma
+        self.pipe = pipe
+        self.sA = sA
+        self.sB = sB
+
+    def setup(self, ctid):
+        """Consumer thread ``ctid``'s operand fragments; returns the fp32 accumulator."""
+        self.tCrA, self.tCrB, self.acc = self.kernel._mma_fragments(self.tiled_mma, self.sA, self.sB, ctid)
+        return self.acc
+
+    @cute.jit
+    def tile(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork):
+        """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
+        tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
+        k_tiles = work.k_tiles
+        acc.fill(0.0)
+        if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            # First stage: issue and keep in flight.
+            mainloop.consumer_wait(read)
+            self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+            read.advance()
+            for k in range(1, k_tiles):
+                mainloop.consumer_wait(read)
+                self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                # The previous stage's wgmmas are done: hand its slot back.
+                cute.nvgpu.warpgroup.wait_group(1)
+                mainloop.consumer_release(release)
+                release.advance()
+                read.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+            release.advance()
+        return read, release
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreTarget:
+    """Where an epilogue stages and stores ``out``: the shared-memory staging buffers
+    ``sC``, the TMA store atom and coordinate tensor (``tma_atom`` None: no TMA store),
+    and ``out`` itself for the predicated stores."""
+
+    sC: cute.Tensor
+    tma_atom: cute.CopyAtom | None
+    mOutTma: cute.Tensor | None
+    mOut: cute.Tensor
+
+
+class StoreEpilogue(TraceTimeObject):
+    """The plain epilogue: the accumulator rounded to ``out``'s dtype, staged in shared
+    memory (stmatrix), TMA-stored for full tiles, stored with row-predicated 16-byte
+    stores for partial ones (:meth:`GroupedGemmSm90._store_tile_tma`,
+    :meth:`GroupedGemmSm90._store_tile_partial`)."""
+
+    blocks = False  # the scheduler need not count MXFP8 blocks
+
+    def __init__(self, kernel: GroupedGemmSm90, out: StoreTarget, warp_idx):
+        self.kernel = kernel
+        self.out = out
+        self.warp_idx = warp_idx
+
+    def setup(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, ctid):
+        """The register -> shared -> global copies of consumer thread ``ctid``."""
+        self.epi = self.kernel._epilogue_copies(tiled_mma, self.out.sC, acc, ctid)
+        self.s2g = self.kernel._partial_store_copies(self.out.sC, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: SegmentTileScheduler, tile, epi_count):
+        """Writes the current tile; returns the new subtile count."""
+        row_off, rows_valid, n_tile = tile
+        tile_m, tile_n, out = self.kernel.tile_m, self.kernel.tile_n, self.out
+        row0 = sched.row0 + row_off
+        col0 = n_tile * tile_n
+        if rows_valid == tile_m:
+            gTile = cute.local_tile(cute.domain_offset((row0, 0), out.mOutTma), (tile_m, tile_n), (0, n_tile))
+            epi_count = self.kernel._store_tile_tma(self.epi, out.tma_atom, out.sC, gTile, epi_count, self.warp_idx)
+        else:
+            epi_count = self.kernel._store_tile_partial(
+                self.epi, self.s2g, out.mOut, row0, col0, rows_valid, out.mOut.shape[1], epi_count, self.warp_idx
+            )
+        return epi_count
+
+    def finish(self):
+        """Waits for the last TMA stores."""
+        self.epi[5].producer_tail()
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaLoad:
+    """A TMA-loaded operand: the copy atom, its global side (the coordinate tensor, or a
+    partition of it) and its shared side (the staged buffer or its partition; None
+    before shared memory is allocated)."""
+
+    atom: cute.CopyAtom
+    gmem: cute.Tensor
+    smem: cute.Tensor | None = None
+
+
+class CtaIds(NamedTuple):
+    """This thread's place: thread index in the CTA, CTA index and count of the persistent
+    grid, warp index (warp-uniform)."""
+
+    tidx: Int32
+    bidx: Int32
+    gdim: Int32
+    warp_idx: Int32

@@ -17,7 +17,7 @@ tiles; tiles are numbered group by group, and the persistent CTAs take tiles
 slices **in order**, in one CTA, in fp32 registers: no atomics, no split-K, so the
 result is bitwise reproducible. An empty group's tiles skip the mainloop and store
 zeros. The group cursor (start row of the tile's group) moves forward only: one
-``group_sizes`` load per group passed.
+``group_sizes`` load per group passed (``tile_scheduler.GroupTileScheduler``).
 
 Ragged edges: a slice is loaded by TMA from the group's current row whatever the
 group's end (rows past M are zero-filled by TMA). Rows of the last slice that belong
@@ -26,7 +26,9 @@ to the next group are zeroed in shared memory by the consumers before their wgmm
 ``0 * Inf``). Output tiles at the K and N edges are clipped by the TMA store.
 
 Warp roles, pipeline and epilogue are those of :class:`GroupedGemmSm90` (producer warp,
-two consumer warp groups of 64 output rows each, TMA-store epilogue).
+two consumer warp groups of 64 output rows each, TMA-store epilogue); the consumers run
+its one consumer loop with :class:`WgradMainloop` and :class:`WgradStoreEpilogue`, and
+its producer loop with :class:`GroupLoads` (both operands start at the group's row).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.pipeline import pipeline_init_wait
 
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, GroupedGemmConfig, GroupedGemmSm90
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
+)
+from jax_grouped_mlp.kernels.tile_scheduler import GroupTileScheduler, TraceTimeObject
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,25 +95,6 @@ class GroupedWgradSm90(GroupedGemmSm90):
         self.wgrad_kernel(*tma, group_sizes, self.tiled_mma, *smem_layouts).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream
         )
-
-    # ---- group cursor ----
-
-    @cute.jit
-    def _group_at(self, group_sizes: cute.Tensor, target: Int32, g: Int32, start: Int32, size: Int32, m: Int32):
-        """Moves the cursor ``(g, start, size)`` forward to group ``target`` (clamped sizes)."""
-        while g < target:
-            start = start + size
-            g = g + 1
-            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m - start)
-        return g, start, size
-
-    @cute.jit
-    def _tile_at(self, group_sizes, t: Int32, group_tiles: Int32, m_tiles: Int32, g, start, size, m: Int32):
-        """Tile ``t``: the cursor moved to its group, then its (row tile, column tile) in the group."""
-        g, start, size = self._group_at(group_sizes, t // group_tiles, g, start, size, m)
-        local = t - g * group_tiles
-        n_tile = local // m_tiles
-        return g, start, size, local - n_tile * m_tiles, n_tile
 
     @cute.jit
     def _zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
@@ -164,75 +150,125 @@ class GroupedWgradSm90(GroupedGemmSm90):
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         size0 = cutlass.min(cutlass.max(Int32(group_sizes[0]), Int32(0)), m)
 
+        work = GroupWork(group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
+
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                g, start, size = Int32(0), Int32(0), size0
-                t = Int32(bidx)
-                while t < total_tiles:
-                    g, start, size, m_tile, n_tile = self._tile_at(
-                        group_sizes, t, group_tiles, m_tiles, g, start, size, m
-                    )
-                    gA = cute.local_tile(cute.domain_offset((0, start), mA), (self.tile_m, self.tile_k), (m_tile, None))
-                    gB = cute.local_tile(cute.domain_offset((0, start), mB), (self.tile_n, self.tile_k), (n_tile, None))
-                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-                    )
-                    tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-                    )
-                    k_tiles = (size + (self.tile_k - 1)) // self.tile_k
-                    for k in range(k_tiles):
-                        mainloop.producer_acquire(state)
-                        bar = mainloop.producer_get_barrier(state)
-                        cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                        mainloop.producer_commit(state)
-                        state.advance()
-                    t = t + gdim
-                mainloop.producer_tail(state)
+                sched = work.scheduler()
+                loads = GroupLoads(self, TmaLoad(tma_atom_a, mA, sA), TmaLoad(tma_atom_b, mB, sB))
+                self._produce_tiles(mainloop, state, sched, loads)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            ctid = tidx - 128
-            tCrA, tCrB, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
-            epi = self._epilogue_copies(tiled_mma, sC, acc, ctid)
-            store_pipeline = epi[5]
-            epi_count = Int32(0)
+            self._consumer(
+                WgradMainloop(self, tiled_mma, mainloop, sA, sB),
+                WgradStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, None), warp_idx),
+                work, tidx - 128,
+                carry_order=("sched.g", "sched.start", "sched.size", "epi_count", "sched.t", "read", "release"),
+            )
 
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            g, start, size = Int32(0), Int32(0), size0
-            t = Int32(bidx)
-            while t < total_tiles:
-                g, start, size, m_tile, n_tile = self._tile_at(group_sizes, t, group_tiles, m_tiles, g, start, size, m)
-                k_tiles = (size + (self.tile_k - 1)) // self.tile_k
-                last_valid = size - (k_tiles - 1) * self.tile_k  # rows of the group in the last slice
-                acc.fill(0.0)
-                if k_tiles > 0:
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    mainloop.consumer_wait(read)
-                    if k_tiles == 1:
-                        if last_valid < self.tile_k:
-                            self._zero_rows_past(sA, sB, read.index, last_valid, ctid)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    read.advance()
-                    for k in range(1, k_tiles):
-                        mainloop.consumer_wait(read)
-                        if k == k_tiles - 1:
-                            if last_valid < self.tile_k:
-                                self._zero_rows_past(sA, sB, read.index, last_valid, ctid)
-                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        mainloop.consumer_release(release)
-                        release.advance()
-                        read.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    mainloop.consumer_release(release)
-                    release.advance()
 
-                gTile = cute.local_tile(mOutTma[(None, None, g)], (self.tile_m, self.tile_n), (m_tile, n_tile))
-                epi_count = self._store_tile_tma(epi, tma_atom_out, sC, gTile, epi_count, warp_idx)
-                t = t + gdim
-            store_pipeline.producer_tail()
+class GroupWork(TraceTimeObject):
+    """One CTA's share of the weight gradient (the :class:`TileWork` of
+    :class:`GroupTileScheduler`): no fixed stage count, a tile's K is its group's rows."""
+
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        self.args = (group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
+
+    def scheduler(self, blocks: bool = False) -> GroupTileScheduler:
+        return GroupTileScheduler.create(*self.args)
+
+
+class GroupLoads(TraceTimeObject):
+    """A weight-gradient tile's TMA loads: both operands (``(K, M)`` and ``(N, M)``
+    coordinate tensors, ``rows`` and ``weight``) from the tile's group's first row, in
+    ``tile_k``-row slices, as many as the group has (none for an empty group)."""
+
+    def __init__(self, kernel: GroupedWgradSm90, rows: TmaLoad, weight: TmaLoad):
+        self.kernel = kernel
+        self.rows = rows
+        self.weight = weight
+
+    @cute.jit
+    def load_tile(self, mainloop, state, sched: GroupTileScheduler, tile):
+        """Issues the current tile's stages; returns the advanced pipeline ``state``."""
+        tma_atom_a, mA, sA = self.rows.atom, self.rows.gmem, self.rows.smem
+        tma_atom_b, mB, sB = self.weight.atom, self.weight.gmem, self.weight.smem
+        tile_m, tile_n, tile_k = self.kernel.tile_m, self.kernel.tile_n, self.kernel.tile_k
+        at, m_tile, n_tile = tile
+        start, size = at.start, at.size
+        gA = cute.local_tile(cute.domain_offset((0, start), mA), (tile_m, tile_k), (m_tile, None))
+        gB = cute.local_tile(cute.domain_offset((0, start), mB), (tile_n, tile_k), (n_tile, None))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        k_tiles = (size + (tile_k - 1)) // tile_k
+        for k in range(k_tiles):
+            mainloop.producer_acquire(state)
+            bar = mainloop.producer_get_barrier(state)
+            cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            mainloop.producer_commit(state)
+            state.advance()
+        return state
+
+
+class WgradMainloop(Bf16Mainloop):
+    """The bf16 mainloop over the tile's group rows in ``tile_k`` slices, in order: the
+    last slice's rows past the group are zeroed in shared memory before its wgmmas
+    (:meth:`GroupedWgradSm90._zero_rows_past`); an empty group leaves a zero accumulator."""
+
+    @cute.jit
+    def tile(self, sched: GroupTileScheduler, tile, read, release, work: GroupWork):
+        tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
+        sA, sB, ctid, tile_k = self.sA, self.sB, self.ctid, self.kernel.tile_k
+        size = tile[0].size
+        k_tiles = (size + (tile_k - 1)) // tile_k
+        last_valid = size - (k_tiles - 1) * tile_k  # rows of the group in the last slice
+        acc.fill(0.0)
+        if k_tiles > 0:
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            mainloop.consumer_wait(read)
+            if k_tiles == 1:
+                if last_valid < tile_k:
+                    self.kernel._zero_rows_past(sA, sB, read.index, last_valid, ctid)
+            self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+            read.advance()
+            for k in range(1, k_tiles):
+                mainloop.consumer_wait(read)
+                if k == k_tiles - 1:
+                    if last_valid < tile_k:
+                        self.kernel._zero_rows_past(sA, sB, read.index, last_valid, ctid)
+                self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                cute.nvgpu.warpgroup.wait_group(1)
+                mainloop.consumer_release(release)
+                release.advance()
+                read.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+            release.advance()
+        return read, release
+
+    def setup(self, ctid):
+        self.ctid = ctid
+        return super().setup(ctid)
+
+
+class WgradStoreEpilogue(StoreEpilogue):
+    """The weight gradient's store: every tile is whole (TMA clips the K and N edges), into
+    group ``g``'s ``[K, N]`` slice of ``out``."""
+
+    def setup(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, ctid):
+        self.epi = self.kernel._epilogue_copies(tiled_mma, self.out.sC, acc, ctid)
+
+    @cute.jit
+    def store_tile(self, sched: GroupTileScheduler, tile, epi_count):
+        at, m_tile, n_tile = tile
+        out, kernel = self.out, self.kernel
+        gTile = cute.local_tile(out.mOutTma[(None, None, at.g)], (kernel.tile_m, kernel.tile_n), (m_tile, n_tile))
+        return self.kernel._store_tile_tma(self.epi, out.tma_atom, out.sC, gTile, epi_count, self.warp_idx)

@@ -1,0 +1,275 @@
+"""The persistent tile scheduler of the ragged grouped GEMMs: one small cursor object.
+
+Work decomposition ("segments", see :mod:`grouped_gemm_sm90`): segment ``g < G`` is
+group ``g``'s rows (sizes clamped so every segment lies inside ``[0, M)``), segment ``G``
+the rows past ``sum(group_sizes)``. Each segment is cut into row tiles of ``seg_tile``
+that never cross its end, times ``n_tiles`` column tiles, numbered segment by segment and,
+inside a segment, in panels of ``panel_m`` row tiles (column tile outer). CTA ``b`` of a
+persistent grid of ``gdim`` takes tiles ``b, b + gdim, ...``.
+
+:class:`SegmentTileScheduler` is that walk for one warp role: the current tile ``t`` and
+the forward-only cursor over the segments (one ``group_sizes`` load per group boundary
+passed), so no role needs a prefix sum, a workspace or another role's help. Only the
+cursor's dynamic state travels through the tile loop (``__extract_mlir_values__``:
+``t`` and the segment fields, in the order the kernels carried them as loose scalars, so
+the emitted code is the one they had); the problem (``group_sizes``, ``m``, ``n_tiles``,
+``gdim``) and the tiling constants ride along at trace time.
+
+``blocks=True`` also carries ``blk0``: the number of 32-row MXFP8 blocks of all earlier
+segments (the FC1 epilogue's scale row of a tile's first block).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
+
+BIG = 1 << 30  # "infinitely many tiles": stops the cursor past the tail segment
+BLOCK = 32  # MXFP8 block rows (``blocks=True``)
+
+
+@cute.jit
+def segment_rows(group_sizes: cute.Tensor, seg: Int32, row0: Int32, m: Int32) -> Int32:
+    """Rows of segment ``seg`` starting at ``row0`` (clamped to M; tail = the rest)."""
+    num_groups = group_sizes.shape[0]
+    rows = Int32(0)
+    if seg < num_groups:
+        rows = cutlass.min(cutlass.max(Int32(group_sizes[seg]), Int32(0)), m - row0)
+    elif seg == num_groups:
+        rows = m - row0
+    return rows
+
+
+class TraceTimeObject:
+    """Base of the kernels' trace-time helper objects (mainloops, epilogues, :class:`TileWork`):
+    a ``while`` of the DSL carries every object whose method its body calls, so these say
+    that they carry no run-time value (their tensors and copies are set up before the
+    loop and only read in it)."""
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+
+class SegmentTileScheduler:
+    """This role's tile ``t`` and the segment cursor ``(seg, tile0, row0, rows, tiles[, blk0])``:
+    tile ``t`` lies in segment ``seg``, whose first tile is ``tile0``, first row ``row0``,
+    with ``rows`` rows and ``tiles`` tiles (:data:`BIG` past the tail).
+
+    Immutable in use: :meth:`advance` returns the next position (the tile loops rebind it).
+    """
+
+    _DYNAMIC = ("t", "seg", "tile0", "row0", "rows", "tiles", "blk0")
+
+    def __init__(self, group_sizes: cute.Tensor, m, n_tiles, gdim, seg_tile: int, panel_m: int,
+                 t, seg, tile0, row0, rows, tiles, blk0=None):
+        self.group_sizes = group_sizes
+        self.m = m
+        self.n_tiles = n_tiles
+        self.gdim = gdim
+        self.seg_tile = seg_tile
+        self.panel_m = panel_m
+        self.t, self.seg, self.tile0, self.row0, self.rows, self.tiles, self.blk0 = (
+            t, seg, tile0, row0, rows, tiles, blk0
+        )
+
+    # ---- the DSL value protocol: only the cursor state is loop-carried ----
+
+    def _fields(self):
+        return [f for f in self._DYNAMIC if getattr(self, f) is not None]
+
+    def __extract_mlir_values__(self):
+        values = []
+        for f in self._fields():
+            values += extract_mlir_values(getattr(self, f))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = copy.copy(self)
+        for f, v in zip(self._fields(), values, strict=True):
+            setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
+        return new
+
+    # ---- construction and movement ----
+
+    @staticmethod
+    def first_segment(group_sizes: cute.Tensor, m, n_tiles, seg_tile: int):
+        """``(rows, tiles)`` of segment 0 (the tail directly when G == 0): the cursor's start,
+        computed once per CTA and shared by its roles."""
+        rows = segment_rows(group_sizes, Int32(0), Int32(0), m)
+        return rows, (rows + (seg_tile - 1)) // seg_tile * n_tiles
+
+    @staticmethod
+    def create(group_sizes: cute.Tensor, m, n_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0,
+               blocks: bool = False) -> "SegmentTileScheduler":
+        """The cursor at this CTA's first tile ``bidx``; ``seg0`` from :meth:`first_segment`."""
+        start = SegmentTileScheduler(
+            group_sizes, m, n_tiles, gdim, seg_tile, panel_m, Int32(bidx), Int32(0), Int32(0), Int32(0),
+            seg0[0], seg0[1], Int32(0) if blocks else None,
+        )
+        return start._seek(start.t)
+
+    @cute.jit
+    def _seek(self, t) -> "SegmentTileScheduler":
+        """The cursor moved forward until tile ``t`` lies in segment ``seg`` (or past the tail)."""
+        group_sizes, m, n_tiles = self.group_sizes, self.m, self.n_tiles
+        num_groups = group_sizes.shape[0]
+        seg, seg_tile0, seg_row0, seg_rows, seg_tiles = self.seg, self.tile0, self.row0, self.rows, self.tiles
+        seg_blk0 = self.blk0
+        if cutlass.const_expr(seg_blk0 is None):
+            while t - seg_tile0 >= seg_tiles:
+                seg_tile0 = seg_tile0 + seg_tiles
+                seg_row0 = seg_row0 + seg_rows
+                seg = seg + 1
+                seg_rows = segment_rows(group_sizes, seg, seg_row0, m)
+                seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
+                if seg > num_groups:
+                    seg_tiles = Int32(BIG)
+        else:
+            while t - seg_tile0 >= seg_tiles:
+                seg_tile0 = seg_tile0 + seg_tiles
+                seg_row0 = seg_row0 + seg_rows
+                seg_blk0 = seg_blk0 + (seg_rows + (BLOCK - 1)) // BLOCK
+                seg = seg + 1
+                seg_rows = segment_rows(group_sizes, seg, seg_row0, m)
+                seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
+                if seg > num_groups:
+                    seg_tiles = Int32(BIG)
+        return SegmentTileScheduler(
+            group_sizes, m, n_tiles, self.gdim, self.seg_tile, self.panel_m, t, seg, seg_tile0, seg_row0,
+            seg_rows, seg_tiles, seg_blk0,
+        )
+
+    def advance(self, tile=None) -> "SegmentTileScheduler":
+        """The cursor at this CTA's next tile (``t + gdim``; ``tile``, the current tile's
+        coordinates, is not needed here)."""
+        return self._seek(self.t + self.gdim)
+
+    # ---- the current tile ----
+
+    def valid(self):
+        """Whether the current tile exists (the tile loops' condition)."""
+        return self.seg <= self.group_sizes.shape[0]
+
+    def in_group(self):
+        """Whether the current tile holds group rows (not the tail past ``sum(group_sizes)``)."""
+        return self.seg < self.group_sizes.shape[0]
+
+    @cute.jit
+    def tile_coords(self):
+        """``(row offset in the segment, rows valid, column tile)`` of the current tile."""
+        local = self.t - self.tile0
+        m_tiles = (self.rows + (self.seg_tile - 1)) // self.seg_tile
+        panel_tiles = self.panel_m * self.n_tiles
+        panel = local // panel_tiles
+        r = local - panel * panel_tiles
+        rows_in_panel = cutlass.min(Int32(self.panel_m), m_tiles - panel * self.panel_m)
+        n_tile = r // rows_in_panel
+        m_tile = panel * self.panel_m + (r - n_tile * rows_in_panel)
+        row_off = m_tile * self.seg_tile
+        return row_off, cutlass.min(self.rows - row_off, Int32(self.seg_tile)), n_tile
+
+
+class TileWork(TraceTimeObject):
+    """One CTA's share of a ragged grouped GEMM, as the kernel body sets it up for its roles:
+    the problem (``group_sizes``, ``m`` ragged rows, ``n_tiles`` column tiles, ``k_tiles``
+    pipeline stages per tile), the persistent grid (``bidx`` of ``gdim``), the tiling
+    (``seg_tile`` rows per tile, ``panel_m``) and segment 0 (``seg0``,
+    :meth:`SegmentTileScheduler.first_segment`). Trace-time only: never loop-carried."""
+
+    def __init__(self, group_sizes: cute.Tensor, m, n_tiles, k_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0):
+        self.group_sizes = group_sizes
+        self.m = m
+        self.n_tiles = n_tiles
+        self.k_tiles = k_tiles
+        self.bidx = bidx
+        self.gdim = gdim
+        self.seg_tile = seg_tile
+        self.panel_m = panel_m
+        self.seg0 = seg0
+
+    def scheduler(self, blocks: bool = False):
+        """A role's scheduler at this CTA's first tile (``blocks``: also count MXFP8 blocks)."""
+        return SegmentTileScheduler.create(
+            self.group_sizes, self.m, self.n_tiles, self.bidx, self.gdim, self.seg_tile, self.panel_m, self.seg0,
+            blocks=blocks,
+        )
+
+
+class GroupTileScheduler:
+    """The weight-gradient kernel's walk: every group has the same ``group_tiles`` output
+    tiles (``m_tiles`` row tiles x column tiles, row tile inner), numbered group by group;
+    CTA ``b`` takes tiles ``b, b + gdim, ...`` below ``num_groups * group_tiles``. The
+    cursor ``(g, start, size)`` (the group of the last located tile, its first row and its
+    clamped size) moves forward only: one ``group_sizes`` load per group passed.
+
+    Same use as :class:`SegmentTileScheduler`: ``while sched.valid()``, ``tile_coords()``,
+    ``advance(tile)``. Here :meth:`tile_coords` moves the cursor to the tile's group (the
+    moved cursor is the tile's first element) and :meth:`advance` continues from it.
+    """
+
+    _DYNAMIC = ("g", "start", "size", "t")  # (the order the kernel's loops carried them in)
+
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size):
+        self.group_sizes = group_sizes
+        self.m = m
+        self.m_tiles = m_tiles
+        self.group_tiles = group_tiles
+        self.total_tiles = total_tiles
+        self.gdim = gdim
+        self.t, self.g, self.start, self.size = t, g, start, size
+
+    def _fields(self):
+        return list(self._DYNAMIC)
+
+    def __extract_mlir_values__(self):
+        values = []
+        for f in self._DYNAMIC:
+            values += extract_mlir_values(getattr(self, f))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = copy.copy(self)
+        for f, v in zip(self._DYNAMIC, values, strict=True):
+            setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
+        return new
+
+    def _with(self, t, g, start, size) -> "GroupTileScheduler":
+        return GroupTileScheduler(
+            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, t, g, start, size
+        )
+
+    @staticmethod
+    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        """The cursor at group 0 (``size0``: its clamped size) and this CTA's first tile ``bidx``."""
+        return GroupTileScheduler(
+            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, Int32(bidx), Int32(0), Int32(0), size0
+        )
+
+    def valid(self):
+        return self.t < self.total_tiles
+
+    @cute.jit
+    def tile_coords(self):
+        """``(cursor at the tile's group, row tile, column tile)`` of the current tile."""
+        g, start, size = self.g, self.start, self.size
+        target = self.t // self.group_tiles
+        group_sizes, m = self.group_sizes, self.m
+        while g < target:
+            start = start + size
+            g = g + 1
+            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m - start)
+        local = self.t - g * self.group_tiles
+        n_tile = local // self.m_tiles
+        return self._with(self.t, g, start, size), local - n_tile * self.m_tiles, n_tile
+
+    def advance(self, tile) -> "GroupTileScheduler":
+        """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
+        located = tile[0]
+        return self._with(located.t + self.gdim, located.g, located.start, located.size)
