@@ -162,7 +162,12 @@ def test_grad_of_grad_against_float64(rng, recipe):
     xf, eps = np.asarray(x, np.float64), 1e-4
     dirs = rng.standard_normal((8,) + x.shape)
     want = [(inner64(xf + eps * v) - inner64(xf - eps * v)) / (2 * eps) for v in dirs]
-    assert rel_err([np.vdot(got, v) for v in dirs], want) < BANDS[recipe]
+    # MXFP8's straight-through second derivative against the exact one, seen through 8
+    # projections at a small shape: over 40 seeds the error had median 0.076 and max
+    # 0.229 (3 of 40 above the general band 0.15), so this check gets 0.3; a wrong or
+    # missing term gives errors near 1. bf16: median 0.005, max 0.01 (band 0.02).
+    band = 0.3 if recipe == "mxfp8" else BANDS[recipe]
+    assert rel_err([np.vdot(got, v) for v in dirs], want) < band
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])

@@ -35,7 +35,7 @@ CASES = {
     "w1_fp16": ((X, sds((G, H, F), jnp.float16), W2, GS, P), {}, TypeError, r"w1 must be bfloat16 or float32"),
     "probs_shape": ((X, W1, W2, GS, sds((M, 2), jnp.float32)), {}, ValueError, r"probs must be \[M\] or \[M, 1\] with M=64"),
     "probs_int": ((X, W1, W2, GS, sds((M,), jnp.int32)), {}, TypeError, r"probs must be a float array"),
-    "recipe": ((X, W1, W2, GS, P), {"recipe": "fp4"}, ValueError, r"recipe must be one of \['mxfp8', 'bf16'\], got recipe='fp4'"),
+    "recipe": ((X, W1, W2, GS, P), {"recipe": "fp4"}, ValueError, r"recipe must be one of \['mxfp8', 'bf16', 'fp8_block'\], got recipe='fp4'"),
 }
 
 
