@@ -6,8 +6,9 @@ For each layout of the run and its largest layer count, plans the measured shape
 :func:`plan_offload` fed the run's own inputs (the link bandwidth it measured, and one
 layer's compute = the all-device step / layers, split like the roofline), then prints
 per placement the predicted against the measured step time, and the predicted
-residual bytes per layer on the device against the measured growth of compiled temp
-per layer. Writes JSON (``device`` = the measured run's).
+growth of device memory per layer (the planner's residual memory, with the layer input
+x where a recompute keeps it, between the run's smallest and largest layer count)
+against the measured growth of compiled temp per layer. Writes JSON (``device`` = the measured run's).
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def compare(run: dict) -> list[dict]:
         base = rows.get((layout, layers, "d-d-d")) or rows.get((layout, layers, "all_device"))
         if base is None or not base.get("step_time_s"):
             continue
-        plan = jgm.plan_offload(
-            tokens=shape["tokens"], hidden=shape["hidden"], ffn=shape["ffn"], num_experts=shape["experts"],
-            num_layers=layers, budget_bytes=math.inf, host_bandwidth=bandwidth,
-            layer_time=base["step_time_s"] / layers, recipe=shape.get("recipe", "mxfp8"),
-        )  # fmt: skip
-        for c in plan.candidates:
+        def plan(n: int):
+            return jgm.plan_offload(
+                tokens=shape["tokens"], hidden=shape["hidden"], ffn=shape["ffn"], num_experts=shape["experts"],
+                num_layers=n, budget_bytes=math.inf, host_bandwidth=bandwidth,
+                layer_time=base["step_time_s"] / layers, recipe=shape.get("recipe", "mxfp8"),
+            )  # fmt: skip
+
+        lo = min(run["layer_counts"])
+        small = {c.label(): c for c in plan(lo).candidates}
+        for c in plan(layers).candidates:
             label = "-".join(SHORT[c.placement[n]] for n in ORDER)
             r = rows.get((layout, layers, label))
             if r is None or not r.get("step_time_s"):
@@ -57,7 +62,9 @@ def compare(run: dict) -> list[dict]:
                 "layout": layout, "label": label, "layers": layers,
                 "step_pred_s": c.step_time, "step_meas_s": r["step_time_s"],
                 "step_rel_err": (c.step_time - r["step_time_s"]) / r["step_time_s"],
-                "device_bytes_per_layer_pred": c.device_bytes / layers, "temp_growth_per_layer_meas": g,
+                "device_bytes_per_layer_pred": (c.total_device_bytes - small[c.label()].total_device_bytes)
+                / (layers - lo) if layers > lo else c.total_device_bytes / layers,
+                "temp_growth_per_layer_meas": g,
             })  # fmt: skip
     return out
 

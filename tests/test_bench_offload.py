@@ -250,3 +250,17 @@ def test_plan_vs_measured_reads_the_committed_h200_run():
         assert r["temp_growth_per_layer_meas"] is not None
     # The all-device step is the planner's input, so it is predicted exactly.
     assert all(abs(r["step_rel_err"]) < 1e-9 for r in rows if r["label"] == "d-d-d")
+
+
+def test_planner_predicts_the_scans_memory_growth_on_the_h200():
+    """The planner against the committed H200 run: in the scan, every placement's growth
+    of compiled temp per layer within 25 MB of the prediction (kept residuals plus the
+    layer input x where a recompute keeps it; 413 MB of residuals a layer)."""
+    from benchmarks import plan_vs_measured
+
+    run = json.loads((pathlib.Path(__file__).resolve().parent.parent / "benchmarks/results/offload_all27_h200.json")
+                     .read_text())
+    scan = [r for r in plan_vs_measured.compare(run) if r["layout"] == "scan"]
+    assert len(scan) == 27
+    for r in scan:
+        assert abs(r["device_bytes_per_layer_pred"] - r["temp_growth_per_layer_meas"]) < 25e6, r
