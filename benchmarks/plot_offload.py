@@ -75,13 +75,7 @@ def plot(result: dict, path: pathlib.Path, verbose: bool = True) -> None:
         f"(fc1_input/activation_input/fc2_input: D device, O offload, R recompute)",
         fontsize=9,
     )
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    if verbose:
-        print(f"wrote {path}")
+    _save(fig, path, verbose)
 
 
 def plot_layouts(result: dict, path: pathlib.Path, verbose: bool = True) -> None:
@@ -141,6 +135,12 @@ def plot_layouts(result: dict, path: pathlib.Path, verbose: bool = True) -> None
         "(d2h / h2d); labels fc1_input-activation_input-fc2_input: d device, o offload, r recompute",
         fontsize=9,
     )
+    _save(fig, path, verbose)
+
+
+def _save(fig, path, verbose: bool) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

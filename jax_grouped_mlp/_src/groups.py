@@ -99,6 +99,19 @@ def clamp_group_sizes(group_sizes, m: int) -> jax.Array:
     return ends - starts
 
 
+def checked_group_sizes(group_sizes, m: int) -> jax.Array:
+    """:func:`clamp_group_sizes` after checking that ``group_sizes`` is a 1-D integer
+    array (a ``TypeError`` naming it otherwise): the argument check of the group-aware
+    quantizers."""
+    group_sizes = jnp.asarray(host_clip(group_sizes))
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer) or group_sizes.dtype == jnp.bool_:
+        raise TypeError(
+            f"group_sizes must be a 1-D integer array, got group_sizes.shape={group_sizes.shape} "
+            f"group_sizes.dtype={group_sizes.dtype}"
+        )
+    return clamp_group_sizes(group_sizes, m)
+
+
 def row_group_ids(group_sizes: jax.Array, m: int) -> jax.Array:
     """Group index of every row, ``[M]`` int32; rows past the total get ``G``."""
     _, ends = group_bounds(group_sizes, m)

@@ -120,14 +120,8 @@ def grouped_scale_rows(m: int, num_groups: int) -> int:
 def _quantize_grouped(x: jax.Array, group_sizes) -> FP8BlockTensor:
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K] for group-aware quantization, got x.shape={x.shape}")
-    group_sizes = jnp.asarray(groups.host_clip(group_sizes))
-    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer) or group_sizes.dtype == jnp.bool_:
-        raise TypeError(
-            f"group_sizes must be a 1-D integer array, got group_sizes.shape={group_sizes.shape} "
-            f"group_sizes.dtype={group_sizes.dtype}"
-        )
     m, k = x.shape
-    group_sizes = groups.clamp_group_sizes(group_sizes, m)
+    group_sizes = groups.checked_group_sizes(group_sizes, m)
     nblocks = grouped_scale_rows(m, group_sizes.shape[0])
     if m == 0:
         return FP8BlockTensor(
