@@ -1,6 +1,6 @@
 """Where the time of one MLP training step goes: every part of it timed alone.
 
-    PYTHONPATH=. python3 benchmarks/bench_step_parts.py [--shape nano] [--out FILE]
+    PYTHONPATH=. python3 benchmarks/bench_step_parts.py [--shape nano] [--alpha inf,1,0.3] [--out FILE]
 
 For one shape of ``common.MLP_SHAPES`` it times, each as its own jitted program on
 the same inputs: the six GEMMs of a step (FC1 and the FC2 dgrad as the fused kernels
@@ -19,6 +19,15 @@ against ``bench_mlp.py``'s measured step time. Writes JSON
 
 What it answers: how much of the mxfp8 recipe's extra time is dequantization that an
 in-kernel conversion would remove, and how much is quantization that stays.
+
+``--alpha inf,1,0.3`` (issue 20) times every part once per group-size skew in the
+same process, on the same operands: ``inf`` is equal sizes, other values Dirichlet
+router draws (``shapes.router_group_sizes``, with ``--seed``). The table then has one
+ms column per alpha and each skewed column's ratio to the equal-sizes one, which says
+which kernels slow down with skew; the JSON has them per part (``by_alpha``,
+``vs_uniform``). The rows marked ``qw`` are the weight GEMMs with in-kernel weight
+quantization that the mxfp8 step runs instead of the fused and pass-quantized GEMMs when
+groups are small on average (``heuristics.weights_in_gemm``: Nano's 384 rows per group).
 """
 
 from __future__ import annotations
@@ -37,14 +46,22 @@ from jax_grouped_mlp._src.op import primitives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import MLP_SHAPES, RESULTS, command_line, device_description, time_call, write_result  # noqa: E402
+from shapes import router_group_sizes, skew_label  # noqa: E402
 
 
-def _parts(m: int, h: int, f: int, g: int, seed: int):
-    """(name, per-step count, jitted fn, args) for every part of a step."""
+def _operands(m: int, h: int, f: int, g: int, seed: int) -> dict:
+    """The bf16 operands every alpha shares (drawn once: at Nano they are 4 GB of
+    float32 on the host before the cast)."""
     rng = np.random.default_rng(seed)
     bf = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)  # noqa: E731
     x, a, w1, w2 = bf(m, h), bf(m, f), bf(g, h, f) / 32, bf(g, f, h) / 32
-    gs = jnp.full((g,), m // g, jnp.int32)
+    probs = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    return {"x": x, "a": a, "w1": w1, "w2": w2, "probs": probs}
+
+
+def _functions() -> dict:
+    """The jitted parts, made once so that every alpha reuses their compilations (the
+    group sizes are an operand, not a static)."""
     gemm = jax.jit(lambda l, r, s: primitives.grouped_gemm(l, r, s, jnp.bfloat16))
     dgrad = jax.jit(lambda l, r, s: primitives.grouped_gemm(l, r, s, jnp.bfloat16, transpose_rhs=True))
     wgrad = jax.jit(lambda l, r, s: primitives.grouped_wgrad(l, r, s, jnp.bfloat16))
@@ -57,9 +74,19 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
         t, cuda=ffi.dequantize_cuda, default=lambda t: mxfp8.dequantize(t, jnp.bfloat16)))
     pair = {keep: jax.jit(lambda x, gs, keep=keep: primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep))
             for keep in (False, True)}
-    probs = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
-    fc1_fused = jax.jit(primitives.fc1_fused)
-    dgrad_fused = jax.jit(primitives.dgrad_fused)
+    gemm_qw = jax.jit(lambda l, w, s: primitives.grouped_gemm_qw(l, w, s, jnp.bfloat16))
+    dgrad_qw = jax.jit(lambda l, w, s: primitives.grouped_gemm_qw(l, w, s, jnp.bfloat16, transpose_rhs=True))
+    return {"gemm": gemm, "dgrad": dgrad, "wgrad": wgrad, "q_both": q_both, "q_w": q_w, "fq_w": fq_w,
+            "deq": deq, "deq_kept": deq_kept, "pair": pair, "fc1_fused": jax.jit(primitives.fc1_fused),
+            "dgrad_fused": jax.jit(primitives.dgrad_fused), "gemm_qw": gemm_qw, "dgrad_qw": dgrad_qw}
+
+
+def _parts(fns: dict, ops: dict, gs: jax.Array):
+    """(name, per-step count, jitted fn, args) for every part of a step with group sizes ``gs``."""
+    x, a, w1, w2, probs = ops["x"], ops["a"], ops["w1"], ops["w2"], ops["probs"]
+    gemm, dgrad, wgrad, q_both, q_w, fq_w = fns["gemm"], fns["dgrad"], fns["wgrad"], fns["q_both"], fns["q_w"], fns["fq_w"]
+    deq, deq_kept, pair, fc1_fused, dgrad_fused = fns["deq"], fns["deq_kept"], fns["pair"], fns["fc1_fused"], fns["dgrad_fused"]
+    gemm_qw, dgrad_qw = fns["gemm_qw"], fns["dgrad_qw"]
     x_row, x_col = q_both(x, gs)
     a_row, a_col = q_both(a, gs)
     w1_k = q_w[1](w1)
@@ -89,40 +116,95 @@ def _parts(m: int, h: int, f: int, g: int, seed: int):
         ("dequantize rowwise [M,F]", 0, deq, (a_row,)),
         ("dequantize weight (fprop)", 0, deq, (w1_k,)),
         ("dequantize weight along N (dgrad)", 0, deq, (w1_t,)),
+        # The mxfp8 step's weight GEMMs with small groups (weights quantized in the GEMM):
+        ("qw gemm fc1 [M,H]x[G,H,F]", 0, gemm_qw, (x, w1, gs)),
+        ("qw gemm fc2 [M,F]x[G,F,H]", 0, gemm_qw, (a, w2, gs)),
+        ("qw gemm dgrad fc2 (w2 as stored)", 0, dgrad_qw, (x, w2, gs)),
+        ("qw gemm dgrad fc1 (w1 as stored)", 0, dgrad_qw, (a, w1, gs)),
     ]
+
+
+def _alphas(text: str) -> list[float]:
+    """``--alpha``'s comma-separated skews (``inf``: equal sizes), each > 0, none twice."""
+    try:
+        alphas = [float(a) for a in text.split(",") if a.strip()]
+    except ValueError:
+        raise SystemExit(f"--alpha must be comma-separated numbers or inf, got --alpha={text!r}") from None
+    if not alphas or any(not a > 0 for a in alphas) or len(set(alphas)) != len(alphas):
+        raise SystemExit(f"--alpha must name distinct alphas > 0 (inf: equal sizes), got --alpha={text!r}")
+    return alphas
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="nano", choices=sorted(MLP_SHAPES))
+    ap.add_argument("--shape", default="nano", choices=sorted(MLP_SHAPES),
+                    help="a shape of common.MLP_SHAPES (tiny: a CPU smoke test)")
     ap.add_argument("--dims", default=None, help="groups,rows_per_group,hidden,ffn (overrides --shape)")
+    ap.add_argument("--alpha", "--alphas", dest="alpha", default="inf",
+                    help="comma-separated group-size skews, each part timed at every one: inf (equal sizes) "
+                         "or Dirichlet alphas of shapes.router_group_sizes, e.g. inf,1,0.3 (default: inf)")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=5, help="timing samples per part and alpha (median)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the operands and of the skewed group sizes")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ns = ap.parse_args(argv)
+    alphas = _alphas(ns.alpha)
     dims = tuple(int(d) for d in ns.dims.split(",")) if ns.dims else MLP_SHAPES[ns.shape]
     g, rows, h, f = dims
     m = g * rows
     shape = {"name": "custom" if ns.dims else ns.shape, "groups": g, "rows_per_group": rows, "hidden": h, "ffn": f}
     report = {"command": command_line("benchmarks/bench_step_parts.py", sys.argv[1:] if argv is None else argv), "device": device_description(),
               "shape": shape, "parts": {}}
-    totals = {"gemm": 0.0, "fused": 0.0, "quantize": 0.0, "dequantize": 0.0, "fake_quantize": 0.0}
-    print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
-    for name, count, fn, args in _parts(m, h, f, g, ns.seed):
-        ms = 1e3 * time_call(fn, *args, iters=ns.iters)
-        kind = {"wgrad": "gemm", "quantize_both": "quantize", "fake_quantize_pair": "quantize"}.get(
+    labels = [skew_label(a) for a in alphas]
+    sizes = {lab: router_group_sizes(m, g, a, ns.seed) for lab, a in zip(labels, alphas)}
+    fns, ops = _functions(), _operands(m, h, f, g, ns.seed)
+    by_alpha: dict[str, dict[str, float]] = {}
+    names: list[tuple[str, int]] = []
+    if len(labels) == 1:  # the one-alpha table, printed as it comes
+        print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
+    for lab in labels:  # one alpha at a time: its group-size-dependent operands, then every part
+        for name, count, fn, args in _parts(fns, ops, jnp.asarray(sizes[lab])):
+            if lab == labels[0]:
+                names.append((name, count))
+            ms = by_alpha.setdefault(name, {})[lab] = 1e3 * time_call(fn, *args, iters=ns.iters, samples=ns.samples)
+            if len(labels) == 1:
+                print(f"{name:42s} {ms:8.3f} {count:6d} {ms * count:8.3f}", flush=True)
+            else:
+                print(f"  {lab}: {name} {ms:.3f} ms", flush=True)
+    totals_by = {lab: {"gemm": 0.0, "fused": 0.0, "quantize": 0.0, "dequantize": 0.0, "fake_quantize": 0.0}
+                 for lab in labels}
+    skewed = [lab for lab in labels if lab != "uniform"] if "uniform" in labels else []
+    if len(labels) > 1:
+        print(f"{'part':52s} {'x/step':>6s} " + " ".join(f"{lab:>9s}" for lab in labels)
+              + "".join(f" {lab + '/u':>9s}" for lab in skewed))
+    for name, count in names:
+        kind = {"wgrad": "gemm", "qw": "gemm", "quantize_both": "quantize", "fake_quantize_pair": "quantize"}.get(
             name.split()[0], name.split()[0]
         )
-        totals[kind] += ms * count
-        report["parts"][name] = {"ms": ms, "per_step": count}
-        print(f"{name:42s} {ms:8.3f} {count:6d} {ms * count:8.3f}", flush=True)
-    report["ms_per_step"] = totals
-    print({k: round(v, 3) for k, v in totals.items()})
+        entry = {"ms": by_alpha[name][labels[0]], "per_step": count}
+        if len(labels) > 1:
+            entry["by_alpha"] = by_alpha[name]
+            entry["vs_uniform"] = {lab: by_alpha[name][lab] / by_alpha[name]["uniform"] for lab in skewed}
+            print(f"{name:52s} {count:6d} " + " ".join(f"{by_alpha[name][lab]:9.3f}" for lab in labels)
+                  + "".join(f" {entry['vs_uniform'][lab]:9.2f}" for lab in skewed), flush=True)
+        for lab in labels:
+            totals_by[lab][kind] += by_alpha[name][lab] * count
+        report["parts"][name] = entry
+    report["ms_per_step"] = totals_by[labels[0]]
+    extra = {"shape": report["shape"], "ms_per_step": report["ms_per_step"]}
+    if len(labels) > 1:
+        extra["alphas"] = labels
+        extra["seed"] = ns.seed
+        extra["group_sizes"] = {lab: {"min": int(s.min()), "max": int(s.max()), "zeros": int((s == 0).sum())}
+                                for lab, s in sizes.items()}
+        extra["ms_per_step_by_alpha"] = totals_by
+        for lab in labels:
+            print(lab, {k: round(v, 3) for k, v in totals_by[lab].items()})
+    else:
+        print({k: round(v, 3) for k, v in totals_by[labels[0]].items()})
     out = ns.out or RESULTS / f"step_parts_{jax.devices()[0].platform}.json"
-    write_result(out, command=report["command"], results=report["parts"],
-                 extra={"shape": report["shape"], "ms_per_step": report["ms_per_step"]})
+    write_result(out, command=report["command"], results=report["parts"], extra=extra)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
