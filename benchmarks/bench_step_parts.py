@@ -25,7 +25,10 @@ same process, on the same operands: ``inf`` is equal sizes, other values Dirichl
 router draws (``shapes.router_group_sizes``, with ``--seed``). The table then has one
 ms column per alpha and each skewed column's ratio to the equal-sizes one, which says
 which kernels slow down with skew; the JSON has them per part (``by_alpha``,
-``vs_uniform``). The rows marked ``qw`` are the weight GEMMs with in-kernel weight
+``vs_uniform``). ``--round-to R`` adds, per skewed alpha, the same draw with every size
+moved to a multiple of R (``shapes.rounded_group_sizes``; label ``alpha=1/r128``): with R
+= 128 no GEMM tile and no weight-gradient row slice is partial, so the difference to the
+plain draw is what ragged edges cost, the rest what the uneven distribution costs. The rows marked ``qw`` are the weight GEMMs with in-kernel weight
 quantization that the mxfp8 step runs instead of the fused and pass-quantized GEMMs when
 groups are small on average (``heuristics.weights_in_gemm``: Nano's 384 rows per group).
 """
@@ -46,7 +49,7 @@ from jax_grouped_mlp._src.op import primitives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import MLP_SHAPES, RESULTS, command_line, device_description, time_call, write_result  # noqa: E402
-from shapes import router_group_sizes, skew_label  # noqa: E402
+from shapes import rounded_group_sizes, router_group_sizes, skew_label  # noqa: E402
 
 
 def _operands(m: int, h: int, f: int, g: int, seed: int) -> dict:
@@ -143,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", "--alphas", dest="alpha", default="inf",
                     help="comma-separated group-size skews, each part timed at every one: inf (equal sizes) "
                          "or Dirichlet alphas of shapes.router_group_sizes, e.g. inf,1,0.3 (default: inf)")
+    ap.add_argument("--round-to", type=int, default=0,
+                    help="also time every skewed alpha with its sizes rounded to multiples of this (e.g. 128)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--samples", type=int, default=5, help="timing samples per part and alpha (median)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the operands and of the skewed group sizes")
@@ -155,8 +160,14 @@ def main(argv=None) -> int:
     shape = {"name": "custom" if ns.dims else ns.shape, "groups": g, "rows_per_group": rows, "hidden": h, "ffn": f}
     report = {"command": command_line("benchmarks/bench_step_parts.py", sys.argv[1:] if argv is None else argv), "device": device_description(),
               "shape": shape, "parts": {}}
-    labels = [skew_label(a) for a in alphas]
-    sizes = {lab: router_group_sizes(m, g, a, ns.seed) for lab, a in zip(labels, alphas)}
+    sizes = {}
+    for a in alphas:
+        sizes[skew_label(a)] = router_group_sizes(m, g, a, ns.seed)
+        if ns.round_to and a != float("inf"):
+            if ns.round_to < 0 or m % ns.round_to:
+                raise SystemExit(f"--round-to must divide the {m} rows, got --round-to={ns.round_to}")
+            sizes[f"{skew_label(a)}/r{ns.round_to}"] = rounded_group_sizes(sizes[skew_label(a)], ns.round_to)
+    labels = list(sizes)
     fns, ops = _functions(), _operands(m, h, f, g, ns.seed)
     by_alpha: dict[str, dict[str, float]] = {}
     names: list[tuple[str, int]] = []

@@ -47,6 +47,23 @@ def test_bad_arguments():
         shapes.router_group_sizes(10, 0, 1.0)
 
 
+@pytest.mark.parametrize("multiple", [64, 128, 384])
+def test_rounded_group_sizes_keep_sum_and_move_less_than_a_multiple(rng, multiple):
+    for alpha in (1.0, 0.3):
+        sizes = shapes.router_group_sizes(49152, 128, alpha, seed=int(rng.integers(1 << 30)))
+        r = shapes.rounded_group_sizes(sizes, multiple)
+        assert r.dtype == np.int32 and r.shape == sizes.shape and r.min() >= 0
+        assert int(r.sum()) == 49152 and not (r % multiple).any()
+        assert np.abs(r.astype(np.int64) - sizes).max() < multiple
+
+
+def test_rounded_group_sizes_bad_multiple():
+    with pytest.raises(ValueError, match="multiple"):
+        shapes.rounded_group_sizes(np.array([3, 4]), 2)  # sum 7 is no multiple of 2
+    with pytest.raises(ValueError, match="multiple"):
+        shapes.rounded_group_sizes(np.array([4, 4]), 0)
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
 def test_grouped_mlp_on_router_skewed_sizes(rng, recipe):
     """The op on heavily skewed sizes (empty experts, one expert with most rows) against
