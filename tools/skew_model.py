@@ -113,14 +113,17 @@ def wave_weight_bytes(tiles: list[tuple[int, int, int]], panel_bytes: float) -> 
     return max(per), float(np.mean(per))
 
 
-def plain_gemm(sizes: np.ndarray, k: int, n: int, tile_n: int = 192) -> dict:
-    """The bf16 128 x ``tile_n`` grouped GEMM (``out [M, n] = lhs [M, k] @ w[g] [k, n]``)."""
+def plain_gemm(sizes: np.ndarray, k: int, n: int, tile_n: int = 192, skip64: bool = False) -> dict:
+    """The bf16 128 x ``tile_n`` grouped GEMM (``out [M, n] = lhs [M, k] @ w[g] [k, n]``).
+
+    ``skip64``: the proposed change, the second consumer warp group (rows 64..127) skips
+    its wgmmas when the tile has at most 64 rows (priced as half the MMA time)."""
     n_tiles = -(-n // tile_n)
     tiles = gemm_tiles(sizes, 128, n_tiles)
     valid = np.array([v for _, v, _ in tiles])
     stages = -(-k // 64)
     partial = valid < 128
-    cost = stages * STAGE_US + PARTIAL_US * partial
+    cost = stages * STAGE_US * np.where(skip64 & (valid <= 64), 0.5, 1.0) + PARTIAL_US * partial
     loads = round_robin(cost)
     wmax, wmean = wave_weight_bytes(tiles, k * tile_n * BF16)
     mma_us = stages * STAGE_US
@@ -136,7 +139,7 @@ def plain_gemm(sizes: np.ndarray, k: int, n: int, tile_n: int = 192) -> dict:
     }
 
 
-def qw_gemm(sizes: np.ndarray, k: int, n: int, tile_t: int = 384) -> dict:
+def qw_gemm(sizes: np.ndarray, k: int, n: int, tile_t: int = 384, skip64: bool = False) -> dict:
     """The ``_qw`` GEMM (128 weight columns x ``tile_t`` tokens; t384 ``_ss`` runs one of
     its two 192-token accumulators for a tile of <= 192 tokens). Costs in units of the
     calibrated t384 tile; t256/t192 priced per token sub-tile of the same stage cost
@@ -146,7 +149,13 @@ def qw_gemm(sizes: np.ndarray, k: int, n: int, tile_t: int = 384) -> dict:
     valid = np.array([v for _, v, _ in tiles])
     stages = -(-k // 64)
     full = stages * QW384_STAGE_US * tile_t / 384
-    if tile_t == 384:
+    if tile_t == 384 and skip64:
+        # the proposed change: wgmmas of N = 64 tokens, those past the tile's tokens
+        # skipped: the fixed part (the weight's conversion, 2 x QW_HALF_COST - 1 of a
+        # full tile) stays, the MMA part scales with ceil(valid / 64) / 6.
+        fixed = (2 * QW_HALF_COST - 1) * full
+        cost = fixed + (full - fixed) * np.ceil(valid / 64) / 6
+    elif tile_t == 384:
         cost = np.where(valid <= 192, QW_HALF_COST * full, full)
     else:
         cost = np.full(len(tiles), full)
@@ -160,13 +169,16 @@ def qw_gemm(sizes: np.ndarray, k: int, n: int, tile_t: int = 384) -> dict:
     }
 
 
-def wgrad(sizes: np.ndarray, k_out: int, n_out: int, tile_n: int = 192) -> dict:
+def wgrad(sizes: np.ndarray, k_out: int, n_out: int, tile_n: int = 192, zero_us: float = 0.0) -> dict:
     """``out[g] [k_out, n_out] = lhs_g^T @ rhs_g``: every group has the same
     ``cdiv(k_out, 128) * cdiv(n_out, tile_n)`` tiles; a tile costs its group's 64-row
     stages plus the store. Round robin (today), greedy in the given order (a dynamic
-    counter), LPT (longest first), and the lower bound (total / 132, or the longest tile)."""
+    counter), LPT (longest first), and the lower bound (total / 132, or the longest tile).
+    ``zero_us``: the cost of zeroing the rows past the group in a partial last slice
+    (``_zero_rows_past``: scalar 2-byte shared stores, then a fence and a barrier; not
+    measured, the uniform Nano case never runs it since 384 = 6 x 64)."""
     group_tiles = -(-k_out // 128) * -(-n_out // tile_n)
-    per_group = np.array([-(-int(s) // 64) * STAGE_US + WGRAD_EPI_US for s in sizes])
+    per_group = np.array([-(-int(s) // 64) * STAGE_US + WGRAD_EPI_US + zero_us * (int(s) % 64 != 0) for s in sizes])
     costs = np.repeat(per_group, group_tiles)
     rr = round_robin(costs)
     lpt = greedy(np.sort(costs)[::-1])
@@ -189,12 +201,18 @@ def model(sizes: np.ndarray) -> dict:
         "plain fc2 [M,F]x[F,H]": plain_gemm(sizes, F, H),
         "plain dgrad fc2 (da [M,F], K=H)": plain_gemm(sizes, H, F),
         "plain dgrad fc1 (dx [M,H], K=F)": plain_gemm(sizes, F, H),
+        "plain fc1, skip64 (proposed)": plain_gemm(sizes, H, F, skip64=True),
+        "plain fc2, skip64 (proposed)": plain_gemm(sizes, F, H, skip64=True),
         "qw384 fc1": qw_gemm(sizes, H, F),
         "qw384 fc2": qw_gemm(sizes, F, H),
+        "qw384 fc1, skip64 (proposed)": qw_gemm(sizes, H, F, skip64=True),
+        "qw384 fc2, skip64 (proposed)": qw_gemm(sizes, F, H, skip64=True),
         "qw256 fc1": qw_gemm(sizes, H, F, 256),
         "qw192 fc1": qw_gemm(sizes, H, F, 192),
         "wgrad dW1 [H,F]": wgrad(sizes, H, F),
         "wgrad dW2 [F,H]": wgrad(sizes, F, H),
+        "wgrad dW1, zeroing 1 us/partial slice": wgrad(sizes, H, F, zero_us=1.0),
+        "wgrad dW1, zeroing 3 us/partial slice": wgrad(sizes, H, F, zero_us=3.0),
     }
 
 
