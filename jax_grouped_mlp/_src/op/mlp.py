@@ -140,10 +140,7 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool, choices:
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
     y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype)
     a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes))
-    x_col = _tag(x_col, FC1_INPUT)
-    # The next layer starts only once the offloaded residuals are on the host.
-    y = residuals.fence(y, [*_leaves(x_col), *_leaves(h), *_leaves(a_col)])
-    return y, (x_col, h, a_col, w1, w2, group_sizes, probs, w_dtypes)
+    return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, group_sizes, probs, w_dtypes)
 
 
 def _leaves(op: Operand) -> list:

@@ -31,27 +31,20 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax
-import numpy as np
 from jax._src import core
 from jax.ad_checkpoint import checkpoint_name
 from jax._src.ad_checkpoint import name_p
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
 
-# Value modes of ``residual_p``: "value" (the identity), "offload" (the values, their
-# host copies, and a token that exists once the copies are written: what :func:`fence`
-# waits for), "rebuild" (``rebuild(*extra)``; only in the backward pass).
+# Value modes of ``residual_p``: "value" (the identity), "offload" (the values and
+# their host copies), "rebuild" (``rebuild(*extra)``; only in the backward pass).
 residual_p = core.Primitive("grouped_mlp_residual")
 residual_p.multiple_results = True
 # The reload of an offloaded residual (multiple arrays at once).
 to_device_p = core.Primitive("grouped_mlp_to_device")
 to_device_p.multiple_results = True
-# The op's output, usable only once the host copies of its residuals exist (modes
-# "value": the identity on the output; "barrier": an optimization barrier over the
-# output and the host copies, made by remat's rule below).
-fence_p = core.Primitive("grouped_mlp_fence")
 
 _GPU_TPU = ("cuda", "rocm", "tpu")
 
@@ -68,15 +61,6 @@ OWN_TRANSFERS = True
 # exists (``after_cotangent``), instead of where remat's backward program starts,
 # which XLA's scheduler is free to hoist. Read at trace time.
 RELOAD_AFTER_COTANGENT = False
-
-# The op's output waits for the host copies of its offloaded residuals (:func:`fence`):
-# the device->host copies must finish before the next layer starts, so each
-# residual's device buffer dies with its layer. Without it, in an unrolled stack of
-# layers XLA's latency-hiding scheduler may finish a copy only just before its reload
-# in the backward pass, and the device buffer stays allocated until then (measured on
-# the H200: a Python loop of offloaded layers kept nearly all device copies). Read at
-# trace time; False is for A/B measurements.
-FENCE_HOST_COPIES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +93,6 @@ def tag(values: Sequence[jax.Array], name: str, *, rebuild: Rebuild | None = Non
                            rebuild=rebuild, jaxpr=None, out_avals=None, memory_kind=None)
 
 
-# The "copies written" token: an int32 scalar (remat rounds inexact residuals that the
-# forward also reads with reduce_precision; a token is neither).
-_TOKEN_AVAL = core.ShapedArray((), jax.numpy.int32)
-
-
 def _host_aval(aval):
     return aval.update(memory_space=core.MemorySpace.Host)
 
@@ -126,7 +105,7 @@ def _abstract_eval(*avals, name, num_values, mode, rebuild, jaxpr, out_avals, me
         return [a.update(memory_space=core.MemorySpace.Device) for a in avals[:num_values]]
     values = list(avals[:num_values])
     if mode == "offload":
-        return values + [_host_aval(a) for a in values] + [_TOKEN_AVAL]
+        return values + [_host_aval(a) for a in values]
     return values
 
 
@@ -172,13 +151,8 @@ def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, mem
         return mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *extra)
     values = list(args[:num_values])
     if mode == "offload":
-        token = mlir.ir_constant(np.int32(0))
-        if not annotate:
-            return values + values + [token]
-        host = [_annotate(v, memory_kind) for v in values]
-        # The token leaves a barrier with the copies: it exists once they are written.
-        *host, token = hlo.OptimizationBarrierOp([*host, token]).results
-        return values + list(host) + [token]
+        host = [_annotate(v, memory_kind) for v in values] if annotate else values
+        return values + host
     return values
 
 
@@ -221,9 +195,7 @@ def _batch(args, dims, *, num_values, **params):
         params = {**params, "rebuild": None}
     out = residual_p.bind(*args, num_values=num_values, **params)
     out_dims = list(dims[:num_values])
-    if params["mode"] == "offload":
-        return out, out_dims * 2 + [batching.not_mapped]
-    return out, out_dims
+    return out, out_dims * (2 if params["mode"] == "offload" else 1)
 
 
 batching.primitive_batchers[residual_p] = _batch
@@ -242,19 +214,14 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
     if any(unks_in) or params["mode"] != "value":  # not a forward value: stage it as is
         return None, eqn, [True] * n, [True] * n, _needs(inst_in, eqn.invars)
     case = pe.ensure_enum(saveable(name_p, eqn.outvars[0].aval, name=params["name"]))
-    for v in eqn.outvars:  # a fresh answer: forget the token of an earlier pass
-        _TOKENS.pop(id(v), None)
     if isinstance(case, pe.SaveableType):
         return eqn, None, [False] * n, [False] * n, []
     if isinstance(case, pe.Offloadable):
         host = [core.Var(_host_aval(v.aval)) for v in eqn.outvars]
-        token = core.Var(_TOKEN_AVAL)
         known = core.new_jaxpr_eqn(
-            eqn.invars, [*eqn.outvars, *host, token], residual_p,
+            eqn.invars, [*eqn.outvars, *host], residual_p,
             {**params, "mode": "offload", "memory_kind": case.dst}, eqn.effects, eqn.source_info,
         )  # fmt: skip
-        for v in eqn.outvars:
-            _remember_token(v, token)
         if RELOAD_AFTER_COTANGENT:  # stays on the host until after_cotangent
             reload = core.new_jaxpr_eqn(host, list(eqn.outvars), residual_p,
                                         {**params, "mode": "on_host", "rebuild": None}, frozenset(),
@@ -279,82 +246,6 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
 
 
 pe.partial_eval_jaxpr_custom_rules[residual_p] = _partial_eval_custom
-
-
-# Offloaded residual -> the token of its host copy, from this rule to :func:`fence`'s
-# rule in the same partial evaluation (the tag always comes first in program order).
-# Keyed by ``id`` (``core.Var`` takes no weak reference) with the variable kept for an
-# identity check; the fence takes its entries out, and the size is bounded for tags
-# whose fence never came (a tag used on its own).
-_TOKENS: dict[int, tuple[core.Var, core.Var]] = {}
-_MAX_REMEMBERED = 4096
-
-
-def _remember_token(value: core.Var, token: core.Var) -> None:
-    if len(_TOKENS) >= _MAX_REMEMBERED:
-        _TOKENS.clear()
-    _TOKENS[id(value)] = (value, token)
-
-
-def _token_of(value) -> core.Var | None:
-    entry = _TOKENS.pop(id(value), None)
-    return entry[1] if entry is not None and entry[0] is value else None
-
-
-def fence(out: jax.Array, residual_arrays: Sequence[jax.Array]) -> jax.Array:
-    """``out`` (the op's output), which under remat becomes usable only once the host
-    copies of those of ``residual_arrays`` (tagged arrays) that the policy offloads are
-    written. The identity otherwise, and without ``FENCE_HOST_COPIES``/``OWN_TRANSFERS``.
-
-    The copies still overlap the rest of the layer (they start as soon as each
-    residual exists); what the fence removes is the scheduler's freedom to finish a
-    copy, and so free its device buffer, only where the backward pass reloads it.
-    """
-    if not (FENCE_HOST_COPIES and OWN_TRANSFERS):
-        return out
-    return fence_p.bind(out, *residual_arrays, mode="value")
-
-
-fence_p.def_abstract_eval(lambda out, *rest, mode: out)
-fence_p.def_impl(lambda out, *rest, mode: out)
-mlir.register_lowering(fence_p, lambda ctx, out, *rest, mode: [out])
-
-
-def _fence_barrier_lowering(ctx, out, *rest, mode):
-    if mode == "value" or not rest:
-        return [out]
-    return [hlo.OptimizationBarrierOp([out, *rest]).results[0]]
-
-
-for _platform in _GPU_TPU:
-    mlir.register_lowering(fence_p, _fence_barrier_lowering, platform=_platform)
-
-
-def _fence_jvp(primals, tangents, *, mode):
-    return fence_p.bind(*primals, mode=mode), tangents[0]
-
-
-ad.primitive_jvps[fence_p] = _fence_jvp
-batching.primitive_batchers[fence_p] = lambda args, dims, *, mode: (fence_p.bind(*args, mode=mode), dims[0])
-
-
-def _fence_partial_eval_custom(saveable, unks_in, inst_in, eqn):
-    """remat's rule: the forward's output behind a barrier with the tokens of the host
-    copies of its residual inputs; the backward's copy (if anything there needs the output)
-    the plain identity."""
-    del saveable
-    out = eqn.invars[0]
-    if any(unks_in) or eqn.params["mode"] != "value":
-        return None, eqn, [True], [True], _needs(inst_in, eqn.invars)
-    tokens = list(dict.fromkeys(t for t in map(_token_of, eqn.invars[1:]) if t is not None))
-    known = core.new_jaxpr_eqn([out, *tokens], list(eqn.outvars), fence_p,
-                               {"mode": "barrier" if tokens else "value"}, frozenset(), eqn.source_info)
-    staged = core.new_jaxpr_eqn([out], list(eqn.outvars), fence_p, {"mode": "value"}, frozenset(),
-                                eqn.source_info)  # fmt: skip
-    return known, staged, [False], [True], _needs(inst_in[:1], [out])
-
-
-pe.partial_eval_jaxpr_custom_rules[fence_p] = _fence_partial_eval_custom
 
 
 def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:
