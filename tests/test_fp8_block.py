@@ -362,12 +362,19 @@ def test_flax_and_moe_block_accept_the_recipe(rng):
 @pytest.mark.gpu
 def test_recipe_on_the_gpu_is_the_reference(rng):
     """On the GPU, fp8_block's gradient calls none of the extension's kernels (it has
-    none yet) and gives the CPU's numbers up to float32 summation order."""
+    none yet), sits in the float64 bands, and agrees with the CPU's numbers within 3%:
+    XLA:GPU fuses and orders the float32 math before each quantization differently, so
+    an element near a rounding tie can land one E4M3 step (12.5%) away (H200, jax
+    0.11.2: 1.4% on one output; the general 1% was too tight)."""
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
     hlo = _run.lower(x, w1, w2, gs, probs, dy).compile().as_text()
     assert 'custom_call_target="jgm_' not in hlo
     got = jax.tree_util.tree_leaves(_run(x, w1, w2, gs, probs, dy))
     cpu = jax.devices("cpu")[0]
     want = jax.tree_util.tree_leaves(_run(*jax.device_put((x, w1, w2, gs, probs, dy), cpu)))  # committed: runs there
+    y, (dx, dw1, dw2, dp) = got
+    ry, (rdx, rdw1, rdw2, rdp) = mlp_f64(x, w1, w2, gs, probs, dy)
+    for k, a, b in zip(BANDS, (y, dx, dw1, dw2, dp), (ry, rdx, rdw1, rdw2, rdp)):
+        assert rel_err(a, b) < BANDS[k], k
     for a, b in zip(got, want):
-        assert rel_err(a, b) < 1e-2
+        assert rel_err(a, b) < 3e-2
