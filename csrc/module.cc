@@ -1,56 +1,56 @@
 // The extension module jax_grouped_mlp._kernels: exposes the FFI handlers as capsules.
 #include <pybind11/pybind11.h>
 
-#include "kernels.h"
+#include "jgm_variants.h"
 
 namespace py = pybind11;
 
 namespace {
 
-template <typename T>
-py::capsule Capsule(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
-                "not an XLA FFI handler");
+py::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
   return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+py::tuple Names(std::initializer_list<const char*> names) {
+  py::list out;
+  for (const char* name : names) out.append(name);
+  return py::tuple(out);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "AOT-compiled CuTe DSL kernels for jax_grouped_mlp, as XLA FFI handlers.";
-  m.def("registrations", [] {
-    py::dict d;
-    auto add = [&d](const char* target, auto* instantiate, auto* execute) {
-      py::dict handlers;
-      handlers["instantiate"] = Capsule(instantiate);
-      handlers["execute"] = Capsule(execute);
-      d[target] = handlers;
-    };
-    add("jgm_fake_quantize_mxfp8", JgmFakeQuantizeInstantiate, JgmFakeQuantize);
-    add("jgm_fake_quantize_pair", JgmFakeQuantizePairInstantiate, JgmFakeQuantizePair);
-    add("jgm_dequantize_mxfp8", JgmDequantizeInstantiate, JgmDequantize);
-    add("jgm_grouped_gemm", JgmGroupedGemmInstantiate, JgmGroupedGemm);
-    add("jgm_grouped_wgrad", JgmGroupedWgradInstantiate, JgmGroupedWgrad);
-    add("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1Instantiate, JgmGroupedGemmFc1);
-    add("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgradInstantiate, JgmGroupedGemmDgrad);
-    return d;
-  });
-  auto names = [](const char* const* list, int count) {
-    py::list out;
-    for (int i = 0; i < count; ++i) out.append(list[i]);
-    return py::tuple(out);
-  };
-  m.attr("FAKE_QUANTIZE_VARIANTS") =
-      names(jgm::kFakeQuantizeVariants, jgm::kNumFakeQuantizeVariants);
-  m.attr("DEQUANTIZE_VARIANTS") = names(jgm::kDequantizeVariants, jgm::kNumDequantizeVariants);
-  m.attr("FAKE_QUANTIZE_PAIR_VARIANTS") =
-      names(jgm::kFakeQuantizePairVariants, jgm::kNumFakeQuantizePairVariants);
-  m.attr("GROUPED_GEMM_VARIANTS") = names(jgm::kGroupedGemmVariants, jgm::kNumGroupedGemmVariants);
-  m.attr("GROUPED_WGRAD_VARIANTS") =
-      names(jgm::kGroupedWgradVariants, jgm::kNumGroupedWgradVariants);
-  m.attr("GROUPED_GEMM_FC1_VARIANTS") =
-      names(jgm::kGroupedGemmFc1Variants, jgm::kNumGroupedGemmFc1Variants);
-  m.attr("GROUPED_GEMM_DGRAD_VARIANTS") =
-      names(jgm::kGroupedGemmDgradVariants, jgm::kNumGroupedGemmDgradVariants);
+  m.def(
+      "registrations",
+      [](bool cuda_graphs) {
+        py::dict d;
+        auto add = [&](const char* target, auto* instantiate, auto* graph, auto* no_graph) {
+          py::dict handlers;
+          handlers["instantiate"] = Capsule(instantiate);
+          handlers["execute"] = Capsule(cuda_graphs ? graph : no_graph);
+          d[target] = handlers;
+        };
+#define JGM_ADD(target, Sym) add(target, Sym##Instantiate, Sym, Sym##NoGraph)
+        JGM_ADD("jgm_fake_quantize_mxfp8", JgmFakeQuantize);
+        JGM_ADD("jgm_fake_quantize_pair", JgmFakeQuantizePair);
+        JGM_ADD("jgm_dequantize_mxfp8", JgmDequantize);
+        JGM_ADD("jgm_grouped_gemm", JgmGroupedGemm);
+        JGM_ADD("jgm_grouped_wgrad", JgmGroupedWgrad);
+        JGM_ADD("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1);
+        JGM_ADD("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgrad);
+        return d;
+      },
+      py::arg("cuda_graphs") = true,
+      "Target name -> {stage: handler capsule}. cuda_graphs=False gives execute handlers "
+      "not marked command-buffer compatible (XLA then runs them outside CUDA graphs).");
+#define JGM_NAMES(list) m.attr(#list) = Names({JGM_##list(JGM_VARIANT_NAME)})
+  JGM_NAMES(FAKE_QUANTIZE_VARIANTS);
+  JGM_NAMES(DEQUANTIZE_VARIANTS);
+  JGM_NAMES(FAKE_QUANTIZE_PAIR_VARIANTS);
+  JGM_NAMES(GROUPED_GEMM_VARIANTS);
+  JGM_NAMES(GROUPED_WGRAD_VARIANTS);
+  JGM_NAMES(GROUPED_GEMM_FC1_VARIANTS);
+  JGM_NAMES(GROUPED_GEMM_DGRAD_VARIANTS);
   m.attr("ARCH") = "sm_90a";
 }

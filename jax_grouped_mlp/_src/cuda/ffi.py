@@ -6,8 +6,11 @@ it, the handlers are registered for the CUDA platform once, at first use, and th
 functions here emit ``jax.ffi.ffi_call`` custom calls. Those only lower for CUDA:
 put them behind ``jax.lax.platform_dependent`` (``primitives.register_cuda_impl``).
 
-Nothing is JIT-compiled at run time; the kernel modules are loaded once per
-process, in the handlers' instantiate stage, so the execute stage is CUDA-graph safe.
+Nothing is JIT-compiled at run time; the kernel modules are loaded (and their kernels
+loaded on every device in use) once per process, in the handlers' instantiate stage, so
+the execute stage only launches and its handlers are marked command-buffer compatible:
+XLA may capture them into CUDA graphs. ``JGM_CUDA_GRAPHS=0`` in the environment (read
+once, at registration) registers handlers without that mark instead.
 
 A CUDA implementation that cannot take a problem raises :class:`Unsupported` at trace
 time; the dispatcher (``primitives``) catches it and runs its fallback. Nothing here
@@ -17,6 +20,7 @@ calls back up into the dispatcher.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +47,19 @@ class Unsupported(NotImplementedError):
     """
 
 
+def cuda_graphs_enabled() -> bool:
+    """Whether the handlers are registered as CUDA-graph (command-buffer) compatible:
+    True unless the environment sets ``JGM_CUDA_GRAPHS=0`` (docs/troubleshooting.md)."""
+    return os.environ.get("JGM_CUDA_GRAPHS", "1").strip() != "0"
+
+
 @functools.cache
 def _load():
     try:
         from jax_grouped_mlp import _kernels
     except ImportError:
         return None
-    for name, handlers in _kernels.registrations().items():
+    for name, handlers in _kernels.registrations(cuda_graphs=cuda_graphs_enabled()).items():
         jax.ffi.register_ffi_target(name, handlers, platform="CUDA")
     return _kernels
 
