@@ -5,7 +5,9 @@ rounding. Bounds as in test_grouped_gemm_gpu.py. Beyond accuracy: every element 
 written (outputs poisoned with NaN, then with a huge value, must agree bitwise, which
 also shows the result is reproducible run to run), empty groups give exact zeros, and
 rows that are not the group's (the next group's, or past the groups) never contribute,
-even when they hold Inf.
+even when they hold Inf, and a group that ends anywhere inside a 64-row slice (the
+kernel multiplies only the slice's 16-row k-blocks that hold the group's rows) gives
+the exact result on exactly representable inputs.
 """
 
 from __future__ import annotations
@@ -129,6 +131,76 @@ def test_rows_outside_the_groups_never_leak(rng, variant):
     x = x.at[300:].set(jnp.inf)
     dy = dy.at[300:].set(-jnp.inf)
     _check(x, dy, [100, 37, 0, 163], variant)  # total 300: group ends mid-slice everywhere
+
+
+def _exact_operands(rng, group_sizes, m, k, n, past=np.inf):
+    """``x [M, K]``, ``dy [M, N]`` whose products and fp32 sums are exact: integers in
+    [-4, 4], times 2**12 in the rows of every second non-empty group (clamped sizes),
+    so a row of the next group that leaked into a group's sum would show as a large
+    error; rows past the groups hold ``past`` (x) and ``-past`` (dy)."""
+    clamped = _clamped(group_sizes, m)
+    ends = np.cumsum(clamped)
+    total = int(ends[-1]) if len(ends) else 0
+    rank = np.cumsum(clamped > 0)  # 1 + the group's place among the non-empty groups
+    group_of_row = np.searchsorted(ends, np.arange(total), side="right")
+    scale = np.ones((m, 1))
+    scale[:total, 0] = np.where(rank[group_of_row] % 2 == 0, 2.0**12, 1.0)
+    x = rng.integers(-4, 5, (m, k)) * scale
+    dy = rng.integers(-4, 5, (m, n)) * scale
+    x[total:], dy[total:] = past, -past
+    return x, dy
+
+
+def _check_exact(x: np.ndarray, dy: np.ndarray, group_sizes, variant: str) -> None:
+    """The kernel equals the float64 product of the groups' rows exactly (one rounding
+    to the output dtype, which is then exact too), whatever the output held before."""
+    out_dtype = gemm_ffi._wgrad_out_dtype(variant)
+    (m, k), n = x.shape, dy.shape[1]
+    clamped = _clamped(group_sizes, m)
+    starts = np.concatenate([[0], np.cumsum(clamped)[:-1]]).astype(np.int64)
+    want = np.stack([x[s:s + c].T @ dy[s:s + c] for s, c in zip(starts, clamped)])  # float64, exact
+    want = np.asarray(jnp.asarray(want, jnp.float32).astype(out_dtype).astype(jnp.float32))
+    xj, dyj = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    gs = jnp.asarray(np.asarray(group_sizes, np.int32))
+    for value in (0xFF, 0x7F):  # NaN, then a huge finite value, in every output element
+        _poison(len(clamped) * k * n * out_dtype.itemsize, value)
+        got = np.asarray(jax.block_until_ready(_kernel(xj, dyj, gs, variant=variant, out_dtype=out_dtype))
+                         .astype(jnp.float32))
+        bad = got != want
+        if bad.any():
+            i = tuple(int(v) for v in np.argwhere(bad)[0])
+            raise AssertionError(f"{bad.sum()} elements differ; first {i} (group {i[0]} of size "
+                                 f"{clamped[i[0]]}): got {got[i]}, want {want[i]} (variant {variant})")
+
+
+# Group ends at every row of a 64-row slice and on both sides of each 16-row wgmma
+# k-block boundary; empty groups in between; starts at every alignment.
+_EVERY_END = list(range(1, 66))
+_KBLOCK_EDGES = [15, 16, 17, 0, 31, 32, 33, 47, 48, 0, 0, 49, 63, 64, 65, 79, 80, 81, 127, 128, 129, 1, 191, 192, 193]
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "group_sizes,m",
+    [
+        (_EVERY_END, sum(_EVERY_END)),
+        (_EVERY_END[::-1], sum(_EVERY_END) + 77),  # Inf rows past the groups
+        (_KBLOCK_EDGES, sum(_KBLOCK_EDGES) + 5),
+        ([0, 17, 0, 0, 50, 33, 0, 1000, 40, 0], 150),  # sum past M: the 4th group is cut at M
+        ([37, 0, 77], 114),  # the last group ends exactly at M (M % 16 != 0: TMA's zeros past M)
+        ([37, 0, 77, 0, 0], 114),  # ... followed by empty groups
+        ([64, 128, 1, 0, 255], 448),  # ends exactly at M = 7 slices
+        ([3], 3),  # one group, fewer rows than one k-block
+    ],
+)
+def test_every_group_end_in_a_slice_is_exact(rng, variant, group_sizes, m):
+    """The last slice of every group: only its rows count (the next non-empty group's
+    values are 2**12 times larger or smaller, the rows past the groups Inf), equal to
+    the exact result (so also to the former kernel, which multiplied zeroed rows)."""
+    x, dy = _exact_operands(rng, group_sizes, m, 136, 200)
+    _check_exact(x, dy, group_sizes, variant)
 
 
 @pytest.mark.gpu
