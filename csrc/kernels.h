@@ -16,6 +16,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -218,6 +219,10 @@ cudaError_t Zero(cudaStream_t stream, const Buffers&... bufs) {
   return err;
 }
 
+// Kernel launches recorded into a CUDA graph (XLA's command buffers) so far: the
+// evidence tests read (_kernels.captured_launches()).
+inline std::atomic<int64_t> g_captured_launches{0};
+
 // One handler family: its compiled variants in `variant` attribute order, each module loaded
 // once per process, and the one launch path. A variant's `launch` passes the family's Args
 // to its cute_dsl_<name>_wrapper.
@@ -254,6 +259,9 @@ class Family {
   }
   ffi::Error Launch(int32_t variant, Args& args, cudaStream_t stream) {
     if (auto e = Load(variant); e.failure()) return e;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;  // legal while capturing
+    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusActive)
+      g_captured_launches.fetch_add(1, std::memory_order_relaxed);
     return Status(name_, static_cast<cudaError_t>(variants_[variant].launch(args, stream)));
   }
 

@@ -21,6 +21,8 @@ py::tuple Names(std::initializer_list<const char*> names) {
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "AOT-compiled CuTe DSL kernels for jax_grouped_mlp, as XLA FFI handlers.";
+  m.def("captured_launches", [] { return jgm::g_captured_launches.load(); },
+        "Kernel launches recorded into CUDA graphs (XLA command buffers) by this process.");
   m.def(
       "registrations",
       [](bool cuda_graphs) {

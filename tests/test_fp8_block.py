@@ -369,10 +369,11 @@ def test_recipe_on_the_gpu_is_the_reference(rng):
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
     hlo = _run.lower(x, w1, w2, gs, probs, dy).compile().as_text()
     assert 'custom_call_target="jgm_' not in hlo
-    got = jax.tree_util.tree_leaves(_run(x, w1, w2, gs, probs, dy))
+    out = _run(x, w1, w2, gs, probs, dy)
+    got = jax.tree_util.tree_leaves(out)
     cpu = jax.devices("cpu")[0]
     want = jax.tree_util.tree_leaves(_run(*jax.device_put((x, w1, w2, gs, probs, dy), cpu)))  # committed: runs there
-    y, (dx, dw1, dw2, dp) = got
+    y, (dx, dw1, dw2, dp) = out
     ry, (rdx, rdw1, rdw2, rdp) = mlp_f64(x, w1, w2, gs, probs, dy)
     for k, a, b in zip(BANDS, (y, dx, dw1, dw2, dp), (ry, rdx, rdw1, rdw2, rdp)):
         assert rel_err(a, b) < BANDS[k], k
