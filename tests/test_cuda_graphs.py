@@ -96,6 +96,14 @@ def test_execute_handlers_are_command_buffer_compatible_unless_asked_not_to():
         assert graphs[target]["instantiate"] is not None and _traits(graphs[target]["instantiate"]) == 0
 
 
+@pytest.mark.skipif(_extension() is None, reason="the CUDA extension is not built")
+def test_captured_launch_counter_is_zero_without_a_gpu_capture():
+    """The evidence counter the GPU test reads: present, an int, and 0 in a process that
+    captured nothing (here: the CPU, where no kernel launches)."""
+    count = _extension().captured_launches()
+    assert isinstance(count, int) and count == 0
+
+
 def test_env_var_turns_the_trait_off(monkeypatch):
     from jax_grouped_mlp._src.cuda import ffi
 
