@@ -19,6 +19,8 @@ SLOW = frozenset({
     "tests/test_bench_offload.py::test_inprocess_run_estimates_the_peak_from_the_serialized_assignment",
     "tests/test_bench_offload.py::test_layouts_layer_counts_and_bars_inprocess",
     "tests/test_bench_offload.py::test_tiny_run_end_to_end",
+    "tests/test_bench_offload.py::test_scan_and_loop_layouts_give_the_same_gradients",
+    "tests/test_moe_stats.py::test_flax_moe_block_sows_stats_and_shared_expert",
     "tests/test_flax.py::test_float32_params_get_float32_gradients",
     "tests/test_fp8_block.py::test_recipe_keeps_fp8_residuals_and_takes_the_reference",
     "tests/test_fp8_block.py::test_recipe_semantics_exact",
