@@ -148,17 +148,36 @@ class GroupedWgradSm90(GroupedGemmSm90):
         self.epi_barrier.arrive_and_wait()
 
     @cute.jit
-    def _mma_kblocks(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, stage, kblocks: Int32) -> None:
-        """Issues the first ``kblocks`` (1 .. tile_k / MMA_K) wgmma k-blocks of one pipeline
-        stage into ``acc`` and commits them (:meth:`_mma_stage` issues all of them)."""
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+    def _mma_first(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, stage, count: cutlass.Constexpr) -> None:
+        """Issues the first ``count`` (a Python int) wgmma k-blocks of one pipeline stage
+        into ``acc``, straight-line, and commits them (``count`` = all: :meth:`_mma_stage`)."""
+        for kb in cutlass.range_constexpr(count):
             c = (None, None, kb, stage)
-            if cutlass.const_expr(kb == 0):
-                cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
-            else:
-                if kb < kblocks:
-                    cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+            cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
         cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _mma_kblocks(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, stage, kblocks: Int32) -> None:
+        """Issues the first ``kblocks`` (1 .. tile_k / MMA_K = 4, uniform over the
+        consumers) wgmma k-blocks of one pipeline stage into ``acc`` and commits them.
+
+        One branch per count, each an unconditional run of wgmmas as in
+        :meth:`_mma_stage` (a branch between two wgmmas of a group makes ptxas fence and
+        commit every wgmma on its own, and ``kblocks = 4``, every slice at equal sizes,
+        must cost what a full stage costs). ``tiled_mma`` must be the caller's, the one
+        whose ``ACCUMULATE`` was set (see :meth:`WgradMainloop.tile`).
+        """
+        assert cute.size(tCrA, mode=[2]) == 4, "tile_k must be 4 wgmma k-blocks (64 rows)"
+        if kblocks == 4:
+            self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 4)
+        else:
+            if kblocks == 3:
+                self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 3)
+            else:
+                if kblocks == 2:
+                    self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 2)
+                else:
+                    self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 1)
 
     @cute.kernel
     def wgrad_kernel(
@@ -287,14 +306,14 @@ class WgradMainloop(Bf16Mainloop):
             cute.nvgpu.warpgroup.fence()
             mainloop.consumer_wait(read)
             if k_tiles == 1:
-                self._last_stage(read.index, last_valid, last_kblocks)
+                self._last_stage(tiled_mma, acc, tCrA, tCrB, read.index, last_valid, last_kblocks)
             else:
                 self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
             read.advance()
             for k in range(1, k_tiles):
                 mainloop.consumer_wait(read)
                 if k == k_tiles - 1:
-                    self._last_stage(read.index, last_valid, last_kblocks)
+                    self._last_stage(tiled_mma, acc, tCrA, tCrB, read.index, last_valid, last_kblocks)
                 else:
                     self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                 cute.nvgpu.warpgroup.wait_group(1)
@@ -307,11 +326,20 @@ class WgradMainloop(Bf16Mainloop):
         return read, release
 
     @cute.jit
-    def _last_stage(self, stage: Int32, last_valid: Int32, last_kblocks: Int32):
-        """The wgmmas of the tile's last slice (``last_valid`` group rows) in ``stage``."""
+    def _last_stage(self, tiled_mma, acc, tCrA, tCrB, stage: Int32, last_valid: Int32, last_kblocks: Int32):
+        """The wgmmas of the tile's last slice (``last_valid`` group rows) in ``stage``.
+
+        ``tiled_mma`` (and the fragments) must be :meth:`tile`'s locals, never
+        ``self.tiled_mma``: ``tiled_mma.set(ACCUMULATE, True)`` runs inside the dynamic
+        ``if k_tiles > 0`` region, on the object the DSL rebuilt there from the MLIR
+        values; ``self.tiled_mma`` still holds the kernel argument's state, whose
+        ``ACCUMULATE`` is a 1-byte kernel parameter, false from the host. With it
+        (commit 9edbd08) every wgmma of a last slice overwrote the accumulator: each
+        tile's result was the product of its last k-block alone.
+        """
         if last_valid % MMA_K != 0:
             self.kernel._zero_kblock_past(self.sA, self.sB, stage, last_valid, self.ctid)
-        self.kernel._mma_kblocks(self.tiled_mma, self.acc, self.tCrA, self.tCrB, stage, last_kblocks)
+        self.kernel._mma_kblocks(tiled_mma, acc, tCrA, tCrB, stage, last_kblocks)
 
     def setup(self, ctid):
         self.ctid = ctid
