@@ -20,10 +20,12 @@ zeros. The group cursor (start row of the tile's group) moves forward only: one
 ``group_sizes`` load per group passed (``tile_scheduler.GroupTileScheduler``).
 
 Ragged edges: a slice is loaded by TMA from the group's current row whatever the
-group's end (rows past M are zero-filled by TMA). Rows of the last slice that belong
-to the next group are zeroed in shared memory by the consumers before their wgmma
-(both operands, so garbage such as Inf in a neighbour's rows cannot leak through
-``0 * Inf``). Output tiles at the K and N edges are clipped by the TMA store.
+group's end (rows past M are zero-filled by TMA). Of a group's last slice only the
+16-row wgmma k-blocks that hold some of the group's rows are multiplied, and in the
+one partly filled k-block the rows that belong to the next group (or lie past M) are
+zeroed in shared memory by the consumers before their wgmma (both operands, so garbage
+such as Inf in a neighbour's rows cannot leak through ``0 * Inf``; at most 15 rows,
+16-byte stores). Output tiles at the K and N edges are clipped by the TMA store.
 
 Warp roles, pipeline and epilogue are those of :class:`GroupedGemmSm90` (producer warp,
 two consumer warp groups of 64 output rows each, TMA-store epilogue); the consumers run
@@ -46,6 +48,8 @@ from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
     EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import GroupTileScheduler, TraceTimeObject
+
+MMA_K = 16  # token rows per bf16 wgmma (a k-block): the granularity of the last slice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,26 +101,83 @@ class GroupedWgradSm90(GroupedGemmSm90):
         )
 
     @cute.jit
-    def _zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
-        """Zeroes token rows ``valid..tile_k-1`` of both operands in ``stage`` (consumer threads).
+    def _zero_rows(self, s: cute.Tensor, valid: Int32, ctid: Int32):
+        """Zeroes token rows ``valid..`` up to the next multiple of ``MMA_K`` (at most 15
+        rows, all inside the wgmma k-block that holds row ``valid``) of ``s``, one stage
+        ``(rows, tile_k)`` of an MN-major operand, with 16-byte stores (consumer thread
+        ``ctid`` of 256).
 
-        Generic-proxy stores, then a proxy fence and a barrier of both consumer warp
-        groups, so the following wgmma (async proxy) sees the zeros.
+        A 16-byte vector is 8 consecutive values of one token row: the 128-byte swizzle
+        permutes whole 16-byte chunks within a token's 128-byte line, so the vector stays
+        contiguous and aligned wherever the swizzle puts it. The k-block's 16 token rows
+        hold ``16 * rows / 8`` vectors; thread ``ctid`` takes every 256th (token row
+        outer, so a warp writes whole lines).
         """
-        per_row = self.tile_m + self.tile_n
-        total = (self.tile_k - valid) * per_row
-        zero = self.ab_dtype(0.0)
-        i = ctid
-        while i < total:
-            j = valid + i // per_row
-            r = i - (i // per_row) * per_row
-            if r < self.tile_m:
-                sA[(r, j, stage)] = zero
-            else:
-                sB[(r - self.tile_m, j, stage)] = zero
-            i = i + 128 * self.num_mma_warp_groups
+        chunks = cute.size(s, mode=[0]) // 8  # 16-byte vectors per token row
+        row0 = valid - valid % MMA_K  # the k-block's first token row
+        zero = cute.make_rmem_tensor((8, 1), self.ab_dtype)
+        zero.fill(0.0)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128)
+        vectors = MMA_K * chunks
+        for p in cutlass.range_constexpr((vectors + 255) // 256):
+            i = ctid + 256 * p
+            j = row0 + i // chunks
+            dst = cute.local_tile(s, (8, 1), (i % chunks, j))
+            if cutlass.const_expr(256 * (p + 1) <= vectors):
+                if j >= valid:
+                    cute.copy(atom, zero, dst)
+            else:  # a partial last pass (tile_n = 192)
+                if i < vectors:
+                    if j >= valid:
+                        cute.copy(atom, zero, dst)
+
+    @cute.jit
+    def _zero_kblock_past(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
+        """Zeroes the token rows past ``valid`` of the wgmma k-block that holds row
+        ``valid`` (``valid % MMA_K != 0``) in ``stage`` of both operands (consumer threads).
+
+        Both operands, so garbage in those rows (the next group's, which may hold Inf)
+        cannot leak through ``0 * Inf``; later k-blocks are never multiplied
+        (:meth:`WgradMainloop.tile`). Generic-proxy stores, then a proxy fence and a
+        barrier of both consumer warp groups (each reads all of B and its half of A), so
+        the following wgmma (async proxy) sees the zeros.
+        """
+        self._zero_rows(sA[(None, None, stage)], valid, ctid)
+        self._zero_rows(sB[(None, None, stage)], valid, ctid)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _mma_first(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, stage, count: cutlass.Constexpr) -> None:
+        """Issues the first ``count`` (a Python int) wgmma k-blocks of one pipeline stage
+        into ``acc``, straight-line, and commits them (``count`` = all: :meth:`_mma_stage`)."""
+        for kb in cutlass.range_constexpr(count):
+            c = (None, None, kb, stage)
+            cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _mma_kblocks(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, stage, kblocks: Int32) -> None:
+        """Issues the first ``kblocks`` (1 .. tile_k / MMA_K = 4, uniform over the
+        consumers) wgmma k-blocks of one pipeline stage into ``acc`` and commits them.
+
+        One branch per count, each an unconditional run of wgmmas as in
+        :meth:`_mma_stage` (a branch between two wgmmas of a group makes ptxas fence and
+        commit every wgmma on its own, and ``kblocks = 4``, every slice at equal sizes,
+        must cost what a full stage costs). ``tiled_mma`` must be the caller's, the one
+        whose ``ACCUMULATE`` was set (see :meth:`WgradMainloop.tile`).
+        """
+        assert cute.size(tCrA, mode=[2]) == 4, "tile_k must be 4 wgmma k-blocks (64 rows)"
+        if kblocks == 4:
+            self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 4)
+        else:
+            if kblocks == 3:
+                self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 3)
+            else:
+                if kblocks == 2:
+                    self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 2)
+                else:
+                    self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 1)
 
     @cute.kernel
     def wgrad_kernel(
@@ -218,33 +279,43 @@ class GroupLoads(TraceTimeObject):
 
 
 class WgradMainloop(Bf16Mainloop):
-    """The bf16 mainloop over the tile's group rows in ``tile_k`` slices, in order: the
-    last slice's rows past the group are zeroed in shared memory before its wgmmas
-    (:meth:`GroupedWgradSm90._zero_rows_past`); an empty group leaves a zero accumulator."""
+    """The bf16 mainloop over the tile's group rows in ``tile_k`` slices, in order; an
+    empty group leaves a zero accumulator.
+
+    The last slice may hold fewer of the group's rows (``last_valid``) than ``tile_k``;
+    TMA has filled the rest with the next group's rows (anything, Inf included) or, past
+    M, with zeros. Only its first ``cdiv(last_valid, MMA_K)`` wgmma k-blocks are issued,
+    and in the one partly valid k-block the rows past the group are zeroed in shared
+    memory first (:meth:`GroupedWgradSm90._zero_kblock_past`: at most 15 token rows,
+    16-byte stores). The result is that of multiplying zeroed rows (the former kernel):
+    the skipped products are exact zeros, and adding zeros to the fp32 accumulator
+    changes none of its bits (at most the sign of an exact zero sum, as ``-0 + 0``).
+    """
 
     @cute.jit
     def tile(self, sched: GroupTileScheduler, tile, read, release, work: GroupWork):
         tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
-        sA, sB, ctid, tile_k = self.sA, self.sB, self.ctid, self.kernel.tile_k
+        tile_k = self.kernel.tile_k
         size = tile[0].size
         k_tiles = (size + (tile_k - 1)) // tile_k
-        last_valid = size - (k_tiles - 1) * tile_k  # rows of the group in the last slice
+        last_valid = size - (k_tiles - 1) * tile_k  # rows of the group in the last slice (1..tile_k)
+        last_kblocks = (last_valid + (MMA_K - 1)) // MMA_K  # its wgmma k-blocks that hold any
         acc.fill(0.0)
         if k_tiles > 0:
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()
             mainloop.consumer_wait(read)
             if k_tiles == 1:
-                if last_valid < tile_k:
-                    self.kernel._zero_rows_past(sA, sB, read.index, last_valid, ctid)
-            self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                self._last_stage(tiled_mma, acc, tCrA, tCrB, read.index, last_valid, last_kblocks)
+            else:
+                self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
             read.advance()
             for k in range(1, k_tiles):
                 mainloop.consumer_wait(read)
                 if k == k_tiles - 1:
-                    if last_valid < tile_k:
-                        self.kernel._zero_rows_past(sA, sB, read.index, last_valid, ctid)
-                self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                    self._last_stage(tiled_mma, acc, tCrA, tCrB, read.index, last_valid, last_kblocks)
+                else:
+                    self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                 cute.nvgpu.warpgroup.wait_group(1)
                 mainloop.consumer_release(release)
                 release.advance()
@@ -253,6 +324,22 @@ class WgradMainloop(Bf16Mainloop):
             mainloop.consumer_release(release)
             release.advance()
         return read, release
+
+    @cute.jit
+    def _last_stage(self, tiled_mma, acc, tCrA, tCrB, stage: Int32, last_valid: Int32, last_kblocks: Int32):
+        """The wgmmas of the tile's last slice (``last_valid`` group rows) in ``stage``.
+
+        ``tiled_mma`` (and the fragments) must be :meth:`tile`'s locals, never
+        ``self.tiled_mma``: ``tiled_mma.set(ACCUMULATE, True)`` runs inside the dynamic
+        ``if k_tiles > 0`` region, on the object the DSL rebuilt there from the MLIR
+        values; ``self.tiled_mma`` still holds the kernel argument's state, whose
+        ``ACCUMULATE`` is a 1-byte kernel parameter, false from the host. With it
+        (commit 9edbd08) every wgmma of a last slice overwrote the accumulator: each
+        tile's result was the product of its last k-block alone.
+        """
+        if last_valid % MMA_K != 0:
+            self.kernel._zero_kblock_past(self.sA, self.sB, stage, last_valid, self.ctid)
+        self.kernel._mma_kblocks(tiled_mma, acc, tCrA, tCrB, stage, last_kblocks)
 
     def setup(self, ctid):
         self.ctid = ctid
