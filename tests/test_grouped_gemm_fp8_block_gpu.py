@@ -271,3 +271,26 @@ def test_nan_block_poisons_only_its_rows(rng):
     out = np.asarray(_kernel(lhs, rhs, jnp.asarray([100, 156], jnp.int32)).astype(jnp.float32))
     assert np.isnan(out[5]).all()
     assert np.isfinite(np.delete(out, 5, axis=0)).all()
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_small_for_sanitizer(rng):
+    """Small and quick: the case compute-sanitizer runs (tools/gpu_check_fp8_block.sh):
+    N, K off 128, a group ending mid-tile, the last group overshooting M, an empty group."""
+    lhs, rhs = operands(rng, 300, 136, 208, 4)
+    for variant in gemm_ffi.grouped_gemm_fp8_block_variants():
+        _check(lhs, rhs, [100, 0, 150, 200], variant)
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_handler_rejects_bad_buffers():
+    """The C++ handler's own checks (what the binding never lets through): a scale of the
+    wrong shape reaches the custom call only by hand, and fails with the argument named."""
+    lhs, rhs = operands(np.random.default_rng(0), 64, 128, 256, 2)
+    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET, jax.ShapeDtypeStruct((64, 128), jnp.bfloat16))
+    with pytest.raises(Exception, match="lhs_scale must be"):
+        jax.block_until_ready(
+            call(lhs.data, lhs.scale[:, :1], rhs.data, rhs.scale, jnp.asarray([32, 32], jnp.int32), variant=np.int32(0))
+        )
