@@ -87,6 +87,12 @@ class Check {
     return Fail(v % 8 ? std::string(what) + "=" + std::to_string(v) + " must be a multiple of 8"
                       : "");
   }
+  // `what` is a multiple of `d` (FP8 rows: TMA needs 16-byte strides, so K % 16 == 0).
+  Check& MultipleOf(const char* what, int64_t v, int64_t d) {
+    return Fail(v % d ? std::string(what) + "=" + std::to_string(v) + " must be a multiple of " +
+                            std::to_string(d)
+                      : "");
+  }
   // `arg` (untyped: FP8, or a type the variant decides) has element type `want`.
   Check& Type(const char* arg, ffi::DataType got, ffi::DataType want) {
     std::ostringstream m;
@@ -303,3 +309,4 @@ JGM_DECLARE_HANDLERS(JgmGroupedGemmDgrad);
 JGM_DECLARE_HANDLERS(JgmFakeQuantize);
 JGM_DECLARE_HANDLERS(JgmFakeQuantizePair);
 JGM_DECLARE_HANDLERS(JgmDequantize);
+JGM_DECLARE_HANDLERS(JgmGroupedGemmFp8Block);

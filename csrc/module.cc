@@ -41,6 +41,7 @@ PYBIND11_MODULE(_kernels, m) {
         JGM_ADD("jgm_grouped_wgrad", JgmGroupedWgrad);
         JGM_ADD("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1);
         JGM_ADD("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgrad);
+        JGM_ADD("jgm_grouped_gemm_fp8_block", JgmGroupedGemmFp8Block);
         return d;
       },
       py::arg("cuda_graphs") = true,
@@ -54,5 +55,6 @@ PYBIND11_MODULE(_kernels, m) {
   JGM_NAMES(GROUPED_WGRAD_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_FC1_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_DGRAD_VARIANTS);
+  JGM_NAMES(GROUPED_GEMM_FP8_BLOCK_VARIANTS);
   m.attr("ARCH") = "sm_90a";
 }

@@ -39,7 +39,7 @@ def test_every_called_target_is_registered():
     targets = (
         ffi.FAKE_QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_PAIR_TARGET, ffi.DEQUANTIZE_TARGET,
         gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET, gemm_ffi.GROUPED_GEMM_FC1_TARGET,
-        gemm_ffi.GROUPED_GEMM_DGRAD_TARGET,
+        gemm_ffi.GROUPED_GEMM_DGRAD_TARGET, gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET,
     )
     for target in targets:
         assert target in ffi.registered_targets(), target

@@ -36,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 BUILD = ROOT / "build"
 SOURCES = ["fake_quantize_mxfp8.cc", "dequantize_mxfp8.cc", "grouped_gemm.cc", "grouped_wgrad.cc",
-           "grouped_gemm_fc1.cc", "grouped_gemm_dgrad.cc", "module.cc"]
+           "grouped_gemm_fc1.cc", "grouped_gemm_dgrad.cc", "grouped_gemm_fp8_block.cc", "module.cc"]
 
 
 def _missing() -> list[str]:

@@ -99,6 +99,23 @@ def _grouped_gemm_args(b_k_major: bool = False):
             cutlass.Int32(132), make_fake_stream())
 
 
+def _grouped_gemm_fp8_block_args():
+    """Fake (lhs [M, K] e4m3, rhs (N, K, G) e4m3 K-contiguous (JAX's [G, N, K]), lhs_scale
+    [M, KB] uint8, rhs_scale [G, NB, KB] uint8, out [M, N] bf16, group_sizes, num_ctas, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    t = _fake
+
+    m, g, kb, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=16)
+    return (t(cutlass.Float8E4M3FN, (m, k), (1, 0)), t(cutlass.Float8E4M3FN, (n, k, g), (1, 0, 2)),
+            t(cutlass.Uint8, (m, kb), (1, 0), align=1), t(cutlass.Uint8, (g, nb, kb), (2, 1, 0), align=1),
+            t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
+            cutlass.Int32(132), make_fake_stream())
+
+
 def _grouped_gemm_fc1_args():
     """Fake (lhs [M, K], rhs (N, K, G) N-contiguous, h [M, N], a_row [M, N] bf16, a_col [M, N]
     uint8, a_scale [NB, N] uint8, probs [M] f32, group_sizes, num_ctas, stream)."""
@@ -170,6 +187,11 @@ def _kernel(v: registry.Variant):
 
             return cfg, GroupedGemmDgradSm90(cfg), _grouped_gemm_dgrad_args()
         return cfg, GroupedGemmSm90(cfg), _grouped_gemm_args(v.rhs_k_major)
+    if isinstance(v, registry.Fp8BlockGemmVariant):
+        from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_sm90 import Fp8BlockGemmConfig, GroupedGemmFp8BlockSm90
+
+        cfg = Fp8BlockGemmConfig(tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m)
+        return cfg, GroupedGemmFp8BlockSm90(cfg), _grouped_gemm_fp8_block_args()
     if isinstance(v, registry.QwGemmVariant):
         from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig, GroupedGemmQwSm90
 

@@ -49,6 +49,7 @@ class Family(enum.Enum):
     FAKE_QUANTIZE = ("jgm_fake_quantize_mxfp8", "FAKE_QUANTIZE_VARIANTS", ())
     FAKE_QUANTIZE_PAIR = ("jgm_fake_quantize_pair", "FAKE_QUANTIZE_PAIR_VARIANTS", ("col_type",))
     DEQUANTIZE = ("jgm_dequantize_mxfp8", "DEQUANTIZE_VARIANTS", ())
+    GROUPED_GEMM_FP8_BLOCK = ("jgm_grouped_gemm_fp8_block", "GROUPED_GEMM_FP8_BLOCK_VARIANTS", ())
 
     @property
     def target(self) -> str:
@@ -233,7 +234,39 @@ class DequantizeVariant:
         return f"dequantize_mxfp8_col_v{self.vec}_t{self.threads}"
 
 
-Variant = Union[GemmVariant, QwGemmVariant, WgradVariant, FakeQuantizeVariant, DequantizeVariant]
+@dataclasses.dataclass(frozen=True)
+class Fp8BlockGemmVariant:
+    """``GroupedGemmFp8BlockSm90`` (``kernels/grouped_gemm_fp8_block_sm90.py``,
+    ``jgm_grouped_gemm_fp8_block``): FP8 E4M3 ``lhs [M, K]`` (E8M0 scales per 1 x 128
+    block along K) times FP8 E4M3 ``rhs [G, N, K]`` (one E8M0 scale per 128 x 128 block),
+    FP8 wgmma promoted into float32 every 128 of K, bf16 output. 128-row tiles of
+    ``tile_n`` output columns, one 128-wide K block per pipeline stage. DRAFT: compiled,
+    not yet run on a GPU; not used by ``grouped_mlp``.
+    """
+
+    tile_n: int
+    stages: int
+    panel_m: int = 8
+
+    tile_m: ClassVar[int] = 128
+    tile_k: ClassVar[int] = 128
+    rhs_k_major: ClassVar[bool] = True
+    family: ClassVar[Family] = Family.GROUPED_GEMM_FP8_BLOCK
+
+    def __post_init__(self) -> None:
+        _check(self.tile_n == 128, self, "tile_n (one B scale block per tile: 128)")
+
+    @property
+    def tile_tokens(self) -> int:
+        return self.tile_m
+
+    @property
+    def name(self) -> str:
+        s = f"grouped_gemm_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.stages}"
+        return s + (f"_p{self.panel_m}" if self.panel_m != 8 else "")
+
+
+Variant = Union[GemmVariant, QwGemmVariant, WgradVariant, FakeQuantizeVariant, DequantizeVariant, Fp8BlockGemmVariant]
 
 
 def _check(ok: bool, variant, what: str) -> None:
@@ -277,6 +310,8 @@ VARIANTS: tuple[Variant, ...] = (
     FakeQuantizeVariant("rowcol"),
     FakeQuantizeVariant("row_colq"),
     DequantizeVariant(),
+    # jgm_grouped_gemm_fp8_block (draft: compiled, not yet GPU-tested)
+    Fp8BlockGemmVariant(tile_n=128, stages=6),
 )
 
 _BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}

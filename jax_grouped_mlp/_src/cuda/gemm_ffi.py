@@ -29,7 +29,7 @@ import numpy as np
 from jax_grouped_mlp._src.cuda import ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src import groups
-from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.formats import fp8_block, mxfp8
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 from jax_grouped_mlp._src.op import activation, heuristics
 from jax_grouped_mlp.kernels import registry
@@ -478,3 +478,103 @@ def dgrad_fused_cuda(dy_row, w2, group_sizes: jax.Array, h: jax.Array, probs: ja
     then composes the unfused primitives).
     """
     return grouped_gemm_dgrad_cuda(_as_bf16(dy_row), _as_bf16(w2), group_sizes, h, probs)
+
+
+# ---- the FP8 block-scaled GEMM (DRAFT: compiled, not yet GPU-tested; no dispatch uses it) ----
+
+GROUPED_GEMM_FP8_BLOCK_TARGET = "jgm_grouped_gemm_fp8_block"
+
+
+def grouped_gemm_fp8_block_variants() -> tuple[str, ...]:
+    """Names of the compiled FP8 block-scaled GEMMs (empty without the extension)."""
+    return ffi.variants("GROUPED_GEMM_FP8_BLOCK_VARIANTS")
+
+
+def _checked_fp8_block_operand(name: str, t, rank: int, axes: tuple[int, ...], layout: str) -> None:
+    """``t`` is a plain (not group-aware) :class:`FP8BlockTensor` of ``rank`` blocked over
+    ``axes`` with consistent fields, or a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, fp8_block.FP8BlockTensor):
+        raise TypeError(f"{name} must be an FP8BlockTensor ({layout}), got {name}={type(t).__name__}")
+    if t.is_grouped or jnp.ndim(t.data) != rank or tuple(t.axes) != axes:
+        raise ValueError(
+            f"{name} must be {layout}: rank {rank}, blocked over axes={axes}, not group-aware; got "
+            f"{name}.data.shape={jnp.shape(t.data)} {name}.axes={t.axes} grouped={t.is_grouped}"
+        )
+    try:
+        fp8_block._check_tensor(t)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
+
+
+def grouped_gemm_fp8_block(
+    lhs: fp8_block.FP8BlockTensor,
+    rhs: fp8_block.FP8BlockTensor,
+    group_sizes: jax.Array,
+    *,
+    variant: str | None = None,
+) -> jax.Array:
+    """``out[m] = lhs[m] @ rhs[g(m)]^T`` on FP8 block-scaled operands, bf16 ``[M, N]``
+    (``kernels/grouped_gemm_fp8_block_sm90.py``; CUDA only, not wired into ``grouped_mlp``).
+
+    Args:
+      lhs: ``quantize_fp8_block(x, axis=1)`` of ``x [M, K]``: E4M3 data, one E8M0 scale
+        per 1 x 128 block along K (scale ``[M, cdiv(K, 128)]``).
+      rhs: a weight stored K-major, ``[G, N, K]``, quantized over ``axis=(1, 2)`` (one scale
+        per 128 x 128 tile, scale ``[G, cdiv(N, 128), cdiv(K, 128)]``). Hopper's FP8 wgmma
+        reads both operands K-major: a ``[G, K, N]`` weight needs
+        :func:`fp8_block.transpose_tiles` first (exact, and the blocks are the same).
+      group_sizes: ``[G]`` integers on the device; clamped to ``M``; rows at or past
+        their (clamped) sum are zero.
+      variant: a name of :func:`grouped_gemm_fp8_block_variants` (default: the first).
+
+    Shape contract: static sizes, ``K % 16 == 0`` and ``N % 8 == 0`` (TMA's 16-byte row
+    strides), fewer than 2^31 elements per operand. K and N need not be multiples of 128:
+    the last block is partial, zero-padded by the kernel's loads exactly as the quantizer
+    pads it.
+
+    Numerics: each 128-wide K block is one FP8 wgmma reduction (exact products; Hopper's
+    internal FP8 accumulation), scaled by ``lhs_scale * rhs_scale`` in float32 and added
+    into a float32 accumulator; the result is rounded once to bf16.
+
+    Raises:
+      TypeError, ValueError: naming the argument (not an FP8BlockTensor, wrong layout or
+        blocking, contraction mismatch, K or N off the contract, too large).
+      RuntimeError: the extension is not built.
+    """
+    _checked_fp8_block_operand("lhs", lhs, 2, (1,), "[M, K] blocked along K (quantize_fp8_block(x, axis=1))")
+    _checked_fp8_block_operand(
+        "rhs", rhs, 3, (1, 2), "[G, N, K] in 128 x 128 tiles (quantize_fp8_block(w, axis=(1, 2)))"
+    )
+    m, k = lhs.data.shape
+    g, n, k2 = rhs.data.shape
+    if not all(isinstance(d, int) for d in (m, k, g, n, k2)):
+        raise ValueError(f"lhs and rhs must have static shapes, got {lhs.data.shape=} {rhs.data.shape=}")
+    if k != k2:
+        raise ValueError(
+            f"contraction mismatch: lhs.data.shape={lhs.data.shape} vs rhs.data.shape={rhs.data.shape} "
+            "(rhs is [G, N, K])"
+        )
+    if k % 16:
+        raise ValueError(f"lhs: K must be a multiple of 16 (16-byte FP8 rows), got K={k} (lhs.data.shape={lhs.data.shape})")
+    if n % 8:
+        raise ValueError(f"rhs: N must be a multiple of 8 (16-byte bf16 output rows), got N={n} (rhs.data.shape={rhs.data.shape})")
+    if m * k >= _MAX or m * n >= _MAX or g * n * k >= _MAX:
+        raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {m=} {n=} {k=} {g=}")
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
+    names = grouped_gemm_fp8_block_variants()
+    if variant is None:
+        variant = names[0] if names else None
+    if variant not in names:
+        raise ValueError(f"variant must be one of the compiled {names}, got {variant=}")
+
+    def e8m0(s):
+        return s if jnp.dtype(s.dtype) == jnp.dtype(jnp.float8_e8m0fnu) else jax.lax.bitcast_convert_type(
+            s, jnp.float8_e8m0fnu
+        )
+
+    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    return jax.ffi.ffi_call(GROUPED_GEMM_FP8_BLOCK_TARGET, out)(
+        lhs.data, e8m0(lhs.scale), rhs.data, e8m0(rhs.scale), group_sizes, variant=np.int32(names.index(variant))
+    )

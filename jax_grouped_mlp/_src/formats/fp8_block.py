@@ -234,6 +234,25 @@ def _check_tensor(t: FP8BlockTensor) -> None:
         )
 
 
+def transpose_tiles(t: FP8BlockTensor) -> FP8BlockTensor:
+    """The tensor of the transpose over ``t``'s two blocked axes (a weight ``[G, A, B]`` in
+    128 x 128 tiles -> ``[G, B, A]``): data and scale transposed, nothing re-rounded.
+
+    Exact, and equal to quantizing the transposed input (the tiles are square, so their
+    elements, amax and scale are the same). This is how a GEMM that needs the other
+    operand major mode (Hopper's FP8 wgmma reads both operands K-major) gets its copy.
+
+    Raises:
+      ValueError: ``t`` is not blocked over exactly two axes.
+    """
+    if not isinstance(t, FP8BlockTensor):
+        raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}")
+    if len(t.axes) != 2 or t.is_grouped:
+        raise ValueError(f"t must be blocked in 128 x 128 tiles over two axes, got t.axes={t.axes}")
+    i, j = t.axes
+    return FP8BlockTensor(data=jnp.swapaxes(t.data, i, j), scale=jnp.swapaxes(t.scale, i, j), axes=t.axes)
+
+
 def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     """Back to ``dtype``, a float dtype: ``data * 2**(scale - 127)`` per block (exact in
     bfloat16 and float32 except below float32's normal range; rows of a group-aware
