@@ -109,9 +109,9 @@ def test_backend_info_paths_with_faked_gpus(monkeypatch, fake_gpus):
         assert "not built" in info.reason
     from jax_grouped_mlp._src.op.recipes import Recipe
 
-    assert set(info.recipes) == {r.value for r in Recipe} and info.recipes["fp8_block"] == backend.REFERENCE
-    assert info.recipes["mxfp8"] == (backend.KERNEL if ffi.available() else backend.REFERENCE)
-    assert "recipe 'fp8_block': pure JAX" in str(info)
+    assert set(info.recipes) == {r.value for r in Recipe}
+    for recipe in ("mxfp8", "bf16", "fp8_block"):
+        assert info.recipes[recipe] == (backend.KERNEL if ffi.available() else backend.REFERENCE)
     fake_gpus("8.0")
     info = jgm.backend_info()
     assert set(info.paths.values()) == {backend.REFERENCE}
@@ -138,3 +138,27 @@ def test_backend_info_on_the_h200():
     args = _inputs(np.random.default_rng(0))
     hlo = jax.jit(_grad_fn).lower(*args).compile().as_text()
     assert 'custom_call_target="' + JGM_TARGET in hlo
+
+
+@pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
+def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
+    """recipe="fp8_block" lowered for CUDA: the forward GEMMs and the data gradients are
+    the FP8 block-scaled kernel (4 calls), the weight gradients the wgrad kernel (2); a
+    hidden size off the FP8 kernel's contract (K % 16) sends the GEMMs that reduce over
+    it to the bf16 kernel instead, on the dequantized operands."""
+    from jax_grouped_mlp._src.cuda import gemm_ffi
+
+    def grad_fn(x, w1, w2, gs, p):
+        loss = lambda x, w1, w2: jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p, recipe="fp8_block").astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+
+    fake_gpus("9.0")
+    text = _cuda_text(grad_fn, *_inputs(rng))
+    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4, text.count(gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET)
+    assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_TARGET}(') == 2
+    assert f'@{gemm_ffi.GROUPED_GEMM_TARGET}(' not in text
+
+    # H = 72: FC1 (K = H) and FC2's dgrad (K = H) fall back to the bf16 kernel.
+    text = _cuda_text(grad_fn, *_inputs(rng, h=72))
+    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 2
+    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_TARGET}(') == 2

@@ -225,6 +225,8 @@ def grouped_gemm_qw_cuda(
 def _as_bf16(x) -> jax.Array:
     if isinstance(x, MXFP8Tensor):
         return ffi.dequantize_cuda(x)  # exact; a kernel for the kept group-aware residuals
+    if isinstance(x, fp8_block.FP8BlockTensor):
+        return fp8_block.dequantize_fp8_block(x, jnp.bfloat16)  # exact (E4M3 x 2^e fits bf16)
     return x
 
 
@@ -237,13 +239,39 @@ def _checked_bf16_out(out_dtype) -> None:
 def grouped_gemm_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False) -> jax.Array:
     """``primitives`` "grouped_gemm" on CUDA (same signature as the reference).
 
-    Takes MXFP8 (dequantized first, exactly) or bf16 operands.
-    :class:`Unsupported` (trace time) when the output is not bf16, an operand is neither
-    MXFP8 nor bf16, or the shape is outside :func:`grouped_gemm_supported`.
+    Takes MXFP8 (dequantized first, exactly), bf16, or ``fp8_block`` operands. An
+    ``fp8_block`` pair in the recipe's layouts (``lhs`` 1 x 128 blocks along K, ``rhs``
+    a weight in 128 x 128 tiles) runs the FP8 block-scaled kernel
+    (:func:`_fp8_block_pair`); any other ``fp8_block`` operand is dequantized (exact)
+    for the bf16 kernel. :class:`Unsupported` (trace time) when the output is not bf16,
+    an operand is none of these, or the shape is outside :func:`grouped_gemm_supported`.
     """
-    a = _as_bf16(lhs)
     _checked_bf16_out(out_dtype)
-    return grouped_gemm_bf16_cuda(a, _as_bf16(rhs), group_sizes, transpose_rhs=transpose_rhs)
+    pair = _fp8_block_pair(lhs, rhs, transpose_rhs)
+    if pair is not None:
+        return grouped_gemm_fp8_block(*pair, group_sizes)
+    return grouped_gemm_bf16_cuda(_as_bf16(lhs), _as_bf16(rhs), group_sizes, transpose_rhs=transpose_rhs)
+
+
+def _fp8_block_pair(lhs, rhs, transpose_rhs: bool):
+    """``(lhs, rhs [G, N, K])`` for :func:`grouped_gemm_fp8_block` when ``lhs @ rhs`` (or
+    ``rhs^T`` with ``transpose_rhs``) can run on it, else None.
+
+    The kernel reads the weight K-major: a dgrad (``transpose_rhs``) reads the stored
+    ``[G, N, K]`` weight as is; a forward GEMM's ``[G, K, N]`` weight gets its exact
+    transposed copy (:func:`fp8_block.transpose_tiles`, one FP8 pass over the weight).
+    """
+    fp8 = fp8_block.FP8BlockTensor
+    if not (isinstance(lhs, fp8) and isinstance(rhs, fp8) and grouped_gemm_fp8_block_variants()):
+        return None
+    if lhs.is_grouped or tuple(lhs.axes) != (1,) or rhs.is_grouped or tuple(rhs.axes) != (1, 2):
+        return None
+    rhs_nk = rhs if transpose_rhs else fp8_block.transpose_tiles(rhs)
+    m, k = lhs.data.shape
+    _, n, k2 = rhs_nk.data.shape
+    if k != k2 or k % 16 or n % 8 or m * k >= _MAX or m * n >= _MAX or rhs_nk.data.size >= _MAX:
+        return None
+    return lhs, rhs_nk
 
 
 def grouped_gemm_qw_impl(lhs, w: jax.Array, group_sizes: jax.Array, *, out_dtype, transpose_rhs: bool = False):

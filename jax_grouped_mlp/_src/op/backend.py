@@ -30,8 +30,9 @@ class BackendInfo:
       reason: why the pure-JAX path runs, when it does for every primitive.
       recipes: for each recipe of :func:`jax_grouped_mlp.grouped_mlp`, what its GEMMs
         run on the default device: ``"cuda kernel"`` or ``"pure JAX"``.
-        ``"fp8_block"`` is always ``"pure JAX"``: it has no kernels yet (its FP8
-        operands are sent to the reference on every platform).
+        ``"fp8_block"`` runs its forward GEMMs and data gradients on the FP8
+        block-scaled kernel and its weight gradients on the bf16 kernel (on the exactly
+        dequantized operands); its quantizers are pure JAX.
     """
 
     extension: bool
@@ -78,5 +79,5 @@ def backend_info() -> BackendInfo:
         reason = "the extension provides no kernel for these primitives"
     gemm = paths.get("grouped_gemm", REFERENCE)
     # (Recipe values, not imported: the recipes module imports the primitives too.)
-    recipes = {"mxfp8": gemm, "bf16": gemm, "fp8_block": REFERENCE}
+    recipes = {"mxfp8": gemm, "bf16": gemm, "fp8_block": gemm}
     return BackendInfo(ext, devices.KERNEL_ARCH if ext else None, platform, cuda, paths, reason, recipes)

@@ -227,9 +227,13 @@ def grouped_mlp(
       probs: ``[M]`` or ``[M, 1]`` routing weights, or None for all ones.
       recipe: ``"mxfp8"`` (both GEMMs in MXFP8, forward and backward), ``"bf16"``, or
         ``"fp8_block"`` (FP8 E4M3 with power-of-two scales per 128-block: 1 x 128 for
-        activations, 128 x 128 for weights; docs/design.md). ``"fp8_block"`` runs the
-        pure-JAX path on every platform, GPUs included, until its Hopper kernels exist:
-        the GEMMs multiply the dequantized values with float32 accumulation.
+        activations, 128 x 128 for weights; docs/design.md). On CUDA,
+        ``"fp8_block"``'s four data GEMMs run on the FP8 block-scaled kernel (FP8 wgmma,
+        promoted into float32 every 128 of K) when K % 16 == 0 and N % 8 == 0, its
+        weight gradients on the bf16 kernel over the exactly dequantized operands; its
+        quantizers and the activation are separate pure-JAX passes (no fused epilogues
+        yet). Elsewhere the GEMMs multiply the dequantized values with float32
+        accumulation.
       fuse_fc1_epilogue: with ``"mxfp8"`` on CUDA, FC1's kernel also writes ``a``'s
         two MXFP8 copies (FC2's operand and the "fc2_input" residual), so no separate
         pass reads ``h`` again. Same numbers either way, and no effect on what the

@@ -74,8 +74,7 @@ def cuda_impl(name: OpName) -> Callable | None:
 
 def _dispatch(name: OpName, *args, **static):
     ref = _REFERENCE[name]
-    if name not in _CUDA_IMPLS or _has_fp8_block(args):
-        # (No kernel takes FP8BlockTensor operands yet: the reference on every platform.)
+    if name not in _CUDA_IMPLS or (_has_fp8_block(args) and name not in _FP8_BLOCK_CUDA):
         return ref(*args, **static)
     kw = tuple(sorted(static.items()))
     return jax.lax.platform_dependent(
@@ -83,6 +82,12 @@ def _dispatch(name: OpName, *args, **static):
         cuda=lambda *a: _cuda_branch(name, kw, *a),
         default=lambda *a: ref(*a, **static),
     )
+
+
+# The primitives whose CUDA implementation takes FP8BlockTensor operands (the FP8
+# block-scaled GEMM, or the bf16 kernels on the exactly dequantized values); the others
+# run their reference on such operands on every platform.
+_FP8_BLOCK_CUDA = frozenset({"grouped_gemm", "grouped_wgrad"})
 
 
 def _has_fp8_block(args) -> bool:

@@ -17,10 +17,11 @@ the bytes.
 ``fp8_block`` (DeepSeek-V3-style FP8 with 128-blocks, :mod:`formats.fp8_block`)
 prepares every operand as an FP8 :class:`FP8BlockTensor` (1 x 128 blocks along K for
 activations, 128 x 128 tiles for weights, group-aware 128-row blocks for the
-weight-gradient operands): the form the Hopper FP8 wgmma kernels will read. Until
-they exist, the GEMM primitives run their pure-JAX reference on such operands on every
-platform (the CUDA path included): the GEMMs multiply the dequantized values with
-float32 accumulation throughout (the kernels will promote every 128 of K).
+weight-gradient operands): the form the Hopper FP8 wgmma kernel reads. On CUDA the
+forward GEMMs and data gradients run on it (promotion into float32 every 128 of K) and
+the weight gradients on the bf16 kernel over the exactly dequantized operands
+(``gemm_ffi.grouped_gemm_cuda``, ``grouped_wgrad_cuda``); elsewhere the GEMM primitives
+multiply the dequantized values with float32 accumulation.
 """
 
 from __future__ import annotations
