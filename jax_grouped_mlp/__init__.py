@@ -3,6 +3,8 @@
 Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 
 * :func:`grouped_mlp` - the op; :func:`offload_policy` - where its residuals live;
+  :func:`prepare_weights` / :class:`PreparedWeights` - its weights cast and quantized
+  once for many micro-batches;
 * :func:`quantize_mxfp8`, :func:`quantize_mxfp8_grouped`, :func:`dequantize`,
   :class:`MXFP8Tensor` - the MXFP8 format;
 * :func:`quantize_fp8_block`, :func:`dequantize_fp8_block`, :class:`FP8BlockTensor` -
@@ -39,6 +41,7 @@ from jax_grouped_mlp._src.formats.mxfp8 import (
     quantize_mxfp8_grouped,
 )
 from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
+from jax_grouped_mlp._src.op.prepared import PreparedWeights, prepare_weights
 from jax_grouped_mlp._src.offload.placement import residual_placements
 from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
 from jax_grouped_mlp._src.offload.policy import offload_policy
@@ -55,6 +58,7 @@ __all__ = [
     "MXFP8Tensor",
     "OffloadPlan",
     "Permutation",
+    "PreparedWeights",
     "RESIDUAL_NAMES",
     "RouterStats",
     "RoutingConfig",
@@ -71,6 +75,7 @@ __all__ = [
     "offload_policy",
     "permute",
     "plan_offload",
+    "prepare_weights",
     "quantize_fp8_block",
     "quantize_mxfp8",
     "quantize_mxfp8_grouped",

@@ -44,6 +44,7 @@ from jax_grouped_mlp._src.op import heuristics, primitives, residuals
 from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
 from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
 from jax_grouped_mlp._src.op.primitives import QUANTIZED, Operand
+from jax_grouped_mlp._src.op.prepared import PreparedWeights, check_prepared
 from jax_grouped_mlp._src.op.recipes import Recipe
 from jax_grouped_mlp._src.op.heuristics import KernelChoices
 from jax_grouped_mlp._src.op.validation import as_array, check_mlp_args
@@ -69,26 +70,39 @@ def _fc2_input_rebuild(recipe: Recipe) -> residuals.Rebuild:
 
 
 def _weight_gemm(
-    lhs, w, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype, *, transpose_rhs: bool = False
+    lhs, w, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype, *, transpose_rhs: bool = False,
+    ready: Operand | None = None,
 ):
     """``lhs @ w[g]`` (``transpose_rhs``: ``@ w[g]^T``) with ``w`` prepared by ``recipe``,
-    blocked along the GEMM's K (inside the GEMM kernel: ``heuristics.weights_in_gemm``)."""
+    blocked along the GEMM's K (inside the GEMM kernel: ``heuristics.weights_in_gemm``),
+    or with ``ready``, that operand already prepared (:mod:`prepared`)."""
+    if ready is not None:
+        return primitives.grouped_gemm(lhs, ready, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
     if heuristics.weights_in_gemm(choices, recipe, lhs.shape[0], w.shape[0]):
         return primitives.grouped_gemm_qw(lhs, w, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
     wq = recipe.weight(w, 2 if transpose_rhs else 1)
     return primitives.grouped_gemm(lhs, wq, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
 
 
-def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe, choices: KernelChoices):
+def _weight(recipe: Recipe, w, reduce_axis: int, ready: Operand | None) -> Operand:
+    """``recipe.weight(w, reduce_axis)``, or ``ready`` when the weights come prepared."""
+    return recipe.weight(w, reduce_axis) if ready is None else ready
+
+
+def _ready(prepared: PreparedWeights | None, field: str) -> Operand | None:
+    return None if prepared is None else getattr(prepared, field)
+
+
+def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe, choices: KernelChoices, ready=None):
     """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
-    h = _weight_gemm(x_row, w1, group_sizes, recipe, choices, jnp.bfloat16)
+    h = _weight_gemm(x_row, w1, group_sizes, recipe, choices, jnp.bfloat16, ready=ready)
     h = _tag(h, ACTIVATION_INPUT)
     a = srelu_scaled(h, probs)
     return h, a
 
 
-def _fc2(a_row, w2, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype):
-    return _weight_gemm(a_row, w2, group_sizes, recipe, choices, out_dtype)
+def _fc2(a_row, w2, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype, ready=None):
+    return _weight_gemm(a_row, w2, group_sizes, recipe, choices, out_dtype, ready=ready)
 
 
 def _compute_weight(w: jax.Array) -> jax.Array:
@@ -102,16 +116,28 @@ def _compute_weight(w: jax.Array) -> jax.Array:
     return w.astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _mlp(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool, choices: KernelChoices):
-    w1, w2 = _compute_weight(w1), _compute_weight(w2)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _mlp(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool, choices: KernelChoices):
+    # (prepared: PreparedWeights or None. The paths stay those the heuristics pick
+    # without it, every weight GEMM reading its prepared operand instead: the same bits.)
+    w1, w2 = _weights_for_gemms(w1, w2, prepared)
     x = _exact(x)  # as the forward rule quantizes it: the same bits with and without grad
     if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
-        _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), recipe.weight(w1, 1), group_sizes, probs)
+        w1q = _weight(recipe, w1, 1, _ready(prepared, "w1_fprop"))
+        _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), w1q, group_sizes, probs)
     else:
-        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe, choices)
+        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe, choices, _ready(prepared, "w1_fprop"))
         a_row = recipe.row(a, 1)
-    return _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype)
+    return _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _ready(prepared, "w2_fprop"))
+
+
+def _weights_for_gemms(w1, w2, prepared):
+    """The weights as the op's own preparation reads them (bf16), or, when they come
+    prepared, zero-size stand-ins of the right leading dimension (never read: every
+    weight operand then comes from ``prepared``, and no bf16 copy is made or kept)."""
+    if prepared is None:
+        return _compute_weight(w1), _compute_weight(w2)
+    return (jnp.zeros((w1.shape[0], 0, 0), jnp.bfloat16), jnp.zeros((w2.shape[0], 0, 0), jnp.bfloat16))
 
 
 def _exact(x: jax.Array) -> jax.Array:
@@ -123,24 +149,27 @@ def _exact(x: jax.Array) -> jax.Array:
     return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
-def _mlp_fwd(x, w1, w2, group_sizes, probs, recipe: Recipe, fuse: bool, choices: KernelChoices):
+def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool, choices: KernelChoices):
     # The residuals keep the bf16 weights the GEMMs read (the very arrays for bf16
-    # weights; one bf16 copy for float32 ones) and the weights' own dtypes, as zero-size
+    # weights; one bf16 copy for float32 ones; with prepared weights, the prepared
+    # copies the data gradients read instead) and the weights' own dtypes, as zero-size
     # arrays (custom_vjp residuals must be arrays), for the gradients' dtype.
     w_dtypes = (jnp.zeros((0,), w1.dtype), jnp.zeros((0,), w2.dtype))
-    w1, w2 = _compute_weight(w1), _compute_weight(w2)
+    w1, w2 = _weights_for_gemms(w1, w2, prepared)
     x_row, x_col = recipe.row_and_col(_exact(x), group_sizes, keep_col=True)
     if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
         # One kernel: h and both MXFP8 copies of a. a_col's tag rebuilds it from the
         # tagged h when it is recomputed, so this kernel is never rerun for it.
-        h, a_row, a_col = primitives.fc1_fused(x_row, recipe.weight(w1, 1), group_sizes, probs)
+        w1q = _weight(recipe, w1, 1, _ready(prepared, "w1_fprop"))
+        h, a_row, a_col = primitives.fc1_fused(x_row, w1q, group_sizes, probs)
         h = _tag(h, ACTIVATION_INPUT)
     else:
-        h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices)
+        h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices, _ready(prepared, "w1_fprop"))
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
-    y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype)
+    y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _ready(prepared, "w2_fprop"))
     a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes))
-    return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, group_sizes, probs, w_dtypes)
+    dgrad_weights = None if prepared is None else (prepared.w1_dgrad, prepared.w2_dgrad)
+    return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, dgrad_weights, group_sizes, probs, w_dtypes)
 
 
 def _leaves(op: Operand) -> list:
@@ -154,16 +183,18 @@ def _with_leaves(op: Operand, leaves) -> Operand:
 
 
 def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
-    x_col, h, a_col, w1, w2, group_sizes, probs, (w1_dtype, w2_dtype) = res
+    x_col, h, a_col, w1, w2, dgrad_weights, group_sizes, probs, (w1_dtype, w2_dtype) = res
+    w1_ready, w2_ready = (None, None) if dgrad_weights is None else dgrad_weights
     # (residuals.RELOAD_AFTER_COTANGENT: h and fc2_input come back once dy exists.)
     (h, *a_leaves), dy = residuals.after_cotangent([h, *_leaves(a_col)], dy)
     a_col = _with_leaves(a_col, a_leaves)
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
     if heuristics.fuse_dgrad(choices, recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
-        dh_row, dh_col, dprobs = primitives.dgrad_fused(dy_row, recipe.weight(w2, 2), group_sizes, h, probs)
+        w2q = _weight(recipe, w2, 2, w2_ready)
+        dh_row, dh_col, dprobs = primitives.dgrad_fused(dy_row, w2q, group_sizes, h, probs)
     else:
-        da = _weight_gemm(dy_row, w2, group_sizes, recipe, choices, jnp.bfloat16, transpose_rhs=True)
+        da = _weight_gemm(dy_row, w2, group_sizes, recipe, choices, jnp.bfloat16, transpose_rhs=True, ready=w2_ready)
         dh, dprobs = srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=False)
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
@@ -175,7 +206,7 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
         dh_row = dataclasses.replace(dh_row, data=dh_data)
     else:
         w1, dh_row = _after(choices, w1, dh_row)
-    dx = _weight_gemm(dh_row, w1, group_sizes, recipe, choices, dy.dtype, transpose_rhs=True)
+    dx = _weight_gemm(dh_row, w1, group_sizes, recipe, choices, dy.dtype, transpose_rhs=True, ready=w1_ready)
     # (fc1_input, needed last, once dh's columns exist.)
     x_leaves, dh_col = residuals.after_cotangent(_leaves(x_col), dh_col)
     x_col = _with_leaves(x_col, x_leaves)
@@ -187,7 +218,7 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     # fc2_input, dy's and dh's columns) stay live across the other layers' backward
     # passes (measured on the H200: docs/notes/2026-11-30-performance-history.md, "The backward's order").
     dx, dw1, dw2 = _after(choices, dx, dw1, dw2)
-    return dx, dw1, dw2, None, dprobs.astype(probs.dtype)
+    return dx, dw1, dw2, None, dprobs.astype(probs.dtype), None
 
 
 def _after(choices: KernelChoices, *values):
@@ -208,6 +239,7 @@ def grouped_mlp(
     *,
     recipe: str = "mxfp8",
     fuse_fc1_epilogue: bool = True,
+    prepared: PreparedWeights | None = None,
 ) -> jax.Array:
     """The squared-ReLU expert MLP over tokens sorted by expert, as one differentiable op.
 
@@ -243,6 +275,11 @@ def grouped_mlp(
         ``heuristics.KernelChoices.qw_max_rows_per_group``): then the GEMM kernels
         quantize the weights themselves and FC1 always runs unfused.
 
+      prepared: ``prepare_weights(w1, w2, recipe=recipe)`` made once for many calls with
+        these same weights (gradient accumulation over micro-batches): the op then
+        reads those copies instead of casting and quantizing the weights itself, with
+        the same results bit for bit. Gradients still flow to ``w1`` and ``w2``.
+
     Returns:
       ``[M, H]`` in ``x.dtype``. Rows at or past ``sum(group_sizes)`` are zero, and
       so are their gradients. Differentiable in ``x``, ``w1``, ``w2`` and ``probs``;
@@ -262,7 +299,8 @@ def grouped_mlp(
     dgrad use the pure-JAX GEMM (float32 output). Cast ``x`` to bfloat16 for speed.
     """
     return grouped_mlp_with(
-        heuristics.DEFAULT, x, w1, w2, group_sizes, probs, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue
+        heuristics.DEFAULT, x, w1, w2, group_sizes, probs, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue,
+        prepared=prepared,
     )
 
 
@@ -276,6 +314,7 @@ def grouped_mlp_with(
     *,
     recipe: str = "mxfp8",
     fuse_fc1_epilogue: bool = True,
+    prepared: PreparedWeights | None = None,
 ) -> jax.Array:
     """:func:`grouped_mlp` with explicit kernel choices (private: for tests and benchmarks
     that compare the op's paths). The same numbers whatever ``choices`` says."""
@@ -291,6 +330,8 @@ def grouped_mlp_with(
     check_mlp_args(x, w1, w2, group_sizes, probs)
     if not isinstance(fuse_fc1_epilogue, bool):
         raise TypeError(f"fuse_fc1_epilogue must be a bool, got {fuse_fc1_epilogue!r}")
+    if prepared is not None:
+        check_prepared(prepared, recipe_, w1, w2)
     m = x.shape[0]
     if probs is None:
         p = jnp.ones((m,), jnp.float32)
@@ -298,4 +339,4 @@ def grouped_mlp_with(
         p = probs.reshape(m).astype(jnp.float32)
     # Clamped once here (sums cut at M, no int32 overflow): every kernel and reference
     # below sees sizes that sum to at most M.
-    return _mlp(x, w1, w2, groups.clamp_group_sizes(group_sizes, m), p, recipe_, fuse_fc1_epilogue, choices)
+    return _mlp(x, w1, w2, groups.clamp_group_sizes(group_sizes, m), p, prepared, recipe_, fuse_fc1_epilogue, choices)

@@ -1,0 +1,98 @@
+"""Expert weights prepared once for many micro-batches (gradient accumulation).
+
+Every call of the op prepares ``w1`` and ``w2`` for its GEMMs: rounded to bf16 (float32
+master weights), and for ``mxfp8`` fake-quantized twice each (blocked along K for the
+forward GEMM, along N for the data gradient), for ``fp8_block`` quantized into 128 x 128
+tiles. With gradient accumulation the weights do not change between micro-batches, so
+that work (at the Nemotron-3-Nano shape, reading 2.5 GB of weights per step) can be done
+once per optimizer step: :func:`prepare_weights` returns the prepared copies, and
+``grouped_mlp(..., prepared=...)`` reads them instead of preparing its own. The copies
+carry no gradient (they are ``stop_gradient``-ed); the weight gradients still flow to
+``w1`` and ``w2`` themselves, in their dtypes, so pass the same weights to both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_grouped_mlp._src.op.primitives import Operand
+from jax_grouped_mlp._src.op.recipes import Recipe
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PreparedWeights:
+    """``w1`` and ``w2`` as one recipe's GEMMs read them (a pytree; build it with
+    :func:`prepare_weights`).
+
+    Attributes:
+      w1_fprop, w1_dgrad: ``w1 [G, H, F]`` for FC1 (blocked along H) and for the FC1
+        data gradient (blocked along F). The same object when the recipe blocks both
+        uses alike (``bf16``, ``fp8_block``).
+      w2_fprop, w2_dgrad: the same for ``w2 [G, F, H]``.
+      recipe: the recipe they were prepared for (static).
+      w1_shape, w2_shape: the weights' shapes (static; checked against the op's weights).
+
+    Memory: ``mxfp8`` keeps four bf16 copies (twice the bf16 weights), ``bf16`` one bf16
+    copy of each weight (none extra for bf16 weights), ``fp8_block`` one FP8 copy of each
+    plus its tile scales (half the bf16 bytes).
+    """
+
+    w1_fprop: Operand
+    w1_dgrad: Operand
+    w2_fprop: Operand
+    w2_dgrad: Operand
+    recipe: str = dataclasses.field(metadata=dict(static=True))
+    w1_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    w2_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> PreparedWeights:
+    """``w1 [G, H, F]`` and ``w2 [G, F, H]`` prepared for ``recipe``'s GEMMs, once.
+
+    Pass the result to every micro-batch's ``grouped_mlp(x, w1, w2, ..., recipe=recipe,
+    prepared=p)`` with the same ``w1`` and ``w2``: the op then neither casts nor quantizes
+    the weights, and its results are bitwise those without ``prepared``. Call it inside
+    the differentiated function but outside the loop over micro-batches (see
+    docs/design.md, "Weights prepared once per step"); the copies carry no gradient.
+
+    Raises:
+      TypeError, ValueError: naming the argument, for a bad recipe, rank, shape or dtype.
+    """
+    recipe_ = Recipe.parse(recipe)
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(w).__name__}")
+        if w.ndim != 3:
+            raise ValueError(f"{name} must be rank 3 ([G, H, F] / [G, F, H]), got {name}.shape={w.shape}")
+        if w.dtype not in (jnp.bfloat16, jnp.float32):
+            raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={w.dtype}")
+    g, h, f = w1.shape
+    if w2.shape != (g, f, h):
+        raise ValueError(f"w2 must be [G, F, H]={(g, f, h)} to match w1.shape={w1.shape}, got w2.shape={w2.shape}")
+    # No gradient through the copies: the op sends the weight gradients to w1 and w2.
+    b1, b2 = jax.lax.stop_gradient(w1).astype(jnp.bfloat16), jax.lax.stop_gradient(w2).astype(jnp.bfloat16)
+    if recipe_ is Recipe.MXFP8:
+        ops = (recipe_.weight(b1, 1), recipe_.weight(b1, 2), recipe_.weight(b2, 1), recipe_.weight(b2, 2))
+    else:  # one copy serves both uses
+        q1, q2 = recipe_.weight(b1, 1), recipe_.weight(b2, 1)
+        ops = (q1, q1, q2, q2)
+    return PreparedWeights(*ops, recipe=recipe_.value, w1_shape=tuple(w1.shape), w2_shape=tuple(w2.shape))
+
+
+def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Array) -> None:
+    """``prepared`` fits the op's call, or a TypeError/ValueError naming it (trace time).
+
+    Only the recipe and shapes can be checked: that the copies come from these very
+    weights is the caller's promise (``prepare_weights`` on the step's weights)."""
+    if not isinstance(prepared, PreparedWeights):
+        raise TypeError(f"prepared must be a PreparedWeights from jax_grouped_mlp.prepare_weights or None, "
+                        f"got prepared={type(prepared).__name__}")
+    if prepared.recipe != recipe.value:
+        raise ValueError(f"prepared was made for recipe={prepared.recipe!r}, but the op runs recipe={recipe.value!r}")
+    if prepared.w1_shape != tuple(w1.shape) or prepared.w2_shape != tuple(w2.shape):
+        raise ValueError(f"prepared was made for w1.shape={prepared.w1_shape}, w2.shape={prepared.w2_shape}; "
+                         f"got w1.shape={tuple(w1.shape)}, w2.shape={tuple(w2.shape)}")

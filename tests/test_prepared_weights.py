@@ -1,0 +1,119 @@
+"""Weights prepared once for many micro-batches (``prepare_weights`` and
+``grouped_mlp(..., prepared=)``): bitwise the op without them, forward and all four
+gradients, in every recipe and both kernel paths, with bf16 and float32 master weights;
+no weight preparation left inside a scan over micro-batches; clear errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.op import mlp
+from jax_grouped_mlp._src.op.heuristics import KernelChoices
+from test_mlp import SIZES, make_inputs
+
+
+
+def _grads(choices, recipe, use_prepared, x, w1, w2, gs, probs, dy):
+    def run(x, w1, w2, probs):
+        def f(x, w1, w2, probs):
+            pw = jgm.prepare_weights(w1, w2, recipe=recipe) if use_prepared else None
+            return mlp.grouped_mlp_with(choices, x, w1, w2, gs, probs, recipe=recipe, prepared=pw)
+
+        y, vjp = jax.vjp(f, x, w1, w2, probs)
+        return y, vjp(dy)
+
+    return jax.tree.leaves(jax.jit(run)(x, w1, w2, probs))
+
+
+def _same_bits(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# in_gemm (the weight-quantizing GEMMs for small groups) matters to mxfp8 only.
+CASES = [("mxfp8", True, "bfloat16"), ("mxfp8", True, "float32"), ("mxfp8", False, "float32"),
+         ("bf16", True, "float32"), ("fp8_block", True, "bfloat16"), ("fp8_block", True, "float32")]
+
+
+@pytest.mark.parametrize("recipe,in_gemm,master", CASES)
+def test_prepared_weights_change_no_bit(rng, recipe, in_gemm, master):
+    x, w1, w2, gs, probs, dy = make_inputs(rng, m=128, h=64, f=96, g=4, sizes=SIZES["zeros_and_skew"])
+    w1, w2 = w1.astype(master), w2.astype(master)
+    if master == "float32":  # weights that bf16 would round
+        w1 = w1 + jnp.asarray(rng.standard_normal(w1.shape) * 1e-3, jnp.float32)
+        w2 = w2 + jnp.asarray(rng.standard_normal(w2.shape) * 1e-3, jnp.float32)
+    choices = KernelChoices(quantize_weights_in_gemm=in_gemm)
+    want = _grads(choices, recipe, False, x, w1, w2, gs, probs, dy)
+    got = _grads(choices, recipe, True, x, w1, w2, gs, probs, dy)
+    _same_bits(got, want)
+    assert got[2].dtype == jnp.dtype(master) and got[3].dtype == jnp.dtype(master)  # dw1, dw2 in the masters' dtype
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_block"])
+def test_gradient_accumulation_prepares_once(rng, recipe, monkeypatch):
+    """A scan over 3 micro-batches with the weights prepared before it (float32 masters):
+    the same gradients as the op preparing them in every micro-batch, and while the
+    gradient is traced the weights are prepared only by ``prepare_weights`` (no
+    ``Recipe.weight`` call and no weight-quantizing GEMM inside the op)."""
+    from jax_grouped_mlp._src.op import primitives
+    from jax_grouped_mlp._src.op.recipes import Recipe
+
+    mbs, m, h, f, g = 3, 64, 64, 96, 4
+    xs = jnp.asarray(rng.standard_normal((mbs, m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) / 8, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / 8, jnp.float32)
+    gs = jnp.asarray([20, 0, 30, 14], jnp.int32)
+
+    def loss(w1, w2, once: bool):
+        pw = jgm.prepare_weights(w1, w2, recipe=recipe) if once else None
+
+        def body(acc, x):
+            y = jgm.grouped_mlp(x, w1, w2, gs, recipe=recipe, prepared=pw)
+            return acc + jnp.sum(y.astype(jnp.float32) ** 2), None
+
+        return jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)[0]
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    want = grad(w1, w2, False)
+    calls = []
+    weight, qw = Recipe.weight, primitives.grouped_gemm_qw
+    monkeypatch.setattr(Recipe, "weight", lambda self, *a: calls.append("weight") or weight(self, *a))
+    monkeypatch.setattr(primitives, "grouped_gemm_qw", lambda *a, **k: calls.append("qw") or qw(*a, **k))
+    got = grad(w1, w2, True)
+    assert calls == ["weight"] * (4 if recipe == "mxfp8" else 2), calls
+    _same_bits(jax.tree.leaves(got), jax.tree.leaves(want))
+
+
+def test_bad_prepared_arguments_are_named(rng):
+    x, w1, w2, gs, probs, _ = make_inputs(rng, m=64, h=64, f=96, g=4)
+    pw = jgm.prepare_weights(w1, w2, recipe="mxfp8")
+    with pytest.raises(TypeError, match="prepared must be a PreparedWeights"):
+        jgm.grouped_mlp(x, w1, w2, gs, probs, prepared=(w1, w2))
+    with pytest.raises(ValueError, match="recipe='mxfp8'.*recipe='bf16'"):
+        jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="bf16", prepared=pw)
+    other = jgm.prepare_weights(w1[:2], w2[:2])
+    with pytest.raises(ValueError, match="prepared was made for w1.shape"):
+        jgm.grouped_mlp(x, w1, w2, gs, probs, prepared=other)
+    with pytest.raises(ValueError, match="w2 must be"):
+        jgm.prepare_weights(w1, w1)
+    with pytest.raises(TypeError, match="w1 must be bfloat16 or float32"):
+        jgm.prepare_weights(w1.astype(jnp.int32), w2)
+    with pytest.raises(ValueError, match="recipe"):
+        jgm.prepare_weights(w1, w2, recipe="fp4")
+
+
+def test_prepared_weights_are_a_pytree_without_gradient(rng):
+    _, w1, w2, _, _, _ = make_inputs(rng, m=64, h=64, f=96, g=4)
+    pw = jgm.prepare_weights(w1, w2, recipe="fp8_block")
+    leaves, tree = jax.tree.flatten(pw)
+    assert jax.tree.unflatten(tree, leaves).recipe == "fp8_block"
+    assert pw.w1_fprop is pw.w1_dgrad  # one FP8 copy serves both uses
+    g = jax.grad(lambda w: jnp.sum(jgm.dequantize_fp8_block(jgm.prepare_weights(w, w2, recipe="fp8_block").w1_fprop,
+                                                            jnp.float32)))(w1)
+    assert not np.any(np.asarray(g, np.float32))  # stop_gradient: the gradient goes through the op's w1
