@@ -408,3 +408,27 @@ def test_planner_residual_bytes_match_the_sharded_program(single_device_results,
     with pytest.raises(ValueError, match="divisible"):
         jgm.plan_offload(tokens=local_pairs, hidden=H, ffn=F, num_experts=6, num_layers=1, budget_bytes=1e9,
                          host_bandwidth=50e9, layer_time=1e-3, parallel=parallel)
+
+
+@pytest.mark.parametrize("exchange", ["auto", "all_gather"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_block"])
+def test_prepared_weights_under_expert_parallelism(single_device_results, recipe, exchange):
+    """``moe_block(..., prepared=prepare_weights(w1, w2))`` on a 2 x 2 mesh: the
+    prepared copies are split over the expert axis like the weights, and the value and
+    every gradient are bitwise those of the same sharded block preparing its own."""
+    inputs, _ = single_device_results
+    x, router, w1, w2, dy, bias = inputs
+    parallel = ExpertParallel(mesh_of(2, 2), "expert", ("data",), exchange=exchange)
+
+    def run(use_prepared: bool):
+        def loss(x, router, w1, w2):
+            pw = jgm.prepare_weights(w1, w2, recipe=recipe) if use_prepared else None
+            y = moe_block(x, router, w1, w2, routing=RoutingConfig(2), score_bias=bias, recipe=recipe,
+                          parallel=parallel, prepared=pw)
+            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+        return jax.tree.leaves(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, router, w1, w2))
+
+    got, want = run(True), run(False)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

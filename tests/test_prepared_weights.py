@@ -117,3 +117,36 @@ def test_prepared_weights_are_a_pytree_without_gradient(rng):
     g = jax.grad(lambda w: jnp.sum(jgm.dequantize_fp8_block(jgm.prepare_weights(w, w2, recipe="fp8_block").w1_fprop,
                                                             jnp.float32)))(w1)
     assert not np.any(np.asarray(g, np.float32))  # stop_gradient: the gradient goes through the op's w1
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_block"])
+def test_moe_block_and_flax_modules_take_prepared_weights(rng, recipe):
+    """moe_block(prepared=) on one device, GroupedMLP.prepare() and MoEBlock.prepare():
+    bitwise the same outputs and parameter gradients as without. (Expert parallelism:
+    tests/moe_sharded_cases.py.)"""
+    from flax import nnx
+
+    import jax_grouped_mlp.flax as jgf
+
+    x = jnp.asarray(rng.standard_normal((48, 64)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((64, 4)) / 8, jnp.float32)
+    _, w1, w2, gs, _, _ = make_inputs(rng, m=48, h=64, f=96, g=4)
+    routing = jgm.RoutingConfig(top_k=2)
+
+    def block(w1, w2, use):
+        pw = jgm.prepare_weights(w1, w2, recipe=recipe) if use else None
+        y = jgm.moe_block(x, router, w1, w2, routing=routing, recipe=recipe, prepared=pw)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    grads = [jax.jit(jax.value_and_grad(block, argnums=(0, 1)), static_argnums=2)(w1, w2, u) for u in (True, False)]
+    _same_bits(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]))
+
+    mlp_mod = jgf.GroupedMLP(4, 64, 96, recipe=recipe, rngs=nnx.Rngs(0))
+    moe_mod = jgf.MoEBlock(4, 64, 96, routing=routing, recipe=recipe, rngs=nnx.Rngs(1))
+    for module, call in ((mlp_mod, lambda m, p: m(x, gs, None, prepared=p)), (moe_mod, lambda m, p: m(x, prepared=p))):
+        def loss(m, use):
+            y = call(m, m.prepare() if use else None)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        outs = [nnx.jit(nnx.value_and_grad(loss), static_argnums=1)(module, u) for u in (True, False)]
+        _same_bits(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]))

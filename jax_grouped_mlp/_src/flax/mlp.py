@@ -25,6 +25,7 @@ from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.op.prepared import PreparedWeights, prepare_weights
 from jax_grouped_mlp._src.op.recipes import Recipe
 
 # He-style fan-in init per expert: the expert axis (0) is a batch axis, the
@@ -152,8 +153,15 @@ class GroupedMLP(nnx.Module):
             kernel_init(rngs.params(), (num_experts, ffn, hidden), self.param_dtype), (e_, f_, h_), mesh
         )
 
+    def prepare(self) -> PreparedWeights:
+        """The weights cast and quantized for this module's recipe, once: pass the result
+        as ``prepared`` to every micro-batch's call within one optimizer step
+        (:func:`jax_grouped_mlp.prepare_weights`)."""
+        return prepare_weights(self.w1[...], self.w2[...], recipe=self.recipe)
+
     def __call__(
-        self, x: jax.Array, group_sizes: jax.Array, probs: jax.Array | None = None
+        self, x: jax.Array, group_sizes: jax.Array, probs: jax.Array | None = None,
+        prepared: PreparedWeights | None = None,
     ) -> jax.Array:
         return grouped_mlp(
             jnp.asarray(x).astype(self.dtype),
@@ -165,4 +173,5 @@ class GroupedMLP(nnx.Module):
             probs,
             recipe=self.recipe,
             fuse_fc1_epilogue=self.fuse_fc1_epilogue,
+            prepared=prepared,
         )

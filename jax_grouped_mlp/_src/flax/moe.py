@@ -12,6 +12,7 @@ from flax.core import spmd as flax_spmd
 from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.flax.mlp import AxisNames, GroupedMLP, default_kernel_init, sharded_param
 from jax_grouped_mlp._src.moe.block import ExpertParallel, moe_block
+from jax_grouped_mlp._src.op.prepared import PreparedWeights
 from jax_grouped_mlp._src.op.recipes import Recipe
 from jax_grouped_mlp._src.moe.router_stats import update_score_bias
 from jax_grouped_mlp._src.moe.routing import RoutingConfig
@@ -158,7 +159,12 @@ class MoEBlock(nnx.Module):
                                (f_, h_), mesh)
         self.shared_w1, self.shared_w2 = nnx.data(w1), nnx.data(w2)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def prepare(self) -> PreparedWeights:
+        """The routed experts' weights cast and quantized once (``GroupedMLP.prepare``):
+        pass the result as ``prepared`` to every micro-batch's call within one step."""
+        return self.experts.prepare()
+
+    def __call__(self, x: jax.Array, prepared: PreparedWeights | None = None) -> jax.Array:
         out = moe_block(
             jnp.asarray(x).astype(self.dtype),
             self.router[...],
@@ -174,6 +180,7 @@ class MoEBlock(nnx.Module):
             shared_w1=None if self.shared_w1 is None else self.shared_w1[...],
             shared_w2=None if self.shared_w2 is None else self.shared_w2[...],
             return_stats=self.sow_stats,
+            prepared=prepared,
         )
         if not self.sow_stats:
             return out

@@ -34,6 +34,8 @@ from jax_grouped_mlp._src.moe import router_stats
 from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp._src.moe.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
 from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.op.prepared import PreparedWeights, check_prepared
+from jax_grouped_mlp._src.op.recipes import Recipe
 from jax_grouped_mlp._src.moe.router_stats import RouterStats
 from jax_grouped_mlp._src.moe.routing import RoutingConfig
 
@@ -120,6 +122,7 @@ def moe_block(
     shared_w2: jax.Array | None = None,
     return_stats: bool = False,
     return_router_probs: bool = False,
+    prepared: PreparedWeights | None = None,
 ) -> jax.Array | tuple[jax.Array, RouterStats]:
     """A mixture-of-experts layer of squared-ReLU experts; drop-free unless a capacity is set.
 
@@ -143,6 +146,10 @@ def moe_block(
       return_stats: also return :class:`RouterStats` (expert load, load-balancing
         and z losses, dropped pairs); the losses are differentiable.
       return_router_probs: with ``return_stats``, fill ``RouterStats.router_probs``.
+      prepared: ``prepare_weights(w1, w2, recipe=recipe)`` of these same expert weights,
+        made once for many micro-batches (``grouped_mlp``'s ``prepared``; the shared
+        expert still prepares its own). Under expert parallelism it is split over the
+        expert axis like the weights.
 
     Returns:
       ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)`` (plus the shared
@@ -162,13 +169,15 @@ def moe_block(
     x2 = x.reshape(-1, x.shape[-1])
     if score_bias is not None:
         score_bias = jax.lax.stop_gradient(score_bias)
+    if prepared is not None:
+        check_prepared(prepared, Recipe.parse(recipe), w1, w2)
     opts = _Options(
         routing=routing, recipe=recipe, fuse=fuse_fc1_epilogue, stats=return_stats, router_probs=return_router_probs
     )
     if parallel is None:
-        y, sums, probs = _moe_local(x2, router_kernel, score_bias, w1, w2, shared, opts)
+        y, sums, probs = _moe_local(x2, router_kernel, score_bias, w1, w2, prepared, shared, opts)
     else:
-        y, sums, probs = _moe_sharded(x2, router_kernel, score_bias, w1, w2, shared, opts, parallel)
+        y, sums, probs = _moe_sharded(x2, router_kernel, score_bias, w1, w2, prepared, shared, opts, parallel)
     y = y.reshape(*lead_shape, x.shape[-1])
     if not return_stats:
         return y
@@ -263,13 +272,13 @@ def _shared_expert(x, shared, num_valid, opts):
     return y.astype(jnp.float32)
 
 
-def _moe_local(x, router_kernel, score_bias, w1, w2, shared, opts: _Options):
+def _moe_local(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _Options):
     """One device: ``(y, StatSums or None, router probs or None)``."""
     e = w1.shape[0]
     logits = _router_logits(x, router_kernel)
     expert_ids, weights = routing_lib.route(logits, opts.routing, score_bias)
     xs, ps, group_sizes, perm = routing_lib.permute(x, expert_ids, weights, e)
-    ys = grouped_mlp(xs, w1, w2, group_sizes, ps, recipe=opts.recipe, fuse_fc1_epilogue=opts.fuse)
+    ys = grouped_mlp(xs, w1, w2, group_sizes, ps, recipe=opts.recipe, fuse_fc1_epilogue=opts.fuse, prepared=prepared)
     y = routing_lib.combine_f32(ys, perm)
     if shared is not None:
         y = y + _shared_expert(x, shared, None, opts)
@@ -281,7 +290,7 @@ def _moe_local(x, router_kernel, score_bias, w1, w2, shared, opts: _Options):
     return y, sums, probs if opts.router_probs else None
 
 
-def _moe_sharded(x, router_kernel, score_bias, w1, w2, shared, opts: _Options, parallel: ExpertParallel):
+def _moe_sharded(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _Options, parallel: ExpertParallel):
     """Expert parallel: ``(y, StatSums or None, router probs or None)``, as ``_moe_local``."""
     mesh, token_axes = parallel.mesh, parallel.token_axes
     t = x.shape[0]
@@ -301,9 +310,10 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, shared, opts: _Options, p
     tok, exp = P(token_axes, None), P(parallel.expert_axis, None, None)
     if score_bias is None:
         score_bias = jnp.zeros((router_kernel.shape[1],), jnp.float32)  # selection-neutral
-    args = (x, router_kernel, score_bias, w1, w2, *(shared or ()))
-    specs = (tok, P(None, None), P(None), exp, exp, *((P(None, None),) * len(shared or ())))
-    args = tuple(_reshard(a, mesh, s) for a, s in zip(args, specs))
+    # prepared: a pytree (or None) whose leaves all have the experts on axis 0.
+    args = (x, router_kernel, score_bias, w1, w2, prepared, *(shared or ()))
+    specs = (tok, P(None, None), P(None), exp, exp, exp, *((P(None, None),) * len(shared or ())))
+    args = tuple(jax.tree.map(lambda leaf, s=s: _reshard(leaf, mesh, s), a) for a, s in zip(args, specs))
     # Stats leave as one row of partial sums per token shard (summed below, outside the
     # shard_map: an ordinary reduction, so the losses' gradients need no psum transpose).
     out_specs = (tok, P(token_axes), tok if opts.router_probs else None) if opts.stats else tok
@@ -340,7 +350,7 @@ class _ExpertParallelBody:
     exchange: Exchange
     capacity_factor: float | None
 
-    def __call__(self, x, router_kernel, score_bias, w1, w2, *shared):
+    def __call__(self, x, router_kernel, score_bias, w1, w2, prepared, *shared):
         k = self.opts.routing.top_k
         ep = jax.lax.axis_size(self.axis)
         t_local = x.shape[0]
@@ -360,7 +370,7 @@ class _ExpertParallelBody:
 
         # 2.-4. Pairs to their experts' devices, the experts, results back, per-token sums.
         exchange = self._all_gather if self.exchange is Exchange.ALL_GATHER else self._all_to_all
-        y, load, dropped = exchange(x, expert_ids, weights, w1, w2, rows)
+        y, load, dropped = exchange(x, expert_ids, weights, w1, w2, prepared, rows)
         if shared:
             y = y + _shared_expert(x, shared, num_valid, self.opts)
         y = y.astype(x.dtype)
@@ -371,12 +381,13 @@ class _ExpertParallelBody:
         sums = jax.tree.map(lambda a: a[None], sums)  # one row per token shard
         return y, sums, probs if self.opts.router_probs else None
 
-    def _experts(self, x_rows, w1, w2, group_sizes, probs):
+    def _experts(self, x_rows, w1, w2, prepared, group_sizes, probs):
         return grouped_mlp(
-            x_rows, w1, w2, group_sizes, probs, recipe=self.opts.recipe, fuse_fc1_epilogue=self.opts.fuse
+            x_rows, w1, w2, group_sizes, probs, recipe=self.opts.recipe, fuse_fc1_epilogue=self.opts.fuse,
+            prepared=prepared,
         )
 
-    def _all_to_all(self, x, expert_ids, weights, w1, w2, rows):
+    def _all_to_all(self, x, expert_ids, weights, w1, w2, prepared, rows):
         """Ragged (or dense) all-to-all: each device receives only the pairs of its experts.
 
         Returns ``(y [t_local, H] float32, expert load [E], dropped pairs)``.
@@ -420,7 +431,7 @@ class _ExpertParallelBody:
         run = jnp.searchsorted(run_ends, jnp.arange(rows, dtype=jnp.int32), side="right")
         local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
         local = routing_lib.sort_by_expert(local_ids, e_local)
-        y_local = self._experts(x_in[local.order], w1, w2, local.group_sizes, p_in[local.order])
+        y_local = self._experts(x_in[local.order], w1, w2, prepared, local.group_sizes, p_in[local.order])
         y_in = y_local[local.inverse]
 
         # Results go back to where their pairs came from, then combine per token.
@@ -430,7 +441,7 @@ class _ExpertParallelBody:
         )
         return routing_lib.combine_f32(ys, perm), group_sizes, dropped
 
-    def _all_gather(self, x, expert_ids, weights, w1, w2, rows):
+    def _all_gather(self, x, expert_ids, weights, w1, w2, prepared, rows):
         """All-gather over the expert axis: every device sees every pair of the axis, runs
         the ones its experts own, and a reduce-scatter sums each token's outputs back to
         the token's device. Same pairs kept, same order in ``grouped_mlp`` as
@@ -458,7 +469,7 @@ class _ExpertParallelBody:
             lid = jnp.where(keep, lid, e_local)
         perm = routing_lib.sort_by_expert(lid, e_local, top_k=k)
         order = perm.order[:rows]  # the kept pairs sort first, at most `rows` of them
-        y_rows = self._experts(x_all[order // k], w1, w2, perm.group_sizes, w_all.reshape(-1)[order])
+        y_rows = self._experts(x_all[order // k], w1, w2, prepared, perm.group_sizes, w_all.reshape(-1)[order])
         y_pairs = jnp.pad(y_rows, ((0, lid.shape[0] - rows), (0, 0)))
         y_all = routing_lib.combine_f32(y_pairs, perm)  # this device's experts' share, every token
         y = jax.lax.psum_scatter(y_all, self.axis, scatter_dimension=0, tiled=True)

@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src.op.primitives import Operand
+from jax_grouped_mlp._src.op.primitives import QUANTIZED, Operand
 from jax_grouped_mlp._src.op.recipes import Recipe
 
 
@@ -34,7 +34,9 @@ class PreparedWeights:
         uses alike (``bf16``, ``fp8_block``).
       w2_fprop, w2_dgrad: the same for ``w2 [G, F, H]``.
       recipe: the recipe they were prepared for (static).
-      w1_shape, w2_shape: the weights' shapes (static; checked against the op's weights).
+
+    Every leaf has the experts on axis 0, so a ``PreparedWeights`` shards like the
+    weights (``moe_block`` under expert parallelism passes each device its experts').
 
     Memory: ``mxfp8`` keeps four bf16 copies (twice the bf16 weights), ``bf16`` one bf16
     copy of each weight (none extra for bf16 weights), ``fp8_block`` one FP8 copy of each
@@ -46,8 +48,18 @@ class PreparedWeights:
     w2_fprop: Operand
     w2_dgrad: Operand
     recipe: str = dataclasses.field(metadata=dict(static=True))
-    w1_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    w2_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def w1_shape(self) -> tuple[int, ...]:
+        return _shape(self.w1_fprop)
+
+    @property
+    def w2_shape(self) -> tuple[int, ...]:
+        return _shape(self.w2_fprop)
+
+
+def _shape(op: Operand) -> tuple[int, ...]:
+    return tuple((op.data if isinstance(op, QUANTIZED) else op).shape)
 
 
 def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> PreparedWeights:
@@ -80,7 +92,7 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     else:  # one copy serves both uses
         q1, q2 = recipe_.weight(b1, 1), recipe_.weight(b2, 1)
         ops = (q1, q1, q2, q2)
-    return PreparedWeights(*ops, recipe=recipe_.value, w1_shape=tuple(w1.shape), w2_shape=tuple(w2.shape))
+    return PreparedWeights(*ops, recipe=recipe_.value)
 
 
 def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Array) -> None:
