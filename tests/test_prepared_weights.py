@@ -150,3 +150,25 @@ def test_moe_block_and_flax_modules_take_prepared_weights(rng, recipe):
 
         outs = [nnx.jit(nnx.value_and_grad(loss), static_argnums=1)(module, u) for u in (True, False)]
         _same_bits(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]))
+
+
+def test_bench_grad_accum_smoke(tmp_path):
+    """benchmarks/bench_grad_accum.py on the CPU's tiny shape: both candidates per recipe,
+    the ratios, and a results file in the schema."""
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_grad_accum
+    import common
+
+    out = tmp_path / "ga.json"
+    bench_grad_accum.main(["--shapes", "tiny", "--micro-batches", "2", "--recipes", "bf16", "--iters", "1",
+                           "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert common.check_result(data) == []
+    case = data["results"]["tiny"]
+    assert case["micro_batches"] == 2 and case["master_dtype"] == "float32"
+    assert case["bf16/per_micro_batch"]["vs_bf16_per_micro_batch"] == 1.0
+    assert case["bf16/prepared_once"]["vs_per_micro_batch"] > 0
