@@ -98,8 +98,17 @@ def test_bad_prepared_arguments_are_named(rng):
     with pytest.raises(ValueError, match="recipe='mxfp8'.*recipe='bf16'"):
         jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="bf16", prepared=pw)
     other = jgm.prepare_weights(w1[:2], w2[:2])
-    with pytest.raises(ValueError, match="prepared was made for w1.shape"):
+    with pytest.raises(ValueError, match=r"prepared.w1_fprop has shape \(2, 64, 96\)"):
         jgm.grouped_mlp(x, w1, w2, gs, probs, prepared=other)
+    raw = jgm.PreparedWeights(w1, w1, w2, w2[:1], recipe="mxfp8")  # by hand, one copy cut
+    with pytest.raises(ValueError, match="prepared.w2_dgrad has shape"):
+        jgm.grouped_mlp(x, w1, w2, gs, probs, prepared=raw)
+    wrong_kind = jgm.PreparedWeights(w1, w1, w2, w2, recipe="fp8_block")
+    with pytest.raises(TypeError, match="prepared.w1_fprop must be an FP8BlockTensor"):
+        jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="fp8_block", prepared=wrong_kind)
+    f32 = jgm.PreparedWeights(*(w.astype(jnp.float32) for w in (w1, w1, w2, w2)), recipe="bf16")
+    with pytest.raises(TypeError, match="prepared.w1_fprop must be a bfloat16 array"):
+        jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="bf16", prepared=f32)
     with pytest.raises(ValueError, match="w2 must be"):
         jgm.prepare_weights(w1, w1)
     with pytest.raises(TypeError, match="w1 must be bfloat16 or float32"):
@@ -172,3 +181,20 @@ def test_bench_grad_accum_smoke(tmp_path):
     assert case["micro_batches"] == 2 and case["master_dtype"] == "float32"
     assert case["bf16/per_micro_batch"]["vs_bf16_per_micro_batch"] == 1.0
     assert case["bf16/prepared_once"]["vs_per_micro_batch"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,rows_per_group", [("mxfp8", 64), ("mxfp8", 768), ("bf16", 768), ("fp8_block", 768)])
+def test_prepared_weights_change_no_bit_on_the_gpu(gpu, rng, recipe, rows_per_group):
+    """On the kernels: with 64 rows per group mxfp8 quantizes the weights inside its
+    GEMMs without ``prepared`` and runs the plain GEMMs on the prepared values with it;
+    with 768 the fused FC1 / FC2-dgrad kernels read the prepared copies. Bitwise either
+    way, float32 masters (their gradients in float32)."""
+    from jax_grouped_mlp._src.op.heuristics import DEFAULT
+
+    g = 4
+    x, w1, w2, gs, probs, dy = make_inputs(rng, m=g * rows_per_group, h=128, f=192, g=g,
+                                           sizes=[rows_per_group * 2, 0, rows_per_group - 5, rows_per_group + 3])
+    w1, w2 = (w.astype(jnp.float32) + jnp.asarray(rng.standard_normal(w.shape) * 1e-3, jnp.float32) for w in (w1, w2))
+    args = jax.device_put((x, w1, w2, gs, probs, dy), gpu)
+    _same_bits(_grads(DEFAULT, recipe, True, *args), _grads(DEFAULT, recipe, False, *args))

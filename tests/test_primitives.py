@@ -131,7 +131,7 @@ def test_shape_polymorphic_export_for_cpu_and_cuda(rng):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16", "fp8_block"])
 def test_shape_polymorphic_export_of_the_gradient(rng, recipe):
     """The training gradient exports with a symbolic token count (any M, not only
     multiples of 32), survives serialization, and gives the non-exported numbers."""

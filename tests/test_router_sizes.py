@@ -1,8 +1,8 @@
 """The op on group sizes as a router makes them: the generator the benchmarks use
 (``benchmarks/shapes.py: router_group_sizes``, Dirichlet(alpha) expert loads), so the
-skewed cases the benchmarks time are the cases the tests check. Empty experts, a few
-heavy ones, and a ragged end in nearly every group (partial tiles, partial
-weight-gradient slices)."""
+skewed cases the benchmarks time are the cases the tests check: typically a few heavy
+experts, some nearly or fully empty ones, and a ragged end in nearly every group
+(partial tiles, partial weight-gradient slices). Fresh draws every run."""
 
 from __future__ import annotations
 
@@ -47,12 +47,13 @@ def test_router_made_sizes_in_the_float64_bands(rng, recipe, alpha):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("alpha", [1.0, 0.3])
-def test_router_made_sizes_on_the_gpu(gpu, rng, recipe, alpha):
+@pytest.mark.parametrize("m,g", [(1536, 16), (4096, 4)])  # 96 rows a group (mxfp8: _qw GEMMs), 1024 (fused kernels)
+def test_router_made_sizes_on_the_gpu(gpu, rng, recipe, alpha, m, g):
     """The kernels on router-made sizes: the float64 bands, and the CPU path's numbers
     (the same quantized operands, so only the summation order differs: 0.5%; fp8_block
     also has the FP8 wgmma's 128-block sums and E4M3 near-tie flips: 3%,
     tests/test_fp8_block.py says why)."""
-    args = _router_inputs(rng, alpha, m=1536, g=16)
+    args = _router_inputs(rng, alpha, m=m, g=g)
     fn = jax.jit(run_op, static_argnums=6)
     out_gpu = fn(*jax.device_put(args, gpu), recipe)
     out_cpu = fn(*jax.device_put(args, jax.devices("cpu")[0]), recipe)

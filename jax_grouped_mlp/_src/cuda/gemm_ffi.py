@@ -269,6 +269,8 @@ def _fp8_block_pair(lhs, rhs, transpose_rhs: bool):
     rhs_nk = rhs if transpose_rhs else fp8_block.transpose_tiles(rhs)
     m, k = lhs.data.shape
     _, n, k2 = rhs_nk.data.shape
+    if not all(isinstance(d, int) for d in (m, n, k, k2)):
+        return None  # symbolic (shape-polymorphic export): the bf16 path decides (Unsupported there)
     if k != k2 or k % 16 or n % 8 or m * k >= _MAX or m * n >= _MAX or rhs_nk.data.size >= _MAX:
         return None
     return lhs, rhs_nk
@@ -508,7 +510,8 @@ def dgrad_fused_cuda(dy_row, w2, group_sizes: jax.Array, h: jax.Array, probs: ja
     return grouped_gemm_dgrad_cuda(_as_bf16(dy_row), _as_bf16(w2), group_sizes, h, probs)
 
 
-# ---- the FP8 block-scaled GEMM (DRAFT: compiled, not yet GPU-tested; no dispatch uses it) ----
+# ---- the FP8 block-scaled GEMM (GPU-tested on the H200; recipe="fp8_block" reaches it
+# through grouped_gemm_cuda / _fp8_block_pair) ----
 
 GROUPED_GEMM_FP8_BLOCK_TARGET = "jgm_grouped_gemm_fp8_block"
 
@@ -542,7 +545,8 @@ def grouped_gemm_fp8_block(
     variant: str | None = None,
 ) -> jax.Array:
     """``out[m] = lhs[m] @ rhs[g(m)]^T`` on FP8 block-scaled operands, bf16 ``[M, N]``
-    (``kernels/grouped_gemm_fp8_block_sm90.py``; CUDA only, not wired into ``grouped_mlp``).
+    (``kernels/grouped_gemm_fp8_block_sm90.py``; CUDA only; ``grouped_mlp``'s ``fp8_block``
+    recipe calls it through :func:`grouped_gemm_cuda`).
 
     Args:
       lhs: ``quantize_fp8_block(x, axis=1)`` of ``x [M, K]``: E4M3 data, one E8M0 scale

@@ -118,8 +118,11 @@ def _compute_weight(w: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _mlp(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool, choices: KernelChoices):
-    # (prepared: PreparedWeights or None. The paths stay those the heuristics pick
-    # without it, every weight GEMM reading its prepared operand instead: the same bits.)
+    # (prepared: PreparedWeights or None. Every weight GEMM then reads its prepared
+    # operand; where the heuristics would quantize the weights inside the GEMM (mxfp8,
+    # small groups: the _qw kernels) it runs the plain GEMM on the prepared values
+    # instead, which tests/test_mlp_gpu.py shows gives the same bits; fused or not,
+    # the other choices stay the heuristics'.)
     w1, w2 = _weights_for_gemms(w1, w2, prepared)
     x = _exact(x)  # as the forward rule quantizes it: the same bits with and without grad
     if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):

@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
 from jax_grouped_mlp._src.op.primitives import QUANTIZED, Operand
 from jax_grouped_mlp._src.op.recipes import Recipe
 
@@ -98,13 +99,26 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
 def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Array) -> None:
     """``prepared`` fits the op's call, or a TypeError/ValueError naming it (trace time).
 
-    Only the recipe and shapes can be checked: that the copies come from these very
-    weights is the caller's promise (``prepare_weights`` on the step's weights)."""
+    Checked: the recipe, every copy's shape, and its kind (bf16 arrays for ``mxfp8`` and
+    ``bf16``; plain 128 x 128-tile :class:`FP8BlockTensor` for ``fp8_block``). That the
+    copies come from these very weights is the caller's promise (``prepare_weights`` on
+    the step's weights)."""
     if not isinstance(prepared, PreparedWeights):
         raise TypeError(f"prepared must be a PreparedWeights from jax_grouped_mlp.prepare_weights or None, "
                         f"got prepared={type(prepared).__name__}")
     if prepared.recipe != recipe.value:
         raise ValueError(f"prepared was made for recipe={prepared.recipe!r}, but the op runs recipe={recipe.value!r}")
-    if prepared.w1_shape != tuple(w1.shape) or prepared.w2_shape != tuple(w2.shape):
-        raise ValueError(f"prepared was made for w1.shape={prepared.w1_shape}, w2.shape={prepared.w2_shape}; "
-                         f"got w1.shape={tuple(w1.shape)}, w2.shape={tuple(w2.shape)}")
+    for field, w in (("w1_fprop", w1), ("w1_dgrad", w1), ("w2_fprop", w2), ("w2_dgrad", w2)):
+        op = getattr(prepared, field)
+        if recipe is Recipe.FP8_BLOCK:
+            ok = isinstance(op, FP8BlockTensor) and tuple(op.axes) == (1, 2) and not op.is_grouped
+            kind = "an FP8BlockTensor in 128 x 128 tiles over axes (1, 2)"
+        else:
+            ok = isinstance(op, jax.Array) and op.dtype == jnp.bfloat16  # (tracers are jax.Arrays)
+            kind = "a bfloat16 array"
+        if not ok:
+            raise TypeError(f"prepared.{field} must be {kind} for recipe={recipe.value!r}, got {type(op).__name__}"
+                            f"{'' if not hasattr(op, 'dtype') else ' of ' + str(op.dtype)}: build it with prepare_weights")
+        if _shape(op) != tuple(w.shape):
+            raise ValueError(f"prepared.{field} has shape {_shape(op)}, but the op's weight is {tuple(w.shape)}: "
+                             f"prepare_weights of these w1 ({tuple(w1.shape)}) and w2 ({tuple(w2.shape)})")

@@ -21,13 +21,14 @@ exact (E4M3 times a power of two fits bf16), and multiplies in bf16 with float32
 accumulation: the same arithmetic a bf16-MMA kernel does.
 
 Operands of the ``fp8_block`` recipe are :class:`FP8BlockTensor` (FP8 data and
-128-block scales, never bf16 values: the Hopper FP8 kernels to come read those). No
-kernel takes them yet, so :func:`_dispatch` sends any call with such an operand to the
-reference on every platform, explicitly, instead of letting the CUDA branch see them:
-the reference dequantizes them (exact) and multiplies with float32 accumulation
-throughout, where the FP8 wgmma kernels will promote their partial sums into float32
-every 128 of K. Their quantizers (:func:`fp8_block_quantize`,
-:func:`fp8_block_quantize_grouped`) are pure JAX everywhere.
+128-block scales, never bf16 values: the Hopper FP8 kernel reads those). Only
+``grouped_gemm`` and ``grouped_wgrad`` take them on CUDA (:data:`_FP8_BLOCK_CUDA`: the
+FP8 block-scaled GEMM, which promotes its partial sums into float32 every 128 of K, and
+the bf16 wgrad kernel on the exactly dequantized values); :func:`_dispatch` sends any
+other primitive with such an operand to the reference on every platform. The reference
+dequantizes them (exact) and multiplies with float32 accumulation throughout. Their
+quantizers (:func:`fp8_block_quantize`, :func:`fp8_block_quantize_grouped`) are pure
+JAX everywhere.
 """
 
 from __future__ import annotations
