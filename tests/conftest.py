@@ -24,6 +24,7 @@ SLOW = frozenset({
     "tests/test_flax.py::test_float32_params_get_float32_gradients",
     "tests/test_fp8_block.py::test_recipe_keeps_fp8_residuals_and_sends_only_its_gemms_to_cuda",
     "tests/test_fp8_block.py::test_recipe_semantics_exact",
+    "tests/test_prepared_weights.py::test_moe_block_and_flax_modules_take_prepared_weights",
     "tests/test_flax.py::test_params_and_forward",
     "tests/test_flax.py::test_sharded_cases_on_four_cpu_devices",
     "tests/test_grouped_gemm_dgrad_gpu.py::test_static_empty_cases_are_exact_in_jax",
