@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the whole library on the H200: every GPU test, the demo (main job)
-# on the GPU, and the MLP-step benchmark (nano; SHAPES=nano,moe32,moe8 for all, about
-# 3 more minutes). The test suite takes about 3 minutes in 4 pytest-xdist workers
+# on the GPU, the MLP-step benchmark and the gradient-accumulation one (nano;
+# SHAPES=nano,moe32,moe8 for all, several more minutes). The test suite takes about 3 minutes in 4 pytest-xdist workers
 # (TEST_WORKERS=0: one process, about 7). Builds nothing: carry the extension
 #   run(command="bash tools/gpu_check.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
@@ -20,3 +20,10 @@ stamp demo
 timeout ${BENCH_S:-240} python3 benchmarks/bench_mlp.py --shapes ${SHAPES:-nano} \
   --out "$OUT/mlp_step_h200.json" --plot > "$OUT/bench_mlp.log" 2>&1; tail -6 "$OUT/bench_mlp.log"
 stamp bench
+# Gradient accumulation with the weights prepared once per step, per recipe (float32
+# masters, 4 micro-batches; ACCUM_S=0 skips it).
+if [ "${ACCUM_S:-150}" != 0 ]; then
+  timeout ${ACCUM_S:-150} python3 benchmarks/bench_grad_accum.py --shapes ${SHAPES:-nano} --micro-batches 4 \
+    --out "$OUT/grad_accum_h200.json" > "$OUT/bench_grad_accum.log" 2>&1; tail -4 "$OUT/bench_grad_accum.log"
+  stamp grad-accum
+fi
