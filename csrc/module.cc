@@ -5,6 +5,14 @@
 
 namespace py = pybind11;
 
+// The jaxlib whose FFI headers this extension was compiled against (tools/build_kernels.py
+// defines it). XLA may silently refuse handlers built against another jaxlib, so the
+// loader compares it with the running one; the marker lets the build read it from the file.
+#ifndef JGM_JAXLIB_VERSION
+#define JGM_JAXLIB_VERSION "unknown"
+#endif
+static const char kBuiltAgainst[] = "jgm-built-against-jaxlib:" JGM_JAXLIB_VERSION;
+
 namespace {
 
 py::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
@@ -57,4 +65,6 @@ PYBIND11_MODULE(_kernels, m) {
   JGM_NAMES(GROUPED_GEMM_DGRAD_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_FP8_BLOCK_VARIANTS);
   m.attr("ARCH") = "sm_90a";
+  m.attr("JAXLIB_VERSION") = JGM_JAXLIB_VERSION;
+  m.attr("BUILT_AGAINST") = kBuiltAgainst;
 }

@@ -26,3 +26,42 @@ def test_up_to_date_check_sees_every_input(tmp_path):
     inputs = build_kernels._inputs()
     names = {p.name for p in inputs}
     assert {"build_kernels.py", "module.cc", "kernels.h", "aot.py"} <= names
+
+
+def test_an_extension_built_for_another_jaxlib_is_stale(tmp_path, monkeypatch):
+    """Both venvs of one Python version write the same file name: the jaxlib the file was
+    compiled against (a marker in its bytes) decides, not only the modification times."""
+    monkeypatch.setattr(build_kernels, "_running_jaxlib", lambda: "0.11.2")
+    fake = tmp_path / "_kernels.so"
+    fake.write_bytes(b"\x7fELF..." + build_kernels.BUILT_AGAINST_MARKER + b"0.12.0\0rest")
+    assert build_kernels.built_against(fake) == "0.12.0"
+    assert not build_kernels._up_to_date(fake)
+    fake.write_bytes(b"\x7fELF..." + build_kernels.BUILT_AGAINST_MARKER + b"0.11.2\0rest")
+    fake.touch()
+    assert build_kernels._up_to_date(fake)
+    fake.write_bytes(b"an extension from before the marker")
+    assert build_kernels.built_against(fake) is None and not build_kernels._up_to_date(fake)
+
+
+def test_loading_an_extension_for_another_jaxlib_warns():
+    import warnings
+
+    import jaxlib.version
+    import pytest
+
+    from jax_grouped_mlp._src.cuda import ffi
+
+    with pytest.warns(RuntimeWarning, match=r"built against jaxlib 0\.0\.1 but jaxlib .*make kernels"):
+        ffi._warn_if_built_for_another_jaxlib("0.0.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ffi._warn_if_built_for_another_jaxlib(jaxlib.version.__version__)
+
+
+def test_the_built_extension_matches_the_running_jaxlib():
+    ext = build_kernels._existing_extension()
+    if ext is None:
+        import pytest
+
+        pytest.skip("the extension is not built here")
+    assert build_kernels.built_against(ext) == build_kernels._running_jaxlib()

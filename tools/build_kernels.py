@@ -70,7 +70,31 @@ def _existing_extension() -> pathlib.Path | None:
     return out if out.exists() else None
 
 
+BUILT_AGAINST_MARKER = b"jgm-built-against-jaxlib:"  # csrc/module.cc embeds it
+
+
+def _running_jaxlib() -> str:
+    import jaxlib.version
+
+    return jaxlib.version.__version__
+
+
+def built_against(ext: pathlib.Path) -> str | None:
+    """The jaxlib version the extension file was compiled against (read from its bytes,
+    without loading it), or None for an extension older than the marker."""
+    data = ext.read_bytes()
+    i = data.find(BUILT_AGAINST_MARKER)
+    if i < 0:
+        return None
+    end = data.find(b"\0", i)
+    return data[i + len(BUILT_AGAINST_MARKER):end].decode()
+
+
 def _up_to_date(ext: pathlib.Path) -> bool:
+    """Newer than every input and compiled against the jaxlib that runs now (a build for
+    another jaxlib, e.g. a device's, has the same file name but is stale here)."""
+    if built_against(ext) != _running_jaxlib():
+        return False
     return all(f.stat().st_mtime <= ext.stat().st_mtime for f in _inputs())
 
 
@@ -139,7 +163,8 @@ def main(argv=None) -> int:
               home / "include"):
         includes += ["-isystem", str(d)]  # third-party headers: no warnings from them
     cxx = os.environ.get("CXX", "g++")
-    flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"]
+    flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall",
+             f'-DJGM_JAXLIB_VERSION="{_running_jaxlib()}"']
     procs, objs = [], []
     for src in SOURCES:
         obj = odir / (pathlib.Path(src).stem + ".o")

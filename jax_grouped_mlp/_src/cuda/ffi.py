@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +60,25 @@ def _load():
         from jax_grouped_mlp import _kernels
     except ImportError:
         return None
+    _warn_if_built_for_another_jaxlib(getattr(_kernels, "JAXLIB_VERSION", None))
     for name, handlers in _kernels.registrations(cuda_graphs=cuda_graphs_enabled()).items():
         jax.ffi.register_ffi_target(name, handlers, platform="CUDA")
     return _kernels
+
+
+def _warn_if_built_for_another_jaxlib(built: str | None) -> None:
+    """XLA can refuse FFI handlers compiled against another jaxlib's headers without an
+    error at registration: every call then fails with "No FFI handler registered for
+    jgm_...". Say so at load time, naming both versions."""
+    import jaxlib.version
+
+    running = jaxlib.version.__version__
+    if built != running:
+        warnings.warn(
+            f"jax_grouped_mlp._kernels was built against jaxlib {built or '(unknown, an old build)'} "
+            f"but jaxlib {running} is running; XLA may reject its kernels ('No FFI handler "
+            "registered for jgm_...'). Rebuild it with `make kernels` in this environment.",
+            RuntimeWarning, stacklevel=3)
 
 
 def available() -> bool:
