@@ -78,7 +78,10 @@ def _candidates() -> dict:
     return c
 
 
-def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), alpha: float = float("inf")) -> dict:
+def step_inputs(name: str, seed: int, alpha: float = float("inf")) -> tuple[tuple, np.ndarray]:
+    """The step's operands ``(x, w1, w2, group_sizes, probs, dy)`` at shape ``name`` (bf16
+    N(0, 1) data, weights scaled by 1/sqrt(fan-in)), group sizes drawn by
+    ``router_group_sizes(alpha)``; and those sizes as a host array."""
     g, rows, h, f = MLP_SHAPES[name]
     m = g * rows
     rng = np.random.default_rng(seed)
@@ -88,8 +91,13 @@ def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), al
     probs = jnp.asarray(rng.uniform(0.1, 1, m), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
     sizes = router_group_sizes(m, g, alpha, seed)
-    gs = jnp.asarray(sizes)
-    args = (x, w1, w2, gs, probs, dy)
+    return (x, w1, w2, jnp.asarray(sizes), probs, dy), sizes
+
+
+def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), alpha: float = float("inf")) -> dict:
+    g, rows, h, f = MLP_SHAPES[name]
+    m = g * rows
+    args, sizes = step_inputs(name, seed, alpha)
     flops = 6 * 2 * m * h * f
     res: dict = {"groups": g, "rows_per_group": rows, "hidden": h, "ffn": f, "flops_per_step": flops,
                  "skew": skew_label(alpha), "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}

@@ -1,0 +1,153 @@
+"""Where a training step's GPU time goes: per-kernel time of one expert-MLP step.
+
+    PYTHONPATH=. python3 benchmarks/profile_step.py [--shape nano] [--alphas inf,1]
+        [--candidates grouped_mlp_mxfp8,grouped_mlp_fp8_block] [--iters 5] [--top 25] [--out FILE]
+
+Runs the step of ``bench_mlp`` (same candidates, same operands, same router-made group
+sizes) ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
+``ProfileData`` and sums the device events by kernel name: ms per step and launches
+per step, largest first, grouped into our CUDA kernels (``jgm`` / CuTe names), XLA's
+fusions and copies, and the GEMMs of cuBLAS. The step's wall time (``time_call``) is
+printed next to the summed kernel time, so gaps (launch latency, host syncs) show.
+
+XLA command buffers (CUDA graphs) hide the kernels inside them from some tracers, so by
+default this turns them off (``--xla_gpu_enable_command_buffer=``) before jax starts;
+``--keep-command-buffers`` leaves them on. Without a GPU there are no device events: the
+script says so and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import pathlib
+import sys
+import tempfile
+
+KIND_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ours", ("jgm", "grouped_gemm", "grouped_wgrad", "fake_quantize", "dequantize", "kernel_cutlass", "cutlass")),
+    ("xla copy", ("copy", "memcpy", "memset", "transpose")),
+    ("cublas", ("gemm", "cublas", "sm90_xmma", "nvjet")),
+    ("xla fusion", ("fusion", "reduce", "loop_", "input_", "wrapped_", "convert", "broadcast")),
+)
+
+
+def kind_of(kernel: str) -> str:
+    """A coarse label for a kernel name (the first rule whose word occurs in it)."""
+    low = kernel.lower()
+    for kind, words in KIND_RULES:
+        if any(w in low for w in words):
+            return kind
+    return "other"
+
+
+def summarize(events: list[tuple[str, float]], steps: int) -> list[dict]:
+    """``[(kernel name, duration in ns)]`` of ``steps`` steps -> one row a name with ms
+    and launches per step and its kind, largest total first."""
+    if steps <= 0:
+        raise ValueError(f"steps must be >= 1, got steps={steps}")
+    total: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter = collections.Counter()
+    for name, ns in events:
+        total[name] += ns
+        count[name] += 1
+    rows = [{"kernel": n, "kind": kind_of(n), "ms_per_step": t / steps / 1e6, "launches_per_step": count[n] / steps}
+            for n, t in total.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
+def by_kind(rows: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    for r in rows:
+        out[r["kind"]] += r["ms_per_step"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def device_events(xplane: str) -> list[tuple[str, float]]:
+    """Kernel events of the GPU planes of a trace file (empty without a GPU plane)."""
+    from jax._src.lib import _profile_data
+
+    data = _profile_data.ProfileData.from_file(xplane)
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            # CUPTI puts kernels and memcpys on per-stream lines; "XLA Ops"/"XLA Modules"
+            # lines repeat them at HLO level, which would count twice.
+            if line.name.startswith("XLA") or line.name in ("Steps", "Framework Ops", "Source code"):
+                continue
+            events += [(e.name, e.duration_ns) for e in line.events]
+    return events
+
+
+def profile(step, args, iters: int) -> list[tuple[str, float]]:
+    import jax
+
+    jax.block_until_ready(step(*args))  # compile and warm up outside the trace
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(iters):
+                out = step(*args)
+            jax.block_until_ready(out)
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        return device_events(files[0]) if files else []
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="nano")
+    ap.add_argument("--alphas", default="inf", help="group-size skews: inf (equal sizes) and Dirichlet alphas")
+    ap.add_argument("--candidates", default="grouped_mlp_mxfp8", help="bench_mlp candidate names, comma-separated")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top", type=int, default=25, help="kernels printed per run")
+    ap.add_argument("--keep-command-buffers", action="store_true")
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    ns = ap.parse_args(argv)
+    if ns.iters < 1:
+        ap.error(f"--iters must be >= 1, got {ns.iters}")
+    if not ns.keep_command_buffers:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import bench_mlp
+    from common import MLP_SHAPES, command_line, time_call, write_result
+    from shapes import skew_label
+
+    if ns.shape not in MLP_SHAPES:
+        ap.error(f"--shape must be one of {sorted(MLP_SHAPES)}, got {ns.shape!r}")
+    known = bench_mlp._candidates()
+    names = [c for c in ns.candidates.split(",") if c]
+    unknown = [c for c in names if c not in known]
+    if unknown:
+        ap.error(f"--candidates: unknown {unknown}; known: {sorted(known)}")
+    results: dict = {}
+    for alpha in (float(a) for a in ns.alphas.split(",") if a):
+        args, sizes = bench_mlp.step_inputs(ns.shape, ns.seed, alpha)
+        for cname in names:
+            step = bench_mlp._step(known[cname])
+            events = profile(step, args, ns.iters)
+            key = f"{ns.shape}@{skew_label(alpha)}/{cname}"
+            if not events:
+                print(f"{key}: no device events in the trace (no GPU?); nothing to report", flush=True)
+                continue
+            rows = summarize(events, ns.iters)
+            wall = time_call(step, *args, iters=ns.iters, warmup=1, samples=3) * 1e3
+            kernels = sum(r["ms_per_step"] for r in rows)
+            results[key] = {"step_ms": wall, "kernel_ms": kernels, "by_kind": by_kind(rows), "kernels": rows,
+                            "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
+            print(f"\n{key}: step {wall:.2f} ms, kernels {kernels:.2f} ms; by kind: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in results[key]["by_kind"].items()), flush=True)
+            for r in rows[: ns.top]:
+                print(f"  {r['ms_per_step']:7.3f} ms  x{r['launches_per_step']:<5g} {r['kind']:10s} {r['kernel'][:110]}")
+    if ns.out is not None and results:
+        write_result(ns.out, command=command_line("benchmarks/profile_step.py", argv or sys.argv[1:]),
+                     results=results, extra={"command_buffers": ns.keep_command_buffers})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

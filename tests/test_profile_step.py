@@ -1,0 +1,52 @@
+"""benchmarks/profile_step.py: its per-kernel summary (pure functions) and a CPU run, which
+has no device events and must say so without writing a file."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from benchmarks import profile_step  # noqa: E402
+
+
+def test_summary_sums_per_name_and_step_largest_first():
+    events = [("loop_convert_fusion", 2e6), ("kernel_cutlass_grouped_gemm_0", 5e6),
+              ("loop_convert_fusion", 4e6), ("kernel_cutlass_grouped_gemm_0", 5e6), ("memcpy_d2h", 1e6)]
+    rows = profile_step.summarize(events, steps=2)
+    assert [r["kernel"] for r in rows] == ["kernel_cutlass_grouped_gemm_0", "loop_convert_fusion", "memcpy_d2h"]
+    assert rows[0]["ms_per_step"] == pytest.approx(5.0) and rows[0]["launches_per_step"] == 1
+    assert rows[1]["ms_per_step"] == pytest.approx(3.0)
+    assert [r["kind"] for r in rows] == ["ours", "xla fusion", "xla copy"]
+    assert profile_step.by_kind(rows) == pytest.approx({"ours": 5.0, "xla fusion": 3.0, "xla copy": 0.5})
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        profile_step.summarize(events, steps=0)
+
+
+def test_kinds():
+    assert profile_step.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "cublas"
+    assert profile_step.kind_of("input_reduce_fusion_3") == "xla fusion"
+    assert profile_step.kind_of("something_else") == "other"
+
+
+def test_cpu_run_reports_no_device_events(tmp_path, capsys):
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("a GPU trace has device events")
+    out = tmp_path / "p.json"
+    # --keep-command-buffers: leave XLA_FLAGS of this test process alone.
+    assert profile_step.main(["--shape", "tiny", "--iters", "1", "--keep-command-buffers", "--out", str(out)]) == 0
+    assert "no device events" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_bad_arguments_name_the_flag():
+    with pytest.raises(SystemExit):
+        profile_step.main(["--shape", "huge"])
+    with pytest.raises(SystemExit):
+        profile_step.main(["--candidates", "nope"])
