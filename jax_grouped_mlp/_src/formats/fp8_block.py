@@ -102,7 +102,12 @@ def _quantize_plain(x: jax.Array, axes: tuple[int, ...]) -> FP8BlockTensor:
         data = mxfp8._encode(xb, e[..., None])
     else:
         xb = xm.reshape(lead + (nbs[0], BLOCK, nbs[1], BLOCK))
-        e = mxfp8.scale_bytes(mxfp8._block_amax(xb, (-3, -1)), x.dtype)  # lead + (nb0, nb1)
+        # Each tile's amax in two reductions, each over one axis: along the contiguous
+        # last axis first (a row reduction), then over the 128 rows of the 1/128 as large
+        # rest. Max is exact, so the bytes equal one reduction over both axes; XLA:GPU ran
+        # that one as a single slow fusion (2.4 ms for a 1.3 GB weight on the H200).
+        row_amax = mxfp8._block_amax(xb, -1)  # lead + (nb0, BLOCK, nb1)
+        e = mxfp8.scale_bytes(mxfp8._block_amax(row_amax, -2), x.dtype)  # lead + (nb0, nb1)
         data = mxfp8._encode(xb, e[..., :, None, :, None])
     data = data.reshape(xm.shape)[tuple([slice(None)] * len(rest) + [slice(0, n) for n in sizes])]
     return FP8BlockTensor(
