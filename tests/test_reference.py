@@ -67,3 +67,15 @@ def test_row_group_ids_clamps(rng):
     np.testing.assert_array_equal(ids, [0, 0, 0] + [1] * 7)
     ids = np.asarray(jax.jit(groups.row_group_ids, static_argnums=1)(jnp.asarray([2, 3], jnp.int32), 8))
     np.testing.assert_array_equal(ids, [0, 0, 1, 1, 1, 2, 2, 2])
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 128, 300])
+def test_search_sorted_is_searchsorted_without_a_loop(rng, n):
+    """groups.search_sorted: jnp.searchsorted's results (duplicates, values outside the
+    range, both sides), as straight-line code: no while loop in the compiled program."""
+    a = jnp.asarray(np.sort(rng.integers(0, 60, n)).astype(np.int32))
+    v = jnp.asarray(rng.integers(-3, 64, 500).astype(np.int32))
+    for side in ("left", "right"):
+        np.testing.assert_array_equal(groups.search_sorted(a, v, side), jnp.searchsorted(a, v, side=side))
+    hlo = jax.jit(lambda a, v: groups.search_sorted(a, v, "right")).lower(a, v).compile().as_text()
+    assert " while(" not in hlo

@@ -112,11 +112,21 @@ def checked_group_sizes(group_sizes, m: int) -> jax.Array:
     return clamp_group_sizes(group_sizes, m)
 
 
+def search_sorted(a: jax.Array, v: jax.Array, side: str) -> jax.Array:
+    """``jnp.searchsorted(a, v, side=side)`` as straight-line code when ``a``'s length is
+    static: the default method is a ``while`` loop, which XLA:GPU runs as a host-driven
+    loop of small kernels in the middle of a step (three of them in the fp8_block
+    backward at the Nano shape); unrolled, its log2(len(a)) steps fuse with their
+    consumers. Same results (the same binary search)."""
+    static = isinstance(a.shape[0], int)
+    return jnp.searchsorted(a, v, side=side, method="scan_unrolled" if static else "scan")
+
+
 def row_group_ids(group_sizes: jax.Array, m: int) -> jax.Array:
     """Group index of every row, ``[M]`` int32; rows past the total get ``G``."""
     _, ends = group_bounds(group_sizes, m)
     rows = jnp.arange(m, dtype=jnp.int32)
-    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+    return search_sorted(ends, rows, side="right").astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +164,7 @@ def tile_layout(group_sizes: jax.Array, m: int, tile: int) -> TileLayout:
     tiles_per_group = (ends - starts + tile - 1) // tile
     tile_ends = jnp.cumsum(tiles_per_group)
     first_tile = tile_ends - tiles_per_group
-    group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)
+    group = search_sorted(tile_ends, t, side="right").astype(jnp.int32)
     safe = jnp.minimum(group, g - 1)
     start = starts[safe] + (t - first_tile[safe]) * tile
     length = jnp.where(group < g, jnp.clip(ends[safe] - start, 0, tile), 0)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_grouped_mlp._src import checks
+from jax_grouped_mlp._src import checks, groups
 from jax_grouped_mlp._src.moe import router_stats
 from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp._src.moe.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
@@ -428,7 +428,7 @@ class _ExpertParallelBody:
 
         # Sort what arrived (source-major, expert-minor runs) by local expert.
         run_ends = jnp.cumsum(counts_in.reshape(-1))
-        run = jnp.searchsorted(run_ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+        run = groups.search_sorted(run_ends, jnp.arange(rows, dtype=jnp.int32), side="right")
         local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
         local = routing_lib.sort_by_expert(local_ids, e_local)
         y_local = self._experts(x_in[local.order], w1, w2, prepared, local.group_sizes, p_in[local.order])
@@ -490,6 +490,6 @@ def _rank_in_run(run: jax.Array) -> jax.Array:
     """Each element's index among the earlier elements with the same value (stable)."""
     order = jnp.argsort(run, stable=True)
     sorted_run = run[order]
-    first = jnp.searchsorted(sorted_run, sorted_run, side="left")
+    first = groups.search_sorted(sorted_run, sorted_run, side="left")
     rank = jnp.arange(run.shape[0], dtype=jnp.int32) - first.astype(jnp.int32)
     return jnp.zeros_like(rank).at[order].set(rank)
