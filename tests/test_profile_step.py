@@ -45,8 +45,10 @@ def test_cpu_run_reports_no_device_events(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_bad_arguments_name_the_flag():
-    with pytest.raises(SystemExit):
-        profile_step.main(["--shape", "huge"])
-    with pytest.raises(SystemExit):
-        profile_step.main(["--candidates", "nope"])
+def test_bad_arguments_name_the_flag(monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", "")  # main() appends to it; restored afterwards
+    for argv, flag in ((["--shape", "huge"], "--shape"), (["--candidates", "nope"], "--candidates"),
+                       (["--iters", "0"], "--iters")):
+        with pytest.raises(SystemExit):
+            profile_step.main(argv)
+        assert flag in capsys.readouterr().err

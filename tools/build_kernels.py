@@ -74,26 +74,31 @@ BUILT_AGAINST_MARKER = b"jgm-built-against-jaxlib:"  # csrc/module.cc embeds it
 
 
 def _running_jaxlib() -> str:
-    import jaxlib.version
-
+    """The jaxlib this Python runs ("" without one: then nothing counts as up to date)."""
+    try:
+        import jaxlib.version
+    except ImportError:
+        return ""
     return jaxlib.version.__version__
 
 
 def built_against(ext: pathlib.Path) -> str | None:
     """The jaxlib version the extension file was compiled against (read from its bytes,
-    without loading it), or None for an extension older than the marker."""
+    without loading it), or None for an extension older than the marker or a file
+    without a well-formed one."""
     data = ext.read_bytes()
     i = data.find(BUILT_AGAINST_MARKER)
-    if i < 0:
+    end = data.find(b"\0", i) if i >= 0 else -1
+    if end < 0:
         return None
-    end = data.find(b"\0", i)
-    return data[i + len(BUILT_AGAINST_MARKER):end].decode()
+    return data[i + len(BUILT_AGAINST_MARKER):end].decode("ascii", errors="replace")
 
 
 def _up_to_date(ext: pathlib.Path) -> bool:
     """Newer than every input and compiled against the jaxlib that runs now (a build for
     another jaxlib, e.g. a device's, has the same file name but is stale here)."""
-    if built_against(ext) != _running_jaxlib():
+    running = _running_jaxlib()
+    if not running or built_against(ext) != running:
         return False
     return all(f.stat().st_mtime <= ext.stat().st_mtime for f in _inputs())
 

@@ -117,7 +117,8 @@ def search_sorted(a: jax.Array, v: jax.Array, side: str) -> jax.Array:
     static: the default method is a ``while`` loop, which XLA:GPU runs as a host-driven
     loop of small kernels in the middle of a step (three of them in the fp8_block
     backward at the Nano shape); unrolled, its log2(len(a)) steps fuse with their
-    consumers. Same results (the same binary search)."""
+    consumers. Same results (the same binary search). A symbolic length keeps the
+    default method (jnp.searchsorted takes no symbolic sizes either way)."""
     static = isinstance(a.shape[0], int)
     return jnp.searchsorted(a, v, side=side, method="scan_unrolled" if static else "scan")
 

@@ -66,19 +66,36 @@ def _load():
     return _kernels
 
 
-def _warn_if_built_for_another_jaxlib(built: str | None) -> None:
-    """XLA can refuse FFI handlers compiled against another jaxlib's headers without an
-    error at registration: every call then fails with "No FFI handler registered for
-    jgm_...". Say so at load time, naming both versions."""
-    import jaxlib.version
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.11.2"`` -> ``(0, 11, 2)``: the leading integer fields of a version string."""
+    out = []
+    for part in version.split("."):
+        digits = part[: len(part) - len(part.lstrip("0123456789"))]  # leading digits only
+        if not digits:
+            break
+        out.append(int(digits))
+        if len(digits) < len(part):  # "2rc1": the version's numeric part ends here
+            break
+    return tuple(out)
 
+
+def _warn_if_built_for_another_jaxlib(built: str | None) -> None:
+    """An extension compiled against a *newer* jaxlib's FFI headers than the running one
+    can be refused by XLA without an error at registration: every call then fails with
+    "No FFI handler registered for jgm_...". Say so at load time, naming both versions.
+    An older build is fine (the wheel is built against the oldest supported jax and
+    loads in newer ones, docs/gpu.md), and so is an old extension without the record."""
+    try:
+        import jaxlib.version
+    except ImportError:
+        return
     running = jaxlib.version.__version__
-    if built != running:
+    if built and version_tuple(built) > version_tuple(running):
         warnings.warn(
-            f"jax_grouped_mlp._kernels was built against jaxlib {built or '(unknown, an old build)'} "
-            f"but jaxlib {running} is running; XLA may reject its kernels ('No FFI handler "
-            "registered for jgm_...'). Rebuild it with `make kernels` in this environment.",
-            RuntimeWarning, stacklevel=3)
+            f"jax_grouped_mlp._kernels was built against jaxlib {built}, newer than the running "
+            f"jaxlib {running}; XLA may reject its kernels ('No FFI handler registered for jgm_...'). "
+            "Rebuild it in this environment (`make kernels`), or install a wheel built for this jax.",
+            RuntimeWarning, stacklevel=2)
 
 
 def available() -> bool:
