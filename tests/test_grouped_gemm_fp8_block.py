@@ -39,7 +39,7 @@ def _call(lhs, rhs, g=2):
         (lambda: _ops(k=200), ValueError, r"lhs: K must be a multiple of 16 .*got K=200"),
         (lambda: _ops(n=260), ValueError, r"rhs: N must be a multiple of 8 .*got N=260"),
         (lambda: (_ops()[0], fp8_block.FP8BlockTensor(_ops()[1].data, _ops()[1].scale[:, :1], (1, 2))),
-         ValueError, r"rhs: t.scale must have shape"),
+         ValueError, r"rhs.scale must have shape"),
     ],
 )
 def test_bad_operands_name_the_argument(make, err, match):

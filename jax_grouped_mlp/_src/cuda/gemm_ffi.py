@@ -531,10 +531,7 @@ def _checked_fp8_block_operand(name: str, t, rank: int, axes: tuple[int, ...], l
             f"{name} must be {layout}: rank {rank}, blocked over axes={axes}, not group-aware; got "
             f"{name}.data.shape={jnp.shape(t.data)} {name}.axes={t.axes} grouped={t.is_grouped}"
         )
-    try:
-        fp8_block._check_tensor(t)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{name}: {e}") from None
+    fp8_block._check_tensor(t, name)
 
 
 def grouped_gemm_fp8_block(

@@ -194,17 +194,17 @@ def _scale_shape(t: FP8BlockTensor) -> tuple[int, ...]:
     return tuple(groups.cdiv(n, BLOCK) if a in t.axes else n for a, n in enumerate(shape))
 
 
-def _check_tensor(t: FP8BlockTensor) -> None:
-    """Raises TypeError/ValueError, naming the field, for a (hand-built) tensor whose
-    fields do not fit together."""
-    for name in ("data", "scale"):
-        arr = getattr(t, name)
+def _check_tensor(t: FP8BlockTensor, arg: str = "t") -> None:
+    """Raises TypeError/ValueError, naming the argument ``arg`` and the field, for a
+    (hand-built) tensor whose fields do not fit together."""
+    for field in ("data", "scale"):
+        arr = getattr(t, field)
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-            raise TypeError(f"t.{name} must be an array, got t.{name}={type(arr).__name__}")
+            raise TypeError(f"{arg}.{field} must be an array, got {arg}.{field}={type(arr).__name__}")
     if jnp.dtype(t.data.dtype) != jnp.dtype(jnp.float8_e4m3fn):
-        raise TypeError(f"t.data must be float8_e4m3fn, got t.data.dtype={t.data.dtype}")
+        raise TypeError(f"{arg}.data must be float8_e4m3fn, got {arg}.data.dtype={t.data.dtype}")
     if jnp.dtype(t.scale.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
-        raise TypeError(f"t.scale must be float8_e8m0fnu (or its uint8 bytes), got t.scale.dtype={t.scale.dtype}")
+        raise TypeError(f"{arg}.scale must be float8_e8m0fnu (or its uint8 bytes), got {arg}.scale.dtype={t.scale.dtype}")
     nd = t.data.ndim
     axes = t.axes
     ok = (
@@ -214,23 +214,23 @@ def _check_tensor(t: FP8BlockTensor) -> None:
     )
     if not ok:
         raise ValueError(
-            f"t.axes must be one or two increasing axes in [0, {nd}) for t.data.shape={tuple(t.data.shape)}, "
-            f"got t.axes={axes!r}"
+            f"{arg}.axes must be one or two increasing axes in [0, {nd}) for {arg}.data.shape={tuple(t.data.shape)}, "
+            f"got {arg}.axes={axes!r}"
         )
     if t.is_grouped:
         gs = t.group_sizes
         if nd != 2 or axes != (0,):
             raise ValueError(
-                f"a group-aware tensor must be [M, K] blocked along axis 0, got t.data.shape={tuple(t.data.shape)} "
-                f"t.axes={axes}"
+                f"a group-aware tensor must be [M, K] blocked along axis 0, got {arg}.data.shape={tuple(t.data.shape)} "
+                f"{arg}.axes={axes}"
             )
         if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 or not jnp.issubdtype(gs.dtype, jnp.integer):
-            raise TypeError(f"t.group_sizes must be a 1-D integer array or None, got t.group_sizes={gs!r}")
+            raise TypeError(f"{arg}.group_sizes must be a 1-D integer array or None, got {arg}.group_sizes={gs!r}")
     want = _scale_shape(t)
     if tuple(t.scale.shape) != want:
         raise ValueError(
-            f"t.scale must have shape {want} for t.data.shape={tuple(t.data.shape)} (axes {axes}"
-            f"{', group-aware' if t.is_grouped else ''}), got t.scale.shape={tuple(t.scale.shape)}"
+            f"{arg}.scale must have shape {want} for {arg}.data.shape={tuple(t.data.shape)} (axes {axes}"
+            f"{', group-aware' if t.is_grouped else ''}), got {arg}.scale.shape={tuple(t.scale.shape)}"
         )
 
 
