@@ -2,9 +2,13 @@
 
     PYTHONPATH=. python3 benchmarks/profile_step.py [--shape nano] [--alphas inf,1]
         [--candidates grouped_mlp_mxfp8,grouped_mlp_fp8_block] [--iters 5] [--top 25] [--out FILE]
+    PYTHONPATH=. python3 benchmarks/profile_step.py --step grad_accum [--micro-batches 4]
+        [--candidates bf16/per_micro_batch,fp8_block/prepared_once]
 
 Runs the step of ``bench_mlp`` (same candidates, same operands, same router-made group
-sizes) ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
+sizes), or with ``--step grad_accum`` the scanned micro-batch step of
+``bench_grad_accum`` (candidates ``RECIPE/per_micro_batch`` or ``RECIPE/prepared_once``,
+float32 master weights), ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
 ``ProfileData`` and sums the device events by kernel name: ms per step and launches
 per step, largest first, grouped into our CUDA kernels (``jgm`` / CuTe names), XLA's
 fusions and copies, and the GEMMs of cuBLAS. The step's wall time (``time_call``) is
@@ -25,6 +29,8 @@ import os
 import pathlib
 import sys
 import tempfile
+
+import numpy as np
 
 KIND_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ours", ("jgm", "grouped_gemm", "grouped_wgrad", "fake_quantize", "dequantize", "kernel_cutlass", "cutlass")),
@@ -100,13 +106,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="nano")
     ap.add_argument("--alphas", default="inf", help="group-size skews: inf (equal sizes) and Dirichlet alphas")
-    ap.add_argument("--candidates", default="grouped_mlp_mxfp8", help="bench_mlp candidate names, comma-separated")
+    ap.add_argument("--step", default="mlp", choices=["mlp", "grad_accum"],
+                    help="bench_mlp's step, or bench_grad_accum's scan over micro-batches")
+    ap.add_argument("--micro-batches", type=int, default=4, help="with --step grad_accum")
+    ap.add_argument("--candidates", default=None,
+                    help="comma-separated: bench_mlp candidates (default grouped_mlp_mxfp8), or with "
+                         "--step grad_accum RECIPE/per_micro_batch or RECIPE/prepared_once (default bf16/per_micro_batch)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=25, help="kernels printed per run")
     ap.add_argument("--keep-command-buffers", action="store_true")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ns = ap.parse_args(argv)
+    if ns.candidates is None:
+        ns.candidates = "grouped_mlp_mxfp8" if ns.step == "mlp" else "bf16/per_micro_batch"
     if ns.iters < 1:
         ap.error(f"--iters must be >= 1, got {ns.iters}")
     if not ns.keep_command_buffers:
@@ -119,18 +132,32 @@ def main(argv=None) -> int:
 
     if ns.shape not in MLP_SHAPES:
         ap.error(f"--shape must be one of {sorted(MLP_SHAPES)}, got {ns.shape!r}")
-    known = bench_mlp._candidates()
     names = [c for c in ns.candidates.split(",") if c]
+    if ns.step == "mlp":
+        known = bench_mlp._candidates()
+        make_step = lambda c: bench_mlp._step(known[c])  # noqa: E731
+    else:
+        import bench_grad_accum
+
+        known = {f"{r}/{p}": (r, p == "prepared_once")
+                 for r in ("mxfp8", "bf16", "fp8_block") for p in ("per_micro_batch", "prepared_once")}
+        make_step = lambda c: bench_grad_accum._step(*known[c])  # noqa: E731
     unknown = [c for c in names if c not in known]
     if unknown:
-        ap.error(f"--candidates: unknown {unknown}; known: {sorted(known)}")
+        ap.error(f"--candidates: unknown {unknown} for --step {ns.step}; known: {sorted(known)}")
+    if ns.micro_batches < 1:
+        ap.error(f"--micro-batches must be >= 1, got {ns.micro_batches}")
     results: dict = {}
     for alpha in (float(a) for a in ns.alphas.split(",") if a):
-        args, sizes = bench_mlp.step_inputs(ns.shape, ns.seed, alpha)
+        if ns.step == "mlp":
+            args, sizes = bench_mlp.step_inputs(ns.shape, ns.seed, alpha)
+        else:
+            args, _ = bench_grad_accum._inputs(ns.shape, ns.micro_batches, "float32", alpha, ns.seed)
+            sizes = np.asarray(args[3])
         for cname in names:
-            step = bench_mlp._step(known[cname])
+            step = make_step(cname)
             events = profile(step, args, ns.iters)
-            key = f"{ns.shape}@{skew_label(alpha)}/{cname}"
+            key = f"{ns.shape}@{skew_label(alpha)}/{cname}" + (f"/{ns.micro_batches}mb" if ns.step != "mlp" else "")
             if not events:
                 print(f"{key}: no device events in the trace (no GPU?); nothing to report", flush=True)
                 continue
@@ -145,7 +172,7 @@ def main(argv=None) -> int:
                 print(f"  {r['ms_per_step']:7.3f} ms  x{r['launches_per_step']:<5g} {r['kind']:10s} {r['kernel'][:110]}")
     if ns.out is not None and results:
         write_result(ns.out, command=command_line("benchmarks/profile_step.py", argv or sys.argv[1:]),
-                     results=results, extra={"command_buffers": ns.keep_command_buffers})
+                     results=results, extra={"command_buffers": ns.keep_command_buffers, "step": ns.step})
     return 0
 
 

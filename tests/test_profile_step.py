@@ -45,10 +45,21 @@ def test_cpu_run_reports_no_device_events(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_cpu_run_of_the_grad_accum_step(capsys):
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("a GPU trace has device events")
+    assert profile_step.main(["--step", "grad_accum", "--shape", "tiny", "--micro-batches", "2", "--iters", "1",
+                              "--candidates", "bf16/prepared_once", "--keep-command-buffers"]) == 0
+    assert "tiny@uniform/bf16/prepared_once/2mb: no device events" in capsys.readouterr().out
+
+
 def test_bad_arguments_name_the_flag(monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")  # main() appends to it; restored afterwards
     for argv, flag in ((["--shape", "huge"], "--shape"), (["--candidates", "nope"], "--candidates"),
-                       (["--iters", "0"], "--iters")):
+                       (["--iters", "0"], "--iters"), (["--step", "grad_accum", "--candidates", "bf16"], "--candidates"),
+                       (["--step", "grad_accum", "--micro-batches", "0"], "--micro-batches")):
         with pytest.raises(SystemExit):
             profile_step.main(argv)
         assert flag in capsys.readouterr().err
