@@ -1,6 +1,6 @@
 // XLA FFI handler for the Hopper grouped GEMM over ragged M (kernels/grouped_gemm_sm90.py;
-// the "_qw" variants of kernels/grouped_gemm_qw_sm90.py multiply by rhs's MXFP8 values,
-// quantized along K in the kernel). Python side: _src/cuda/gemm_ffi.py.
+// the variant that quantizes the weight in the kernel has its own handler:
+// grouped_gemm_qw.cc). Python side: _src/cuda/gemm_ffi.py.
 //
 //   out[m] = lhs[m] @ rhs[group(m)]; rows at or past sum(group_sizes) are zero.
 //

@@ -46,6 +46,7 @@ PYBIND11_MODULE(_kernels, m) {
         JGM_ADD("jgm_fake_quantize_pair", JgmFakeQuantizePair);
         JGM_ADD("jgm_dequantize_mxfp8", JgmDequantize);
         JGM_ADD("jgm_grouped_gemm", JgmGroupedGemm);
+        JGM_ADD("jgm_grouped_gemm_qw", JgmGroupedGemmQw);
         JGM_ADD("jgm_grouped_wgrad", JgmGroupedWgrad);
         JGM_ADD("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1);
         JGM_ADD("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgrad);
@@ -60,6 +61,7 @@ PYBIND11_MODULE(_kernels, m) {
   JGM_NAMES(DEQUANTIZE_VARIANTS);
   JGM_NAMES(FAKE_QUANTIZE_PAIR_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_VARIANTS);
+  JGM_NAMES(GROUPED_GEMM_QW_VARIANTS);
   JGM_NAMES(GROUPED_WGRAD_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_FC1_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_DGRAD_VARIANTS);

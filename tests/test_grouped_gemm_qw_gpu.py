@@ -25,7 +25,8 @@ import pytest
 
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import mxfp8
-from jax_grouped_mlp._src.op import primitives, reference
+from jax_grouped_mlp._src.op import heuristics, primitives, reference
+from jax_grouped_mlp.kernels import registry
 from gpu_helpers import has_gpu
 
 needs_kernels = pytest.mark.skipif(
@@ -218,12 +219,55 @@ def test_binding_rejects_bad_operands():
         )
 
 
-def test_token_tile_choice():
-    """t192 up to 192 rows per group on average, t384 (shared-memory A) up to 512 (Nano's
-    384 rows: one full tile), t256 above."""
+def test_token_tile_tokens():
+    """Each variant's token tile comes from the registry (the device-side choice's model
+    reads it: tests/test_heuristics.py)."""
     assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t192k64_s5_bk") == 192
     assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t256k64_s4") == 256
     assert gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_qw_w128t384k64_s3_ss_bk") == 384
     with pytest.raises(ValueError, match="not a _qw"):
         gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_bf16_m128n256k64_s4")
-    # (The rule by rows per group: heuristics.qw_token_tile, tests/test_heuristics.py.)
+
+
+def test_device_choice_matches_the_model_on_cpu():
+    """``qw_choice`` (XLA, on the device) picks the variant ``heuristics.qw_tiles_cost``
+    rates cheapest, first of equals, for equal, skewed and empty groups."""
+    names = ("grouped_gemm_sm90_qw_w128t192k64_s5", "grouped_gemm_sm90_qw_w128t256k64_s4",
+             "grouped_gemm_sm90_qw_w128t384k64_s3_ss")
+    rng = np.random.default_rng(0)
+    cases = [np.full(128, 384), np.full(16, 192), np.full(8, 1024), np.zeros(4, np.int64),
+             rng.multinomial(49152, rng.dirichlet(np.ones(128))), rng.multinomial(6000, rng.dirichlet(np.full(32, 0.3)))]
+    with jax.default_device(jax.devices("cpu")[0]):
+        for sizes in cases:
+            costs = [heuristics.qw_tiles_cost(np.asarray(sizes, np.int64), gemm_ffi.qw_tile_tokens(v)) for v in names]
+            got = jax.jit(gemm_ffi.qw_choice, static_argnums=1)(jnp.asarray(sizes, jnp.int32), names)
+            assert got.shape == (1,) and got.dtype == jnp.int32
+            assert int(got[0]) == int(np.argmin(costs)), (sizes[:8], costs)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("transpose", [False, True], ids=["w", "w_bk"])
+def test_device_choice_runs_exactly_one_variant(rng, transpose):
+    """One call launches every variant of the layout; the ``choice`` operand (clamped into
+    range on the device) makes exactly one work: after two different poisons every
+    element is written and equal, for in-range, negative and too-large choices, and equal
+    bit for bit to that variant launched alone (all variants give the same bits)."""
+    fits = tuple(v for v in gemm_ffi.grouped_gemm_qw_variants() if registry.variant(v).rhs_k_major == transpose)
+    if len(fits) < 2:
+        pytest.skip("one variant of this layout compiled")
+    m, n, k, g = 1500, 192, 320, 6
+    sizes = jnp.asarray([0, 700, 13, 384, 193, 100], jnp.int32)  # 110 rows past the groups
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, n, k) if transpose else (g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
+    call = jax.jit(gemm_ffi._grouped_gemm_qw_call, static_argnums=(4, 5))
+    alone = _run(a, w, np.asarray(sizes), transpose, fits[0])
+    for choice in (-3, 0, 1, len(fits) - 1, len(fits) + 5):
+        runs = []
+        for value in (0xFF, 0x7F):
+            _poison(m, n, value)
+            out = call(a, w, sizes, jnp.asarray([choice], jnp.int32), fits, n)
+            runs.append(np.asarray(jax.block_until_ready(out).astype(jnp.float32), np.float64))
+        np.testing.assert_array_equal(runs[0], runs[1], err_msg=f"{choice=}: unwritten elements or two variants ran")
+        np.testing.assert_array_equal(runs[0], alone, err_msg=f"{choice=}")
+    np.testing.assert_array_equal(_run(a, w, np.asarray(sizes), transpose), alone)  # the default: chosen by XLA

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -72,14 +73,34 @@ def test_fused_epilogue_rules():
     assert not heuristics.fuse_dgrad(off, BF, 64, 4)
 
 
-def test_qw_token_tile():
-    """192 up to 192 rows per group, 384 up to 512, 256 above."""
-    assert heuristics.qw_token_tile(128 * 384, 128) == 384  # Nemotron-3-Nano
-    assert heuristics.qw_token_tile(192 * 4, 4) == 192
-    assert heuristics.qw_token_tile(192 * 4 + 1, 4) == 384
-    assert heuristics.qw_token_tile(512 * 4, 4) == 384
-    assert heuristics.qw_token_tile(512 * 4 + 1, 4) == 256
-    assert heuristics.qw_token_tile(0, 0) == 192
+def _qw_best(sizes) -> int:
+    sizes = np.asarray(sizes, np.int64)
+    return min(heuristics.QW_TILE_COSTS, key=lambda t: heuristics.qw_tiles_cost(sizes, t))
+
+
+def test_qw_tiles_cost_counts_tiles():
+    """ceil(g / tile) tiles per group, the 384 tile cheaper when it holds at most 192 tokens."""
+    full, half = heuristics.QW_TILE_COSTS[384]
+    sizes = np.array([0, 1, 192, 193, 384, 385, 1000])
+    # 0: none; 1, 192: one half tile; 193, 384: one full; 385: full + half; 1000: 2 full + full (232 > 192).
+    assert heuristics.qw_tiles_cost(sizes, 384) == pytest.approx(6 * full + 3 * half)
+    c256 = heuristics.QW_TILE_COSTS[256][0]
+    assert heuristics.qw_tiles_cost(sizes, 256) == pytest.approx((0 + 1 + 1 + 1 + 2 + 2 + 4) * c256)
+    with pytest.raises(ValueError, match="tile_t must be one of"):
+        heuristics.qw_tiles_cost(sizes, 128)
+
+
+def test_qw_tile_choice_follows_the_sizes():
+    """Equal sizes keep the tiles measured best (192 at 192 rows a group, 384 at Nano's
+    384, 256 at 1024); router-made skew at Nano moves 384 to 256 (as measured)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import shapes
+
+    assert _qw_best(np.full(128, 384)) == 384
+    assert _qw_best(np.full(16, 192)) == 192
+    assert _qw_best(np.full(8, 1024)) == 256
+    assert _qw_best(shapes.router_group_sizes(128 * 384, 128, 1.0)) == 256
+    assert _qw_best(np.zeros(4, np.int64)) == 192  # nothing to do: the first of equals
 
 
 def test_gemm_tile_n():

@@ -102,7 +102,8 @@ def test_generated_header_has_every_include_and_row_in_order():
     # The handlers' per-variant facts, as C++ literals.
     gemm = header.split("#define JGM_GROUPED_GEMM_VARIANTS(X)")[1].split("\n\n")[0]
     assert "X(grouped_gemm_sm90_bf16_m128n256k64_s4_bk, true)" in gemm
-    assert "X(grouped_gemm_sm90_qw_w128t384k64_s3_ss, false)" in gemm
+    qw = header.split("#define JGM_GROUPED_GEMM_QW_VARIANTS(X)")[1].split("\n\n")[0]
+    assert "X(grouped_gemm_sm90_qw_w128t384k64_s3_ss, false)" in qw and "_qw_" not in gemm
     assert "X(grouped_wgrad_sm90_bf16_m128n192k64_s4_f32, ffi::F32)" in header
     assert "X(grouped_gemm_sm90_bf16_m128n192k64_s5_bk_dsrelu, 192)" in header
     assert "X(fake_quantize_mxfp8_row_colq_v8_t128, ffi::F8E4M3FN)" in header
@@ -141,8 +142,7 @@ def test_bindings_read_properties_from_the_registry():
     assert str(gemm_ffi._wgrad_out_dtype("grouped_wgrad_sm90_bf16_m128n256k64_s4_f32")) == "float32"
     assert str(gemm_ffi._wgrad_out_dtype("grouped_wgrad_sm90_bf16_m128n256k64_s4_en64")) == "bfloat16"
     # default_variant takes the first of the least-padding widths (the registry's order).
-    plain = tuple(v.name for v in registry.variants(Family.GROUPED_GEMM)
-                  if not v.quantizes_weight and not v.rhs_k_major)
+    plain = tuple(v.name for v in registry.variants(Family.GROUPED_GEMM) if not v.rhs_k_major)
     assert gemm_ffi.default_variant(4096, plain) == "grouped_gemm_sm90_bf16_m128n256k64_s4"
     assert gemm_ffi.default_variant(1856, plain) == "grouped_gemm_sm90_bf16_m128n192k64_s5"
     assert gemm_ffi.default_variant(640, plain) == "grouped_gemm_sm90_bf16_m128n128k64_s6"

@@ -99,6 +99,19 @@ def _grouped_gemm_args(b_k_major: bool = False):
             cutlass.Int32(132), make_fake_stream())
 
 
+def _grouped_gemm_qw_args(b_k_major: bool):
+    """Fake (lhs [M, K], rhs (N, K, G), out [M, N], group_sizes, choice [1], slot, count,
+    num_ctas, stream): :func:`_grouped_gemm_args` with the device-side choice among the
+    ``count`` variants one FFI call launches (``choice`` has a symbolic length, so its
+    exported struct is the other rank-1 tensors')."""
+    import cutlass
+    import cutlass.cute as cute
+
+    *head, num_ctas, stream = _grouped_gemm_args(b_k_major)
+    choice = _fake(cutlass.Int32, (cute.sym_int32(),), (0,), align=4)
+    return (*head, choice, cutlass.Int32(0), cutlass.Int32(1), num_ctas, stream)
+
+
 def _grouped_gemm_fp8_block_args():
     """Fake (lhs [M, K] e4m3, rhs (N, K, G) e4m3 K-contiguous (JAX's [G, N, K]), lhs_scale
     [M, KB] uint8, rhs_scale [G, NB, KB] uint8, out [M, N] bf16, group_sizes, num_ctas, stream)."""
@@ -196,7 +209,7 @@ def _kernel(v: registry.Variant):
         from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig, GroupedGemmQwSm90
 
         cfg = GroupedGemmQwConfig(tile_t=v.tile_t, stages=v.stages, w_k_major=v.rhs_k_major, smem_a=v.smem_a)
-        return cfg, GroupedGemmQwSm90(cfg), _grouped_gemm_args(v.rhs_k_major)
+        return cfg, GroupedGemmQwSm90(cfg), _grouped_gemm_qw_args(v.rhs_k_major)
     if isinstance(v, registry.WgradVariant):
         from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradConfig, GroupedWgradSm90
 

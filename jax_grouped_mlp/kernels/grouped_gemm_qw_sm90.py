@@ -160,6 +160,9 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         b: cute.Tensor,  # (N, K, G) bf16 weights: N contiguous ([G, K, N]) or K contiguous ([G, N, K])
         out: cute.Tensor,  # (M, N) bf16, N contiguous
         group_sizes: cute.Tensor,  # (G,) int32
+        choice: cute.Tensor,  # (1,) int32: which of `count` launches works (clamped)
+        slot: Int32,  # this launch's index among them
+        count: Int32,
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
@@ -168,7 +171,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             out.iterator, cute.make_layout((out.shape[1], out.shape[0]), stride=(out.stride[1], out.stride[0]))
         )
         tma, smem_layouts = self._prepare_qw(b, a, out_t)
-        self.kernel(*tma, out_t, group_sizes, self.tiled_mma, *smem_layouts).launch(
+        self.kernel(*tma, out_t, group_sizes, choice, slot, count, self.tiled_mma, *smem_layouts).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
             min_blocks_per_mp=1,
@@ -449,25 +452,33 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         mOutTma: cute.Tensor,  # TMA coordinate tensor (N, M)
         mOut: cute.Tensor,  # (N, M), unit stride along N
         group_sizes: cute.Tensor,
+        choice: cute.Tensor,
+        slot: Int32,
+        count: Int32,
         tiled_mma: cute.TiledMma,
         w_smem: cute.ComposedLayout,
         x_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        cta = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
-        # The producer's "A" is the token tile (rows from the tile's start), its "B" the
-        # group's weight tile: the plain kernel's loads, into the swapped buffers.
-        pipe, sW, sX, sC, warp_group, work = self._setup_and_produce(
-            TmaLoad(tma_atom_x, mX), TmaLoad(tma_atom_w, mW), mOut, group_sizes, (w_smem, x_smem, epi_smem), cta,
-            swapped=True,
-        )
-        if warp_group != 0:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            self._consumer(
-                QwMainloop(self, tiled_mma, pipe, sW, sX),
-                TransposedStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
-                work, cta.tidx - 128, carry_order=("read", "release", "epi_count", "sched"),
+        # Tile chosen on the device: the handler launches `count` variants back to back,
+        # this one as `slot`; only the one `choice` names (clamped into range, so exactly
+        # one works whatever the buffer says) runs, every CTA of the others exits before
+        # touching shared memory or the output.
+        if cutlass.min(cutlass.max(Int32(choice[0]), Int32(0)), count - 1) == slot:
+            cta = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
+            # The producer's "A" is the token tile (rows from the tile's start), its "B" the
+            # group's weight tile: the plain kernel's loads, into the swapped buffers.
+            pipe, sW, sX, sC, warp_group, work = self._setup_and_produce(
+                TmaLoad(tma_atom_x, mX), TmaLoad(tma_atom_w, mW), mOut, group_sizes, (w_smem, x_smem, epi_smem),
+                cta, swapped=True,
             )
+            if warp_group != 0:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self._consumer(
+                    QwMainloop(self, tiled_mma, pipe, sW, sX),
+                    TransposedStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
+                    work, cta.tidx - 128, carry_order=("read", "release", "epi_count", "sched"),
+                )
 
 
 # ---- the consumer's parts (GroupedGemmSm90._consumer runs them) ----

@@ -43,6 +43,7 @@ class Family(enum.Enum):
     """
 
     GROUPED_GEMM = ("jgm_grouped_gemm", "GROUPED_GEMM_VARIANTS", ("rhs_k_major",))
+    GROUPED_GEMM_QW = ("jgm_grouped_gemm_qw", "GROUPED_GEMM_QW_VARIANTS", ("rhs_k_major",))
     GROUPED_WGRAD = ("jgm_grouped_wgrad", "GROUPED_WGRAD_VARIANTS", ("out_type",))
     GROUPED_GEMM_FC1 = ("jgm_grouped_gemm_fc1", "GROUPED_GEMM_FC1_VARIANTS", ())
     GROUPED_GEMM_DGRAD = ("jgm_grouped_gemm_dgrad", "GROUPED_GEMM_DGRAD_VARIANTS", ("tile_n",))
@@ -126,9 +127,11 @@ class GemmVariant:
 
 @dataclasses.dataclass(frozen=True)
 class QwGemmVariant:
-    """``GroupedGemmQwSm90`` (``kernels/grouped_gemm_qw_sm90.py``): the ``jgm_grouped_gemm``
-    operands, but the kernel multiplies by the MXFP8 values of ``rhs`` (quantized along K
-    in the kernel). Tiles of 128 output columns (weight rows) by ``tile_t`` tokens.
+    """``GroupedGemmQwSm90`` (``kernels/grouped_gemm_qw_sm90.py``, ``jgm_grouped_gemm_qw``):
+    the ``jgm_grouped_gemm`` operands, but the kernel multiplies by the MXFP8 values of
+    ``rhs`` (quantized along K in the kernel). Tiles of 128 output columns (weight rows)
+    by ``tile_t`` tokens. One FFI call launches several of these and a device-side choice
+    operand says which one works (the token tile picked from the group sizes).
 
     smem_a: the quantized weight tile goes back to shared memory and feeds both token
       halves of a ``tile_t`` > 256 tile (name ``_ss``).
@@ -142,7 +145,7 @@ class QwGemmVariant:
     tile_n: ClassVar[int] = 128  # TILE_W of the kernel: output columns per tile
     tile_k: ClassVar[int] = 64
     quantizes_weight: ClassVar[bool] = True
-    family: ClassVar[Family] = Family.GROUPED_GEMM
+    family: ClassVar[Family] = Family.GROUPED_GEMM_QW
 
     @property
     def tile_tokens(self) -> int:
@@ -285,7 +288,7 @@ VARIANTS: tuple[Variant, ...] = (
     GemmVariant(tile_n=256, stages=4, panel_m=16),
     GemmVariant(tile_n=256, stages=4, rhs_k_major=True),
     GemmVariant(tile_n=192, stages=5, rhs_k_major=True),
-    # ... and the ones that quantize the weight themselves (grouped_gemm_qw).
+    # jgm_grouped_gemm_qw: the ones that quantize the weight themselves.
     QwGemmVariant(tile_t=192, stages=5),
     QwGemmVariant(tile_t=192, stages=5, rhs_k_major=True),
     QwGemmVariant(tile_t=256, stages=4),

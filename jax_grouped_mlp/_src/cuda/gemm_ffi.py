@@ -35,28 +35,20 @@ from jax_grouped_mlp._src.op import activation, heuristics
 from jax_grouped_mlp.kernels import registry
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
+GROUPED_GEMM_QW_TARGET = "jgm_grouped_gemm_qw"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
 _MAX = 2**31
 
 
-def _gemm_handler_variants() -> tuple[str, ...]:
-    """Every variant of the "jgm_grouped_gemm" handler, in the order of its ``variant`` attribute."""
-    return ffi.variants("GROUPED_GEMM_VARIANTS")
-
-
-def _is_qw(variant: str) -> bool:
-    return registry.variant(variant).quantizes_weight
-
-
 def grouped_gemm_variants() -> tuple[str, ...]:
     """Names of the compiled forward/dgrad tile configurations (empty without the extension)."""
-    return tuple(v for v in _gemm_handler_variants() if not _is_qw(v))
+    return ffi.variants("GROUPED_GEMM_VARIANTS")
 
 
 def grouped_gemm_qw_variants() -> tuple[str, ...]:
     """Names of the compiled GEMMs that quantize the weight to MXFP8 themselves
     (:func:`grouped_gemm_qw_cuda`; empty without the extension)."""
-    return tuple(v for v in _gemm_handler_variants() if _is_qw(v))
+    return ffi.variants("GROUPED_GEMM_QW_VARIANTS")
 
 
 def grouped_wgrad_variants() -> tuple[str, ...]:
@@ -176,16 +168,24 @@ def grouped_gemm_bf16_cuda(
         names, n, variant, lambda v: registry.variant(v).rhs_k_major == transpose_rhs, f"{transpose_rhs=}"
     )
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    attr = np.int32(_gemm_handler_variants().index(names[index]))
-    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=attr)
+    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=index)
 
 
 def qw_tile_tokens(variant: str) -> int:
     """Tokens per CTA tile of a variant that quantizes its weight, from the registry."""
     v = registry.variant(variant)
-    if v.family is not registry.Family.GROUPED_GEMM or not v.quantizes_weight:
+    if v.family is not registry.Family.GROUPED_GEMM_QW:
         raise ValueError(f"variant must be a _qw grouped GEMM variant (not a _qw one: {variant!r})")
     return v.tile_tokens
+
+
+def qw_choice(group_sizes: jax.Array, variants: tuple[str, ...]) -> jax.Array:
+    """``[1]`` int32 on the device: the index in ``variants`` of the one with the least
+    modelled time for these (clamped) group sizes (:func:`heuristics.qw_tiles_cost`; the
+    first of equals). A few integer ops in XLA: no host sync."""
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    costs = jnp.stack([heuristics.qw_tiles_cost(sizes, qw_tile_tokens(v)) for v in variants])
+    return jnp.argmin(costs).astype(jnp.int32).reshape(1)
 
 
 def grouped_gemm_qw_cuda(
@@ -205,6 +205,11 @@ def grouped_gemm_qw_cuda(
     same numbers as ``grouped_gemm_bf16_cuda(lhs, dequantize(quantize_mxfp8(w,
     axis=K)))`` up to fp32 summation order, without the pass that writes the
     quantized weight. bf16 ``[M, N]`` out.
+
+    ``variant``: one compiled variant by name; by default the token tile is chosen on
+    the device from the group sizes (:func:`qw_choice`): the call launches every
+    compiled variant of this weight layout and all but the chosen one exit at once
+    (a few microseconds each). Every variant gives the same bits.
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
@@ -212,14 +217,24 @@ def grouped_gemm_qw_cuda(
     _checked_supported("grouped GEMM kernel", m, n, k, g)
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_qw_variants()
-    fits = [v for v in names if registry.variant(v).rhs_k_major == transpose_rhs]
-    if variant is None and fits:
-        variant = min(fits, key=lambda v: abs(qw_tile_tokens(v) - heuristics.qw_token_tile(m, g)))
-    if variant not in fits:
+    fits = tuple(v for v in names if registry.variant(v).rhs_k_major == transpose_rhs)
+    if variant is not None and variant not in fits:
         raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
-    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    attr = np.int32(_gemm_handler_variants().index(variant))
-    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, w, group_sizes, variant=attr)
+    if not fits:
+        raise Unsupported(f"no _qw grouped GEMM variant is compiled for {transpose_rhs=}")
+    chosen = fits if variant is None else (variant,)
+    choice = qw_choice(group_sizes, chosen) if len(chosen) > 1 else jnp.zeros((1,), jnp.int32)
+    return _grouped_gemm_qw_call(lhs, w, group_sizes, choice, chosen, n)
+
+
+def _grouped_gemm_qw_call(lhs, w, group_sizes, choice, variants: tuple[str, ...], n: int) -> jax.Array:
+    """The custom call (checked operands, ``n`` output columns): launches ``variants``
+    (all of one weight layout) in order, the one ``choice`` names working (``[1]`` int32
+    on the device, clamped into range by the kernels)."""
+    names = grouped_gemm_qw_variants()
+    attr = np.asarray([names.index(v) for v in variants], np.int32)
+    out = jax.ShapeDtypeStruct((lhs.shape[0], n), jnp.bfloat16)
+    return jax.ffi.ffi_call(GROUPED_GEMM_QW_TARGET, out)(lhs, w, group_sizes, choice, variants=attr)
 
 
 def _as_bf16(x) -> jax.Array:

@@ -22,7 +22,6 @@ import it too.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 
 
@@ -99,19 +98,35 @@ def fuse_dgrad(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:
 
 # ---- Tile choices of the CUDA kernels (static shapes only) ----
 
-# The token tile of the ``_qw`` GEMM by average rows per group: (at most this many
-# rows, tile). 192: the register-A kernel. 384: the shared-memory-A kernel, one
-# quantized weight tile feeding two 192-token accumulators (half the conversions; a
-# tile with at most 192 tokens runs one accumulator's wgmmas only). 256 above, where
-# it measured fastest (1024 rows per group).
-QW_TOKEN_TILES: tuple[tuple[float, int], ...] = ((192, 192), (512, 384), (math.inf, 256))
+# The token tile of the ``_qw`` GEMM is chosen on the device from the group sizes (one
+# FFI call launches every compiled tile; ``gemm_ffi.qw_choice`` computes which one works,
+# in XLA, without a host sync): the tile with the least modelled time. A group of g rows
+# runs ceil(g / tile) token tiles per weight tile; the model charges each one a cost
+# relative to the others, measured on the H200 at the Nemotron-3-Nano GEMMs
+# (``benchmarks/results/gemm_qw*_h200.json``, equal and skewed sizes): the register-A
+# kernels (192, 256) are bound by the weight conversion, so a tile costs the same however
+# few tokens it holds; the shared-memory-A 384 tile runs one accumulator's wgmmas for at
+# most 192 tokens, which saves about a fifth. (cost of a tile with more than half its
+# tokens, cost with at most half.) The model reproduces the measured order at equal sizes
+# (384 best at 384 rows a group, 192 at 192, 256 at 1024) and under router skew (256).
+QW_TILE_COSTS: dict[int, tuple[float, float]] = {192: (0.42, 0.42), 256: (0.49, 0.49), 384: (0.727, 0.58)}
 
 
-def qw_token_tile(m: int, num_groups: int) -> int:
-    """The wanted token tile of the ``_qw`` GEMM for ``m`` rows in ``num_groups`` groups
-    (:data:`QW_TOKEN_TILES`); the binding takes the compiled variant nearest to it."""
-    per_group = m / max(num_groups, 1)
-    return next(tile for rows, tile in QW_TOKEN_TILES if per_group <= rows)
+def qw_tiles_cost(group_sizes, tile_t: int):
+    """The modelled time of the ``_qw`` GEMM with token tile ``tile_t`` for these (clamped,
+    non-negative) group sizes, per weight tile, in :data:`QW_TILE_COSTS`' units.
+
+    Written with array operators only, so it takes a NumPy array (tests, benchmarks) or a
+    traced jax array (the device-side choice) alike; a tile missing from the table raises
+    ValueError.
+    """
+    if tile_t not in QW_TILE_COSTS:
+        raise ValueError(f"tile_t must be one of {sorted(QW_TILE_COSTS)}, got {tile_t=}")
+    full, half = QW_TILE_COSTS[tile_t]
+    rem = group_sizes % tile_t
+    big = rem > tile_t // 2
+    small = (rem > 0) & ~big
+    return ((group_sizes // tile_t) * full + big * full + small * half).sum()
 
 
 def gemm_tile_n(n: int, widths: Iterable[int]) -> int:
