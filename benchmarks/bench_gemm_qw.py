@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp.kernels import registry
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import RESULTS, bench_gemm_shapes, gemm_cell, gemm_entry, gemm_problem, gemm_report, time_call  # noqa: E402
@@ -58,13 +59,20 @@ def bench_layout(a, w, gs, flops: float, transpose: bool, iters: int) -> dict:
         res["qw:" + v] = gemm_entry(time_call(qw, a, w, gs, iters=iters), flops) | _agreement(qw(a, w, gs), want)
     best = min((k for k in res if k.startswith("qw:")), key=lambda k: res[k]["ms"])
     res["qw"] = res[best] | {"variant": best[3:]}
+    # The default call: every variant launched, the one chosen on the device from the sizes working.
+    fits = tuple(v for v in gemm_ffi.grouped_gemm_qw_variants() if registry.variant(v).rhs_k_major == transpose)
+    chosen = fits[int(jax.jit(gemm_ffi.qw_choice, static_argnums=1)(gs, fits)[0])]
+    auto = jax.jit(lambda a, w, gs: gemm_ffi.grouped_gemm_qw_cuda(a, w, gs, transpose_rhs=transpose))
+    res["qw_device_choice"] = (gemm_entry(time_call(auto, a, w, gs, iters=iters), flops)
+                               | _agreement(auto(a, w, gs), want) | {"variant": chosen})
+    res["device_choice_over_best"] = res["qw_device_choice"]["ms"] / res["qw"]["ms"]
     res["speedup_vs_fake_quantize+bf16"] = res["fake_quantize+bf16"]["ms"] / res["qw"]["ms"]
     res["qw_over_prequantized"] = res["qw"]["ms"] / res["bf16_prequantized"]["ms"]
     return res
 
 
-def bench_shape(name: str, iters: int, skew: float = 0.0) -> dict:
-    res, a, w, gs = gemm_problem(name, skew)
+def bench_shape(name: str, iters: int, skew: float = 0.0, alpha: float | None = None) -> dict:
+    res, a, w, gs = gemm_problem(name, skew, alpha)
     flops = res["flops"]
     res["fprop"] = bench_layout(a, w, gs, flops, False, iters)
     res["dgrad"] = bench_layout(a, jnp.swapaxes(w, 1, 2), gs, flops, True, iters)
@@ -77,6 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skew", type=float, default=0.0,
                     help="unequal group sizes like a router's (common.routed_group_sizes); 0: equal")
+    ap.add_argument("--alpha", type=float, default=None,
+                    help="group sizes as a router makes them (shapes.router_group_sizes, Dirichlet(alpha)); "
+                         "overrides --skew")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "gemm_qw_h200.json")
     ns = ap.parse_args(argv)
     if not (ffi.available() and gemm_ffi.grouped_gemm_qw_variants()) or jax.devices()[0].platform != "gpu":
@@ -86,7 +97,7 @@ def main(argv=None) -> int:
         "grouped GEMM by a bf16 weight's MXFP8 values: quantized in registers vs a fake-quantize pass first",
         "benchmarks/bench_gemm_qw.py", sys.argv[1:] if argv is None else argv,
     )
-    bench_gemm_shapes(report, ns.shapes, lambda name: bench_shape(name, ns.iters, ns.skew), ns.out)
+    bench_gemm_shapes(report, ns.shapes, lambda name: bench_shape(name, ns.iters, ns.skew, ns.alpha), ns.out)
 
     def cell(e):
         return gemm_cell(e, 5)
@@ -102,8 +113,11 @@ def main(argv=None) -> int:
             for k, q in e.items():
                 if k.startswith("qw:"):
                     print(f"    {k:48} {cell(q)}  bitwise {q['bitwise_equal_fraction']:.4f}")
-    print("columns: ms TFLOP/s; qw = the best qw variant; speed-up = fake_quantize+bf16 / qw; "
-          "qw/pre = qw / bf16 on pre-quantized weights")
+            d = e["qw_device_choice"]
+            print(f"    {'default (device choice: ' + d['variant'] + ')':48} {cell(d)}  bitwise "
+                  f"{d['bitwise_equal_fraction']:.4f}  / best {e['device_choice_over_best']:.3f}")
+    print("columns: ms TFLOP/s; qw = the best qw variant alone; speed-up = fake_quantize+bf16 / qw; "
+          "qw/pre = qw / bf16 on pre-quantized weights; default = the op's call, tile chosen on the device")
     return 0
 
 

@@ -43,23 +43,27 @@ def routed_group_sizes(m: int, g: int, skew: float, seed: int = 0) -> np.ndarray
     return rng.multinomial(m, p / p.sum()).astype(np.int32)
 
 
-def gemm_problem(name: str, skew: float = 0.0):
+def gemm_problem(name: str, skew: float = 0.0, alpha: float | None = None):
     """The GEMM benchmark shape ``name`` with fresh random bf16 operands:
     ``(header, a [M, K], w [G, K, N], group_sizes)``, the header being the result's
     ``{"shape": ..., "flops": 2 M N K}``; group sizes from :func:`routed_group_sizes`
-    (equal by default), ``w`` scaled by ``1/sqrt(K)``."""
+    (equal by default), or, with ``alpha``, as a router makes them
+    (``shapes.router_group_sizes``, Dirichlet(alpha); ``inf``: equal); ``w`` scaled by
+    ``1/sqrt(K)``."""
     import jax.numpy as jnp
+
+    from shapes import router_group_sizes
 
     g, rows, k, n = GEMM_SHAPES[name]
     m = g * rows
     ka, kb = jax.random.split(jax.random.key(hash(name) % 2**31))
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kb, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    sizes = routed_group_sizes(m, g, skew)
+    sizes = routed_group_sizes(m, g, skew) if alpha is None else router_group_sizes(m, g, alpha)
     gs = jnp.asarray(sizes)
     header = {"shape": {"G": g, "rows_per_group": rows, "M": m, "K": k, "N": n}, "flops": 2.0 * m * n * k}
-    if skew:
-        header["group_sizes"] = {"skew": skew, "min": int(sizes.min()), "max": int(sizes.max()),
+    if skew or alpha is not None:
+        header["group_sizes"] = {"skew": skew, "alpha": alpha, "min": int(sizes.min()), "max": int(sizes.max()),
                                  "std": float(sizes.std())}
     return header, a, w, gs
 
