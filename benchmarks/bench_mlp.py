@@ -94,23 +94,40 @@ def step_inputs(name: str, seed: int, alpha: float = float("inf")) -> tuple[tupl
     return (x, w1, w2, jnp.asarray(sizes), probs, dy), sizes
 
 
-def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), alpha: float = float("inf")) -> dict:
+def compile_shape(name: str, seed: int, only: tuple[str, ...] = (), alpha: float = float("inf")):
+    """The result header of shape ``name`` at skew ``alpha``, and per candidate either
+    ``(compiled step, args)`` or an error string (OOM and unsupported shapes are results too)."""
     g, rows, h, f = MLP_SHAPES[name]
-    m = g * rows
     args, sizes = step_inputs(name, seed, alpha)
-    flops = 6 * 2 * m * h * f
-    res: dict = {"groups": g, "rows_per_group": rows, "hidden": h, "ffn": f, "flops_per_step": flops,
-                 "skew": skew_label(alpha), "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
+    header = {"groups": g, "rows_per_group": rows, "hidden": h, "ffn": f, "flops_per_step": 6 * 2 * g * rows * h * f,
+              "skew": skew_label(alpha), "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
+    jobs: dict = {}
     for cname, mlp in _candidates().items():
         if only and cname not in only:
             continue
-        step = _step(mlp)
         try:
-            compiled = step.lower(*args).compile()
-            mem = compiled.memory_analysis()
-            temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
-            sec = time_call(compiled, *args, iters=iters, warmup=1, samples=3)
-            res[cname] = {"ms": sec * 1e3, "tflops": flops / sec / 1e12, "temp_bytes": temp}
+            jobs[cname] = (_step(mlp).lower(*args).compile(), args)
+        except Exception as err:  # noqa: BLE001
+            jobs[cname] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    return header, jobs
+
+
+def _entry(compiled, seconds: float, flops: float) -> dict:
+    mem = compiled.memory_analysis()
+    return {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+            "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None}
+
+
+def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), alpha: float = float("inf")) -> dict:
+    """Every candidate's step at shape ``name`` and skew ``alpha``, timed one after another."""
+    res, jobs = compile_shape(name, seed, only, alpha)
+    for cname, job in jobs.items():
+        try:
+            if isinstance(job, str):
+                raise RuntimeError(job)
+            compiled, args = job
+            res[cname] = _entry(compiled, time_call(compiled, *args, iters=iters, warmup=1, samples=3),
+                                res["flops_per_step"])
         except Exception as err:  # noqa: BLE001 - OOM and unsupported shapes are results too
             res[cname] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
         print(name, cname, res[cname], flush=True)
@@ -119,6 +136,39 @@ def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), al
         if base and "ms" in res.get(cname, {}):
             res[cname]["speedup_vs_ragged_dot"] = base / res[cname]["ms"]
     return res
+
+
+def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, ...], alphas: list[float],
+                            rounds: int) -> dict:
+    """Skewed steps against the equal-sizes step, measured in ``rounds`` interleaved rounds
+    (every candidate at every skew once per round, after compiling all of them), so that
+    clock drift on a shared machine hits both sides of a ratio alike. Each entry's ``ms``
+    is the median over rounds; a skewed entry's ``vs_uniform`` is the median of the
+    per-round ratios and ``vs_uniform_rounds`` lists them."""
+    keyed = {}
+    for alpha in alphas:
+        key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"
+        keyed[key] = (alpha, *compile_shape(name, seed, only, alpha))
+    times: dict = {(k, c): [] for k, (_, _, jobs) in keyed.items() for c, j in jobs.items() if not isinstance(j, str)}
+    for _ in range(rounds):
+        for (key, cname), out in times.items():
+            compiled, args = keyed[key][2][cname]
+            out.append(time_call(compiled, *args, iters=iters, warmup=1, samples=1))
+    report = {}
+    for key, (alpha, header, jobs) in keyed.items():
+        res = report[key] = header
+        for cname, job in jobs.items():
+            if isinstance(job, str):
+                res[cname] = {"error": job}
+                continue
+            res[cname] = _entry(job[0], float(np.median(times[key, cname])), header["flops_per_step"])
+            res[cname]["rounds_ms"] = [t * 1e3 for t in times[key, cname]]
+            if alpha != float("inf") and (name, cname) in times:
+                ratios = [t / u for t, u in zip(times[key, cname], times[name, cname])]
+                res[cname]["vs_uniform"] = float(np.median(ratios))
+                res[cname]["vs_uniform_rounds"] = ratios
+            print(key, cname, {k: v for k, v in res[cname].items() if "rounds" not in k}, flush=True)
+    return report
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
@@ -136,12 +186,18 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     ap.add_argument("--alphas", default=",".join(str(a) for a in ALPHAS),
                     help="group-size skews to run each shape at: inf (equal sizes) and Dirichlet alphas")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="above 1: time every skew of a shape in this many interleaved rounds (medians; "
+                         "the skew ratios per round), with the equal sizes first in --alphas")
     ns = ap.parse_args(argv)
     alphas = [float(a) for a in ns.alphas.split(",") if a]
     only = tuple(c for c in ns.only.split(",") if c)
     report = {"command": command_line("benchmarks/bench_mlp.py", argv or sys.argv[1:]),
               "device": device_description(), "shapes": {}}
     for name in ns.shapes.split(","):
+        if ns.rounds > 1:
+            report["shapes"].update(bench_skews_interleaved(name, ns.iters, ns.seed, only, alphas, ns.rounds))
+            continue
         uniform = None
         for alpha in alphas:
             key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"

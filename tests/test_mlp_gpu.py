@@ -71,7 +71,9 @@ def test_kernels_are_in_the_compiled_program(gpu, rng, fuse, in_gemm):
     assert n(ffi.FAKE_QUANTIZE_TARGET) == (0 if in_gemm else 4)  # w1, w2 along K and along N
     # The two kept FP8 residuals, dequantized for the weight gradients by our kernel.
     assert n(ffi.DEQUANTIZE_TARGET) == 2
-    assert n(gemm_ffi.GROUPED_GEMM_TARGET) == 4 - fc1 - dgrad  # FC1, FC2, FC2 dgrad, FC1 dgrad
+    # FC1, FC2, FC2 dgrad, FC1 dgrad: the ones that quantize their weight have their own target.
+    assert n(gemm_ffi.GROUPED_GEMM_QW_TARGET) == (4 if in_gemm else 0)
+    assert n(gemm_ffi.GROUPED_GEMM_TARGET) + n(gemm_ffi.GROUPED_GEMM_QW_TARGET) == 4 - fc1 - dgrad
     assert hlo.count(f'custom_call_target="{gemm_ffi.GROUPED_WGRAD_TARGET}"') == 2
     assert not re.search(r"\bdot\(", hlo), "an XLA dot survived"
     assert "cublas" not in hlo and "triton_gemm" not in hlo

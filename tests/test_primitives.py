@@ -38,7 +38,8 @@ def test_every_called_target_is_registered():
 
     targets = (
         ffi.FAKE_QUANTIZE_TARGET, ffi.FAKE_QUANTIZE_PAIR_TARGET, ffi.DEQUANTIZE_TARGET,
-        gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET, gemm_ffi.GROUPED_GEMM_FC1_TARGET,
+        gemm_ffi.GROUPED_GEMM_TARGET, gemm_ffi.GROUPED_GEMM_QW_TARGET, gemm_ffi.GROUPED_WGRAD_TARGET,
+        gemm_ffi.GROUPED_GEMM_FC1_TARGET,
         gemm_ffi.GROUPED_GEMM_DGRAD_TARGET, gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET,
     )
     for target in targets:
@@ -99,7 +100,9 @@ def test_cuda_gradient_has_no_fallback_gemms(rng, recipe, fuse, in_gemm, rows_pe
         ffi.FAKE_QUANTIZE_PAIR_TARGET: 4 - fused_fc1 - fused_dgrad,
         ffi.DEQUANTIZE_TARGET: 2,  # the kept FP8 residuals x and a, for the wgrads
         ffi.FAKE_QUANTIZE_TARGET: 0 if qw else 4,  # w1 and w2, along K (fprop) and along N (dgrad)
-        gemm: 4 - fused_fc1 - fused_dgrad,  # FC1, FC2, FC2 dgrad, FC1 dgrad
+        # FC1, FC2, FC2 dgrad, FC1 dgrad (quantizing their weights: their own target)
+        gemm: 0 if qw else 4 - fused_fc1 - fused_dgrad,
+        gemm_ffi.GROUPED_GEMM_QW_TARGET: 4 if qw else 0,
         gemm_ffi.GROUPED_GEMM_FC1_TARGET: int(fused_fc1),
         gemm_ffi.GROUPED_GEMM_DGRAD_TARGET: int(fused_dgrad),
         wgrad: 2,
