@@ -708,14 +708,7 @@ class Bf16Mainloop(TraceTimeObject):
     """The bf16 mainloop: wgmma with both operands from shared memory, one stage's wgmmas
     in flight while the next stage is awaited, each slot handed back to the producer as
     soon as the wgmmas that read it are done. Tail tiles (rows past the groups) skip it
-    and leave a zero accumulator.
-
-    A group's last, partial tile: a consumer warp group whose 64 rows all lie past the
-    tile's valid rows only waits for and releases the stages (its accumulator stays zero;
-    no epilogue stores those rows), so the other warp group's wgmmas have the tensor
-    cores to themselves. Under router skew about half the partial tiles hold at most 64
-    rows (docs/notes/2026-12-02-skew.md).
-    """
+    and leave a zero accumulator."""
 
     def __init__(self, kernel: GroupedGemmSm90, tiled_mma: cute.TiledMma, pipe, sA: cute.Tensor, sB: cute.Tensor):
         self.kernel = kernel
@@ -727,8 +720,6 @@ class Bf16Mainloop(TraceTimeObject):
     def setup(self, ctid):
         """Consumer thread ``ctid``'s operand fragments; returns the fp32 accumulator."""
         self.tCrA, self.tCrB, self.acc = self.kernel._mma_fragments(self.tiled_mma, self.sA, self.sB, ctid)
-        # The first tile row of this thread's warp group (they are stacked along M).
-        self.wg_row0 = ctid // 128 * (self.kernel.tile_m // self.kernel.num_mma_warp_groups)
         return self.acc
 
     @cute.jit
@@ -736,15 +727,8 @@ class Bf16Mainloop(TraceTimeObject):
         """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
         tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
         k_tiles = work.k_tiles
-        _, rows_valid, _ = tile
         acc.fill(0.0)
-        if sched.seg < sched.group_sizes.shape[0] and rows_valid <= self.wg_row0:
-            for k in range(k_tiles):  # no row of this warp group's: hand the stages back only
-                mainloop.consumer_wait(read)
-                mainloop.consumer_release(release)
-                release.advance()
-                read.advance()
-        elif sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
+        if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()
             # First stage: issue and keep in flight.
