@@ -97,3 +97,20 @@ def test_bench_mlp_reports_skew_next_to_uniform(tmp_path):
     assert data["tiny"]["skew"] == "uniform" and data["tiny@alpha=1"]["skew"] == "alpha=1"
     for c in ("grouped_mlp_bf16", "ragged_dot_bf16"):
         assert data["tiny@alpha=1"][c]["vs_uniform"] > 0
+
+
+def test_bench_mlp_interleaved_rounds_give_per_round_ratios(tmp_path):
+    """``--rounds``: every skew timed once per round; the ratio is the median of the
+    per-round ratios, each a skewed round's time over the same round's equal-sizes time."""
+    import bench_mlp
+
+    out = tmp_path / "mlp.json"
+    bench_mlp.main(["--shapes", "tiny", "--alphas", "inf,1", "--only", "grouped_mlp_bf16", "--iters", "1",
+                    "--rounds", "3", "--out", str(out)])
+    data = json.loads(out.read_text())["results"]
+    equal, skew = data["tiny"]["grouped_mlp_bf16"], data["tiny@alpha=1"]["grouped_mlp_bf16"]
+    assert len(equal["rounds_ms"]) == len(skew["rounds_ms"]) == 3 and "vs_uniform" not in equal
+    ratios = [s / e for s, e in zip(skew["rounds_ms"], equal["rounds_ms"])]
+    np.testing.assert_allclose(skew["vs_uniform_rounds"], ratios, rtol=1e-9)
+    assert skew["vs_uniform"] == pytest.approx(float(np.median(ratios)))
+    assert equal["ms"] == pytest.approx(float(np.median(equal["rounds_ms"])))
