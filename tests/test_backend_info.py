@@ -4,6 +4,7 @@ list of local CUDA devices (``devices._local_cuda_devices``)."""
 
 from __future__ import annotations
 
+import re
 import types
 import warnings
 
@@ -165,3 +166,29 @@ def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
     text = _cuda_text(grad_fn, *_inputs(rng, h=72))
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 2
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_TARGET}(') == 2
+
+
+@pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
+def test_fp8_block_prepared_weights_need_no_transpose_on_cuda(rng, fake_gpus):
+    """``prepare_weights(recipe="fp8_block")`` stores the forward copies K-major, so the
+    forward FP8 GEMMs read them as they are: no FP8 weight transpose left in the CUDA
+    program (the op without ``prepared`` makes one per weight per call)."""
+    from jax_grouped_mlp._src.cuda import gemm_ffi
+
+    if not gemm_ffi.grouped_gemm_fp8_block_variants():
+        pytest.skip("this build has no FP8 block-scaled GEMM")
+    x, w1, w2, gs, p = _inputs(rng)
+
+    def grad_fn(x, w1, w2, gs, p, pw):
+        loss = lambda x, w1, w2: jnp.sum(
+            jgm.grouped_mlp(x, w1, w2, gs, p, recipe="fp8_block", prepared=pw).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+
+    fake_gpus("9.0")
+    fp8_transposes = re.compile(r"stablehlo\.transpose[^\n]*-> tensor<3x(?:96x64|64x96)xf8E4M3FN>")
+    pw = jgm.prepare_weights(w1, w2, recipe="fp8_block")
+    text = _cuda_text(grad_fn, x, w1, w2, gs, p, pw)
+    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4
+    assert not fp8_transposes.findall(text)
+    unprepared = _cuda_text(lambda x, w1, w2, gs, p: grad_fn(x, w1, w2, gs, p, None), x, w1, w2, gs, p)
+    assert len(fp8_transposes.findall(unprepared)) >= 2  # the pattern finds what it looks for

@@ -103,6 +103,10 @@ def test_bad_prepared_arguments_are_named(rng):
     raw = jgm.PreparedWeights(w1, w1, w2, w2[:1], recipe="mxfp8")  # by hand, one copy cut
     with pytest.raises(ValueError, match="prepared.w2_dgrad has shape"):
         jgm.grouped_mlp(x, w1, w2, gs, probs, prepared=raw)
+    q = jgm.prepare_weights(w1, w2, recipe="fp8_block")
+    unflagged = jgm.PreparedWeights(q.w1_fprop, q.w1_dgrad, q.w2_fprop, q.w2_dgrad, recipe="fp8_block")
+    with pytest.raises(ValueError, match=r"prepared.w1_fprop has shape \(4, 96, 64\).*must be \(4, 64, 96\)"):
+        jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="fp8_block", prepared=unflagged)
     wrong_kind = jgm.PreparedWeights(w1, w1, w2, w2, recipe="fp8_block")
     with pytest.raises(TypeError, match="prepared.w1_fprop must be an FP8BlockTensor"):
         jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="fp8_block", prepared=wrong_kind)
@@ -122,7 +126,12 @@ def test_prepared_weights_are_a_pytree_without_gradient(rng):
     pw = jgm.prepare_weights(w1, w2, recipe="fp8_block")
     leaves, tree = jax.tree.flatten(pw)
     assert jax.tree.unflatten(tree, leaves).recipe == "fp8_block"
-    assert pw.w1_fprop is pw.w1_dgrad  # one FP8 copy serves both uses
+    # The same tiles twice: as stored (dgrad) and transposed (the forward GEMM reads K-major).
+    assert pw.fprop_k_major and pw.w1_shape == w1.shape and pw.w1_fprop.data.shape == (4, 96, 64)
+    np.testing.assert_array_equal(np.asarray(pw.w1_fprop.data.astype(jnp.float32)),
+                                  np.asarray(jnp.swapaxes(pw.w1_dgrad.data, 1, 2).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(pw.w2_fprop.scale.astype(jnp.float32)),
+                                  np.asarray(jnp.swapaxes(pw.w2_dgrad.scale, 1, 2).astype(jnp.float32)))
     g = jax.grad(lambda w: jnp.sum(jgm.dequantize_fp8_block(jgm.prepare_weights(w, w2, recipe="fp8_block").w1_fprop,
                                                             jnp.float32)))(w1)
     assert not np.any(np.asarray(g, np.float32))  # stop_gradient: the gradient goes through the op's w1

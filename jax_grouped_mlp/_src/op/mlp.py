@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,28 +70,50 @@ def _fc2_input_rebuild(recipe: Recipe) -> residuals.Rebuild:
     return residuals.Rebuild(fn, (FC2_INPUT, recipe))
 
 
+class _Ready(NamedTuple):
+    """A weight operand that came prepared (:mod:`prepared`), and whether it is stored
+    transposed against the weight (``PreparedWeights.fprop_k_major``)."""
+
+    op: Operand
+    transposed: bool = False
+
+
 def _weight_gemm(
     lhs, w, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype, *, transpose_rhs: bool = False,
-    ready: Operand | None = None,
+    ready: _Ready | None = None,
 ):
     """``lhs @ w[g]`` (``transpose_rhs``: ``@ w[g]^T``) with ``w`` prepared by ``recipe``,
     blocked along the GEMM's K (inside the GEMM kernel: ``heuristics.weights_in_gemm``),
-    or with ``ready``, that operand already prepared (:mod:`prepared`)."""
+    or with ``ready``, that operand already prepared (a transposed one is read as such:
+    the same product, without a transposing pass)."""
     if ready is not None:
-        return primitives.grouped_gemm(lhs, ready, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
+        return primitives.grouped_gemm(
+            lhs, ready.op, group_sizes, out_dtype, transpose_rhs=transpose_rhs != ready.transposed
+        )
     if heuristics.weights_in_gemm(choices, recipe, lhs.shape[0], w.shape[0]):
         return primitives.grouped_gemm_qw(lhs, w, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
     wq = recipe.weight(w, 2 if transpose_rhs else 1)
     return primitives.grouped_gemm(lhs, wq, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
 
 
-def _weight(recipe: Recipe, w, reduce_axis: int, ready: Operand | None) -> Operand:
-    """``recipe.weight(w, reduce_axis)``, or ``ready`` when the weights come prepared."""
-    return recipe.weight(w, reduce_axis) if ready is None else ready
+def _weight(recipe: Recipe, w, reduce_axis: int, ready: _Ready | None) -> Operand:
+    """``recipe.weight(w, reduce_axis)``, or the prepared operand (the fused kernels that
+    take it read the weight as stored: mxfp8, never transposed)."""
+    if ready is None:
+        return recipe.weight(w, reduce_axis)
+    if ready.transposed:
+        raise ValueError(f"recipe={recipe.value!r}: a fused kernel cannot take a transposed prepared weight")
+    return ready.op
 
 
-def _ready(prepared: PreparedWeights | None, field: str) -> Operand | None:
-    return None if prepared is None else getattr(prepared, field)
+def _fprop_ready(prepared: PreparedWeights | None, weight: str) -> _Ready | None:
+    """``prepared``'s copy of ``weight`` ("w1" or "w2") for its forward GEMM."""
+    return None if prepared is None else _Ready(getattr(prepared, f"{weight}_fprop"), prepared.fprop_k_major)
+
+
+def _dgrad_ready(op: Operand | None) -> _Ready | None:
+    """A prepared copy for a data gradient (kept as a residual; stored as the weight)."""
+    return None if op is None else _Ready(op)
 
 
 def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe, choices: KernelChoices, ready=None):
@@ -126,12 +149,12 @@ def _mlp(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool, ch
     w1, w2 = _weights_for_gemms(w1, w2, prepared)
     x = _exact(x)  # as the forward rule quantizes it: the same bits with and without grad
     if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
-        w1q = _weight(recipe, w1, 1, _ready(prepared, "w1_fprop"))
+        w1q = _weight(recipe, w1, 1, _fprop_ready(prepared, "w1"))
         _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), w1q, group_sizes, probs)
     else:
-        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe, choices, _ready(prepared, "w1_fprop"))
+        _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe, choices, _fprop_ready(prepared, "w1"))
         a_row = recipe.row(a, 1)
-    return _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _ready(prepared, "w2_fprop"))
+    return _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _fprop_ready(prepared, "w2"))
 
 
 def _weights_for_gemms(w1, w2, prepared):
@@ -163,13 +186,13 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
     if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
         # One kernel: h and both MXFP8 copies of a. a_col's tag rebuilds it from the
         # tagged h when it is recomputed, so this kernel is never rerun for it.
-        w1q = _weight(recipe, w1, 1, _ready(prepared, "w1_fprop"))
+        w1q = _weight(recipe, w1, 1, _fprop_ready(prepared, "w1"))
         h, a_row, a_col = primitives.fc1_fused(x_row, w1q, group_sizes, probs)
         h = _tag(h, ACTIVATION_INPUT)
     else:
-        h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices, _ready(prepared, "w1_fprop"))
+        h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices, _fprop_ready(prepared, "w1"))
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
-    y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _ready(prepared, "w2_fprop"))
+    y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _fprop_ready(prepared, "w2"))
     a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes))
     dgrad_weights = None if prepared is None else (prepared.w1_dgrad, prepared.w2_dgrad)
     return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, dgrad_weights, group_sizes, probs, w_dtypes)
@@ -187,7 +210,7 @@ def _with_leaves(op: Operand, leaves) -> Operand:
 
 def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     x_col, h, a_col, w1, w2, dgrad_weights, group_sizes, probs, (w1_dtype, w2_dtype) = res
-    w1_ready, w2_ready = (None, None) if dgrad_weights is None else dgrad_weights
+    w1_ready, w2_ready = (None, None) if dgrad_weights is None else map(_dgrad_ready, dgrad_weights)
     # (residuals.RELOAD_AFTER_COTANGENT: h and fc2_input come back once dy exists.)
     (h, *a_leaves), dy = residuals.after_cotangent([h, *_leaves(a_col)], dy)
     a_col = _with_leaves(a_col, a_leaves)

@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor, transpose_tiles
 from jax_grouped_mlp._src.op.primitives import QUANTIZED, Operand
 from jax_grouped_mlp._src.op.recipes import Recipe
 
@@ -32,16 +32,20 @@ class PreparedWeights:
     Attributes:
       w1_fprop, w1_dgrad: ``w1 [G, H, F]`` for FC1 (blocked along H) and for the FC1
         data gradient (blocked along F). The same object when the recipe blocks both
-        uses alike (``bf16``, ``fp8_block``).
+        uses alike (``bf16``).
       w2_fprop, w2_dgrad: the same for ``w2 [G, F, H]``.
       recipe: the recipe they were prepared for (static).
+      fprop_k_major: the forward copies are stored transposed, ``w1_fprop [G, F, H]``
+        and ``w2_fprop [G, H, F]``: the K-major layout Hopper's FP8 GEMM reads, so no
+        call makes that copy (static; ``fp8_block``: the same 128 x 128 tiles as the
+        dgrad copies, transposed, ``fp8_block.transpose_tiles``).
 
     Every leaf has the experts on axis 0, so a ``PreparedWeights`` shards like the
     weights (``moe_block`` under expert parallelism passes each device its experts').
 
     Memory: ``mxfp8`` keeps four bf16 copies (twice the bf16 weights), ``bf16`` one bf16
-    copy of each weight (none extra for bf16 weights), ``fp8_block`` one FP8 copy of each
-    plus its tile scales (half the bf16 bytes).
+    copy of each weight (none extra for bf16 weights), ``fp8_block`` two FP8 copies of
+    each (as stored and transposed) plus their tile scales (the bf16 bytes).
     """
 
     w1_fprop: Operand
@@ -49,14 +53,17 @@ class PreparedWeights:
     w2_fprop: Operand
     w2_dgrad: Operand
     recipe: str = dataclasses.field(metadata=dict(static=True))
+    fprop_k_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def w1_shape(self) -> tuple[int, ...]:
-        return _shape(self.w1_fprop)
+        """``w1``'s shape, ``[G, H, F]``."""
+        return _shape(self.w1_dgrad)
 
     @property
     def w2_shape(self) -> tuple[int, ...]:
-        return _shape(self.w2_fprop)
+        """``w2``'s shape, ``[G, F, H]``."""
+        return _shape(self.w2_dgrad)
 
 
 def _shape(op: Operand) -> tuple[int, ...]:
@@ -90,6 +97,10 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     b1, b2 = jax.lax.stop_gradient(w1).astype(jnp.bfloat16), jax.lax.stop_gradient(w2).astype(jnp.bfloat16)
     if recipe_ is Recipe.MXFP8:
         ops = (recipe_.weight(b1, 1), recipe_.weight(b1, 2), recipe_.weight(b2, 1), recipe_.weight(b2, 2))
+    elif recipe_ is Recipe.FP8_BLOCK:  # the same tiles; the forward GEMM reads them K-major
+        q1, q2 = recipe_.weight(b1, 1), recipe_.weight(b2, 1)
+        ops = (transpose_tiles(q1), q1, transpose_tiles(q2), q2)
+        return PreparedWeights(*ops, recipe=recipe_.value, fprop_k_major=True)
     else:  # one copy serves both uses
         q1, q2 = recipe_.weight(b1, 1), recipe_.weight(b2, 1)
         ops = (q1, q1, q2, q2)
@@ -110,6 +121,8 @@ def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Arra
         raise ValueError(f"prepared was made for recipe={prepared.recipe!r}, but the op runs recipe={recipe.value!r}")
     for field, w in (("w1_fprop", w1), ("w1_dgrad", w1), ("w2_fprop", w2), ("w2_dgrad", w2)):
         op = getattr(prepared, field)
+        g, a, b = w.shape
+        want = (g, b, a) if prepared.fprop_k_major and field.endswith("fprop") else (g, a, b)
         if recipe is Recipe.FP8_BLOCK:
             ok = isinstance(op, FP8BlockTensor) and tuple(op.axes) == (1, 2) and not op.is_grouped
             kind = "an FP8BlockTensor in 128 x 128 tiles over axes (1, 2)"
@@ -119,6 +132,7 @@ def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Arra
         if not ok:
             raise TypeError(f"prepared.{field} must be {kind} for recipe={recipe.value!r}, got {type(op).__name__}"
                             f"{'' if not hasattr(op, 'dtype') else ' of ' + str(op.dtype)}: build it with prepare_weights")
-        if _shape(op) != tuple(w.shape):
-            raise ValueError(f"prepared.{field} has shape {_shape(op)}, but the op's weight is {tuple(w.shape)}: "
-                             f"prepare_weights of these w1 ({tuple(w1.shape)}) and w2 ({tuple(w2.shape)})")
+        if _shape(op) != want:
+            raise ValueError(f"prepared.{field} has shape {_shape(op)}, but the op's weight is {tuple(w.shape)} "
+                             f"(so {field} must be {want}): prepare_weights of these w1 ({tuple(w1.shape)}) "
+                             f"and w2 ({tuple(w2.shape)})")
