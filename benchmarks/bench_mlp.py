@@ -151,9 +151,13 @@ def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, .
         keyed[key] = (alpha, *compile_shape(name, seed, only, alpha))
     times: dict = {(k, c): [] for k, (_, _, jobs) in keyed.items() for c, j in jobs.items() if not isinstance(j, str)}
     for _ in range(rounds):
-        for (key, cname), out in times.items():
+        for (key, cname), out in list(times.items()):
             compiled, args = keyed[key][2][cname]
-            out.append(time_call(compiled, *args, iters=iters, warmup=1, samples=1))
+            try:
+                out.append(time_call(compiled, *args, iters=iters, warmup=1, samples=1))
+            except Exception as err:  # noqa: BLE001 - an OOM at run time is a result too
+                keyed[key][2][cname] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                del times[key, cname]
     report = {}
     for key, (alpha, header, jobs) in keyed.items():
         res = report[key] = header

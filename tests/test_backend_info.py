@@ -192,3 +192,16 @@ def test_fp8_block_prepared_weights_need_no_transpose_on_cuda(rng, fake_gpus):
     assert not fp8_transposes.findall(text)
     unprepared = _cuda_text(lambda x, w1, w2, gs, p: grad_fn(x, w1, w2, gs, p, None), x, w1, w2, gs, p)
     assert len(fp8_transposes.findall(unprepared)) >= 2  # the pattern finds what it looks for
+
+
+@pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
+def test_cuda_lowering_under_strict_dtype_promotion(rng, fake_gpus):
+    """A user's ``jax.numpy_dtype_promotion("strict")`` lowers the CUDA program too,
+    including the device-side token-tile choice of the weight-quantizing GEMMs."""
+    from jax_grouped_mlp._src.cuda import gemm_ffi
+
+    fake_gpus("9.0")
+    with jax.numpy_dtype_promotion("strict"):
+        text = _cuda_text(_grad_fn, *_inputs(rng))
+    if gemm_ffi.grouped_gemm_qw_variants():
+        assert f"@{gemm_ffi.GROUPED_GEMM_QW_TARGET}(" in text

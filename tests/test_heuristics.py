@@ -90,6 +90,29 @@ def test_qw_tiles_cost_counts_tiles():
         heuristics.qw_tiles_cost(sizes, 128)
 
 
+def test_every_qw_variant_has_a_cost_and_its_own_tile():
+    """The device-side choice prices every compiled ``_qw`` variant (a missing tile would
+    fail the default mxfp8 path at trace time) and tells them apart (two of one layout
+    with one tile would always tie)."""
+    from jax_grouped_mlp.kernels import registry
+
+    qw = [v for v in registry.VARIANTS if isinstance(v, registry.QwGemmVariant)]
+    assert qw and all(v.tile_t in heuristics.QW_TILE_COSTS for v in qw)
+    for layout in (False, True):
+        tiles = [v.tile_t for v in qw if v.rhs_k_major == layout]
+        assert len(tiles) == len(set(tiles)), tiles
+
+
+def test_qw_tiles_cost_under_strict_promotion():
+    """Traced under ``jax.numpy_dtype_promotion("strict")`` (a user's setting): no implicit
+    int/bool-to-float promotion."""
+    sizes = jnp.asarray([0, 5, 300, 1000], jnp.int32)
+    with jax.numpy_dtype_promotion("strict"):
+        got = jax.jit(lambda s: heuristics.qw_tiles_cost(s, 384))(sizes)
+    full, half = heuristics.QW_TILE_COSTS[384]
+    assert float(got) == pytest.approx(4 * full + half)  # 5: half; 300: full; 1000: 2 full + full (232)
+
+
 def test_qw_tile_choice_follows_the_sizes():
     """Equal sizes keep the tiles measured best (192 at 192 rows a group, 384 at Nano's
     384, 256 at 1024); router-made skew at Nano moves 384 to 256 (as measured)."""

@@ -6,7 +6,8 @@
 
 The three launches: the weight's fake-quantize pass (the weight-pass path runs it before
 the GEMM), the bf16 GEMM on the converted weight, and the ``_qw`` GEMM (bf16 weight
-quantized in registers, what the op runs at this shape). Shape: 128 groups x 384 rows,
+quantized in registers, what the op runs at this shape), named explicitly: the op's
+default call launches every ``_qw`` tile and all but the device-chosen one exit at once. Shape: 128 groups x 384 rows,
 2688 -> 1856 (DESIGN.md's Nano FC1). Exits 1 unless the ``_qw`` output is bitwise the
 bf16 GEMM's.
 """
@@ -33,7 +34,8 @@ def main() -> int:
     gs = jnp.full((g,), rows, jnp.int32)
     w_fq = jax.block_until_ready(jax.jit(lambda w: ffi.fake_quantize_cuda(w, axis=1))(w))
     out = jax.jit(gemm_ffi.grouped_gemm_bf16_cuda)(x, w_fq, gs)
-    out_qw = jax.jit(gemm_ffi.grouped_gemm_qw_cuda)(x, w, gs)
+    qw = "grouped_gemm_sm90_qw_w128t384k64_s3_ss"  # the tile the device picks for equal 384-row groups
+    out_qw = jax.jit(gemm_ffi.grouped_gemm_qw_cuda, static_argnames="variant")(x, w, gs, variant=qw)
     same = bool(jnp.array_equal(out, out_qw))
     print(f"nano fc1: bf16 and qw outputs bitwise equal: {same}")
     return 0 if same else 1

@@ -44,6 +44,13 @@ def main() -> int:
         rhs = jnp.swapaxes(w, 1, 2) if bk else w
         out = gemm_ffi.grouped_gemm_qw_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
+    for bk in (False, True):  # every tile in one call, the device's choice and out-of-range ones
+        rhs = jnp.swapaxes(w, 1, 2) if bk else w
+        fits = tuple(v for v in gemm_ffi.grouped_gemm_qw_variants() if registry.variant(v).rhs_k_major == bk)
+        outs = [gemm_ffi.grouped_gemm_qw_cuda(a, rhs, gs, transpose_rhs=bk)]
+        outs += [gemm_ffi._grouped_gemm_qw_call(a, rhs, gs, jnp.asarray([c], jnp.int32), fits, rhs.shape[1 if bk else 2])
+                 for c in (-3, len(fits) + 5)]
+        bad += sum(int(not np.isfinite(np.asarray(o, np.float32)).all()) for o in outs)
     # FC1 epilogue (h, a_row, a_col): probs with zeros and negatives.
     probs = jnp.asarray(rng.uniform(-1.0, 1.0, m) * (rng.random(m) > 0.1), jnp.float32)
     for v in gemm_ffi.grouped_gemm_fc1_variants():
@@ -71,7 +78,7 @@ def main() -> int:
         bad += int(not np.isfinite(np.asarray(col, np.float32)).all())
     jax.block_until_ready(out)
     n = len(gemm_ffi.grouped_gemm_variants())
-    n += len(gemm_ffi.grouped_gemm_qw_variants())
+    n += len(gemm_ffi.grouped_gemm_qw_variants()) + 6
     n += len(gemm_ffi.grouped_wgrad_variants()) + len(gemm_ffi.grouped_gemm_fc1_variants()) + 5
     n += len(gemm_ffi.grouped_gemm_dgrad_variants())
     print(f"ran {n} variants, {bad} with non-finite output")

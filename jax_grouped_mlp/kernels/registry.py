@@ -13,16 +13,19 @@ Pure Python (imports neither cutlass nor jax), so everything reads it:
 * ``tests/test_registry.py`` checks that the built extension exports exactly this.
 
 A *family* is one FFI target (one C++ handler). Its variants are listed in the order of
-the handler's ``variant`` attribute, which is the order of :data:`VARIANTS` filtered by
-family. A variant's ``name`` (the exported symbol prefix and the object file's stem) is
+the handler's ``variant`` attribute (``jgm_grouped_gemm_qw``: the indices in its
+``variants`` attribute), which is the order of :data:`VARIANTS` filtered by family. A variant's ``name`` (the exported symbol prefix and the object file's stem) is
 derived from its fields.
 
 Adding a variant: add one entry to :data:`VARIANTS` (in its family's run; the default
 choices in the bindings take the first of equally good variants, so put new ones after
 the current defaults), then rebuild (``python tools/build_kernels.py``). Nothing else
 changes: the build compiles it, the generated header gives the handler its include and
-table row, the extension exports its name and the bindings find it. A new *family* needs
-its kernel class in ``aot.py``, a handler in ``csrc/`` and a binding.
+table row, the extension exports its name and the bindings find it. A
+:class:`QwGemmVariant` also needs its token tile in ``heuristics.QW_TILE_COSTS`` (the
+cost model of the device-side tile choice; ``tests/test_heuristics.py`` checks), and one
+token tile per weight layout. A new *family* needs its kernel class in ``aot.py``, a
+handler in ``csrc/`` and a binding.
 """
 
 from __future__ import annotations
@@ -360,7 +363,7 @@ def cxx_header(all_variants: tuple[Variant, ...] = VARIANTS) -> str:
     lines += [f'#include "{name}.h"' for name in sorted(v.name for v in all_variants)]
     for family in Family:
         members = [v for v in all_variants if v.family is family]
-        lines += ["", f"// X({', '.join(('name',) + family.columns)}): {family.target}'s `variant` attribute order."]
+        lines += ["", f"// X({', '.join(('name',) + family.columns)}): {family.target}'s variant index order."]
         rows = [f"X({', '.join([v.name] + [_cxx(getattr(v, c)) for c in family.columns])})" for v in members]
         lines.append(f"#define {family.macro}(X)" + "".join(f" \\\n  {row}" for row in rows))
     return "\n".join(lines) + "\n"

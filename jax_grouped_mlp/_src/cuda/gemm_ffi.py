@@ -1,6 +1,8 @@
 """XLA FFI bindings of the Hopper grouped GEMMs: the forward/dgrad GEMM
-(``csrc/grouped_gemm.cc``, kernel ``kernels/grouped_gemm_sm90.py``) and the weight
-gradient (``csrc/grouped_wgrad.cc``, kernel ``kernels/grouped_wgrad_sm90.py``).
+(``csrc/grouped_gemm.cc``, kernel ``kernels/grouped_gemm_sm90.py``), the one that
+quantizes its weight (``csrc/grouped_gemm_qw.cc``, ``kernels/grouped_gemm_qw_sm90.py``),
+the fused-epilogue ones, the FP8 block-scaled one and the weight gradient
+(``csrc/grouped_wgrad.cc``, kernel ``kernels/grouped_wgrad_sm90.py``).
 
 ``out[m] = lhs[m] @ rhs[group(m)]`` with ``lhs [M, K]`` and ``rhs [G, K, N]`` in bf16,
 fp32 accumulation, bf16 output, ``group_sizes [G]`` int32 read on the device (no host
@@ -42,7 +44,13 @@ _MAX = 2**31
 
 def grouped_gemm_variants() -> tuple[str, ...]:
     """Names of the compiled forward/dgrad tile configurations (empty without the extension)."""
-    return ffi.variants("GROUPED_GEMM_VARIANTS")
+    names = ffi.variants("GROUPED_GEMM_VARIANTS")
+    if any(registry.variant(v).family is not registry.Family.GROUPED_GEMM for v in names):
+        raise RuntimeError(
+            "the CUDA extension jax_grouped_mlp._kernels was built from older sources (its jgm_grouped_gemm "
+            "lists the weight-quantizing variants): rebuild it (make kernels)"
+        )
+    return names
 
 
 def grouped_gemm_qw_variants() -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """Kernel heuristics: which path the op takes and which tile a kernel uses, in one place.
 
 Every decision here is a pure function of static shapes and, for the op's paths, of a
-frozen :class:`KernelChoices`. The op takes the choices as an explicit (static)
+frozen :class:`KernelChoices`, except the ``_qw`` GEMMs' token tile, which XLA computes
+on the device from the group sizes with :func:`qw_tiles_cost`. The op takes the choices as an explicit (static)
 argument: ``grouped_mlp`` always uses :data:`DEFAULT`; tests and benchmarks that
 compare paths pass another config to the private ``mlp.grouped_mlp_with``. Nothing
 here is a mutable global, so a traced program depends only on its arguments.
@@ -96,7 +97,7 @@ def fuse_dgrad(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:
     return recipe == "mxfp8" and not weights_in_gemm(choices, recipe, m, num_groups)
 
 
-# ---- Tile choices of the CUDA kernels (static shapes only) ----
+# ---- Tile choices of the CUDA kernels ----
 
 # The token tile of the ``_qw`` GEMM is chosen on the device from the group sizes (one
 # FFI call launches every compiled tile; ``gemm_ffi.qw_choice`` computes which one works,
@@ -126,7 +127,10 @@ def qw_tiles_cost(group_sizes, tile_t: int):
     rem = group_sizes % tile_t
     big = rem > tile_t // 2
     small = (rem > 0) & ~big
-    return ((group_sizes // tile_t) * full + big * full + small * half).sum()
+    # Explicit casts: an int or bool array times a float would fail under
+    # jax.numpy_dtype_promotion("strict").
+    tiles = (group_sizes // tile_t).astype(float) + big.astype(float)
+    return (tiles * full + small.astype(float) * half).sum()
 
 
 def gemm_tile_n(n: int, widths: Iterable[int]) -> int:

@@ -38,7 +38,10 @@ class PreparedWeights:
       fprop_k_major: the forward copies are stored transposed, ``w1_fprop [G, F, H]``
         and ``w2_fprop [G, H, F]``: the K-major layout Hopper's FP8 GEMM reads, so no
         call makes that copy (static; ``fp8_block``: the same 128 x 128 tiles as the
-        dgrad copies, transposed, ``fp8_block.transpose_tiles``).
+        dgrad copies, transposed, ``fp8_block.transpose_tiles``). Build the object with
+        :func:`prepare_weights`: a hand-built one that leaves the flag off while storing
+        transposed copies of square weights (H == F) passes the shape checks and
+        multiplies by the transpose.
 
     Every leaf has the experts on axis 0, so a ``PreparedWeights`` shards like the
     weights (``moe_block`` under expert parallelism passes each device its experts').
