@@ -425,6 +425,8 @@ def _child_argv(opts, label: str, out: str, layout: str, layers: int) -> list[st
         argv.append("--ragged")
     if opts.runtime_check:
         argv.append("--runtime-check")
+    if not opts.fence:
+        argv.append("--no-fence")
     if opts.dump_hlo:
         argv += ["--dump-hlo", str(opts.dump_hlo)]
     for item in opts.xla_option or ():
@@ -625,7 +627,7 @@ def print_temp_question(rows: list[dict]) -> None:
         print(f"  {r['label']:<26} temp {d / MB:+10.1f} MB   moved to host {moved / MB:9.1f} MB "
               f"(lowered: {what})   host temp {_fmt(r['compiled']['host_temp_size_in_bytes'])} MB   "
               f"HLO transfers {sum(r['hlo']['to_host_ops'].values())} out / "
-              f"{sum(r['hlo']['to_device_ops'].values())} in")  # fmt: skip
+              f"{sum(r['hlo']['to_device_ops'].values())} in, {r['hlo'].get('read_backs', 0)} read-backs")  # fmt: skip
 
 
 def print_peaks(rows: list[dict], labels=("all_device", "all_offload"), top: int = 10) -> None:
@@ -741,6 +743,9 @@ def main(argv=None) -> dict:
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per policy process")
     p.add_argument("--no-autotune-cache", dest="autotune_cache", action="store_false",
                    help="do not share XLA:GPU autotuning results between the policy processes")
+    p.add_argument("--no-fence", dest="fence", action="store_false",
+                   help="the op's output does not wait for its residuals' host copies "
+                        "(residuals.FENCE_HOST_COPIES = False: the mechanism before the fence, for A/B)")
     p.add_argument("--dump-hlo", type=pathlib.Path, default=None,
                    help="write <layout>_<layers>_<policy>.hlo.txt.gz here")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
@@ -757,6 +762,9 @@ def main(argv=None) -> dict:
     opts.layout = list(LAYOUTS) if opts.layout == "both" else [opts.layout]
     if opts.samples < 0:
         p.error(f"--samples must be >= 0, got {opts.samples}")
+    from jax_grouped_mlp._src.op import residuals
+
+    residuals.FENCE_HOST_COPIES = opts.fence
 
     if opts.worker:  # child: one policy, layout and layer count, results to --worker-out
         desc, rows = worker(opts, [opts.worker])
@@ -793,6 +801,7 @@ def main(argv=None) -> dict:
             "policies": order,
             "default_offload_policy": dict(zip(PLACEMENT_NAMES, default_placement())),
             "compiler_options": _compiler_options(opts),
+            "fence_host_copies": opts.fence,
             "timing": {"iters": opts.iters, "warmup": opts.warmup, "samples": opts.samples, "statistic": "median"},
             "link": link,
             "link_bandwidth_each_way": link["d2h_bytes_per_s"],

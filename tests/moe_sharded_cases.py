@@ -432,3 +432,37 @@ def test_prepared_weights_under_expert_parallelism(single_device_results, recipe
     got, want = run(True), run(False)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _offloaded_loop_text(x, mesh_fn=None) -> str:
+    import jax_grouped_mlp as jgm
+    from test_offload_fence import LAYERS, _make_inputs  # noqa: F401
+    from test_offload_policies import LAYOUTS
+
+    _, w1, w2, probs, gs = _make_inputs(np.random.default_rng(0), LAYERS)
+    policy = jgm.offload_policy()
+
+    def loss(p, x):
+        return LAYOUTS["loop"](policy, x, *p, probs, gs)
+
+    fn = jax.grad(loss) if mesh_fn is None else mesh_fn(jax.grad(loss))
+    return jax.jit(fn).trace((w1, w2), x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_offload_fence_only_in_per_device_programs():
+    """The host-copy fence reads one element of each host copy back: only where every
+    array is one device's own (not under automatic partitioning, where a slice of a
+    sharded copy could become collectives; inside a shard_map over every axis, yes)."""
+    from test_offload_fence import _read_backs, _waits
+    from test_offload_policies import M, H
+
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((M, H)), jnp.bfloat16)
+    auto = _offloaded_loop_text(jax.device_put(x, jax.NamedSharding(mesh, jax.P("d"))))
+    assert "pinned_host" in auto and _read_backs(auto) == 0 and _waits(auto) == 0
+
+    def per_device(f):
+        return jax.shard_map(f, mesh=mesh, in_specs=(jax.P(), jax.P()), out_specs=jax.P(), check_vma=False)
+
+    manual = _offloaded_loop_text(x, per_device)
+    assert _read_backs(manual) > 0 and _waits(manual) > 0

@@ -16,7 +16,7 @@ from benchmarks import bench_offload, buffer_assignment, common  # noqa: E402
 
 # What XLA:GPU's host offloader leaves in a compiled module: async copies to and from
 # memory space S(5), a synchronous copy, and a fusion whose body mentions S(5) (not
-# counted again: only the fusion instruction itself is).
+# counted again: only the fusion instruction itself is), and a one-element read-back.
 GPU_STYLE_HLO = """HloModule m, is_scheduled=true, entry_computation_layout={(f32[1024]{0})->f32[1024]{0}}
 
 %fused_computation (param_0: f32[256]) -> f32[256] {
@@ -40,6 +40,7 @@ ENTRY %main (p0: f32[1024], h: bf16[1024], buf: f32[4,256], i: s32[]) -> f32[102
   %upd = f32[1,256]{1,0} bitcast(%slice)
   %dus = f32[4,256]{1,0:S(5)} dynamic-update-slice(%buf, %upd, %i, %i)
   %ds = f32[1,256]{1,0} dynamic-slice(%dus, %i, %i), dynamic_slice_sizes={1,256}
+  %rb = f32[1,1]{1,0} dynamic-slice(%dus, %i, %i), dynamic_slice_sizes={1,1}
   %mv = f32[1024]{0} custom-call(%tanh), custom_call_target="MoveToDevice"
   ROOT %add = f32[1024]{0} add(%tanh, %mv)
 }
@@ -55,6 +56,7 @@ def test_host_placement_report_counts_s5_and_transfers():
     assert r["to_device_ops"] == {"copy-start": 1, "dynamic-slice": 1}
     assert r["to_host_bytes"] == 4096 + 1024 + 1024  # the slice written, not the host buffer
     assert r["to_device_bytes"] == 2048 + 1024  # the bf16 source of copy-start.1, the slice read
+    assert r["read_backs"] == 1  # the one-element read (the host-copy fence's), not a reload
     assert r["host_placement_custom_calls"] == {"MoveToDevice": 1}
     assert r["s5_in_entry_layout"] == 0
 

@@ -56,7 +56,7 @@ def _walk(jaxpr, counts: dict[str, collections.Counter], in_body: bool) -> None:
             name, mode = eqn.params["name"], eqn.params["mode"]
             if mode == "on_host":  # the backward's handle on a host copy (not a recompute)
                 continue
-            values = eqn.outvars[: len(eqn.outvars) // 2] if mode == "offload" else eqn.outvars
+            values = eqn.outvars[: eqn.params["num_values"]] if mode == "offload" else eqn.outvars
             nbytes = sum(_nbytes(v) for v in values)
             if in_body:
                 counts[name]["recompute"] += 1

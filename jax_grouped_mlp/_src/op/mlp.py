@@ -195,7 +195,10 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
     y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _fprop_ready(prepared, "w2"))
     a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes))
     dgrad_weights = None if prepared is None else (prepared.w1_dgrad, prepared.w2_dgrad)
-    return y, (_tag(x_col, FC1_INPUT), h, a_col, w1, w2, dgrad_weights, group_sizes, probs, w_dtypes)
+    x_col = _tag(x_col, FC1_INPUT)
+    # The next layer starts only once the offloaded residuals are on the host.
+    y = residuals.fence(y, [*_leaves(x_col), *_leaves(h), *_leaves(a_col)])
+    return y, (x_col, h, a_col, w1, w2, dgrad_weights, group_sizes, probs, w_dtypes)
 
 
 def _leaves(op: Operand) -> list:

@@ -28,23 +28,33 @@ behaviour (tests/test_policy.py, tests/test_offload_policies.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 from typing import Callable, Sequence
 
 import jax
-from jax._src import core
+import numpy as np
+from jax import lax
+from jax._src import core, sharding_impls
 from jax.ad_checkpoint import checkpoint_name
 from jax._src.ad_checkpoint import name_p
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
 
-# Value modes of ``residual_p``: "value" (the identity), "offload" (the values and
-# their host copies), "rebuild" (``rebuild(*extra)``; only in the backward pass).
+# Value modes of ``residual_p``: "value" (the identity), "offload" (the values, their
+# host copies, and a token that exists once the copies are written: what :func:`fence`
+# waits for), "rebuild" (``rebuild(*extra)``; only in the backward pass).
 residual_p = core.Primitive("grouped_mlp_residual")
 residual_p.multiple_results = True
 # The reload of an offloaded residual (multiple arrays at once).
 to_device_p = core.Primitive("grouped_mlp_to_device")
 to_device_p.multiple_results = True
+# The op's output, usable only once the host copies of its residuals exist (modes
+# "value": the identity on the output; "wait": its first element rewritten from the
+# read-backs of the host copies, made by remat's rule below).
+fence_p = core.Primitive("grouped_mlp_fence")
 
 _GPU_TPU = ("cuda", "rocm", "tpu")
 
@@ -61,6 +71,15 @@ OWN_TRANSFERS = True
 # exists (``after_cotangent``), instead of where remat's backward program starts,
 # which XLA's scheduler is free to hoist. Read at trace time.
 RELOAD_AFTER_COTANGENT = False
+
+# The op's output waits for the host copies of its offloaded residuals (:func:`fence`):
+# the device->host copies must finish before the next layer starts, so each
+# residual's device buffer dies with its layer. Without it, in an unrolled stack of
+# layers XLA's latency-hiding scheduler may finish a copy only just before its reload
+# in the backward pass, and the device buffer stays allocated until then (measured on
+# the H200: a Python loop of offloaded layers kept nearly all device copies). Read at
+# trace time; False is for A/B measurements.
+FENCE_HOST_COPIES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,22 +109,27 @@ def tag(values: Sequence[jax.Array], name: str, *, rebuild: Rebuild | None = Non
     if not OWN_TRANSFERS:
         return [checkpoint_name(v, name) for v in values]
     return residual_p.bind(*values, *extra, name=name, num_values=len(values), mode="value",
-                           rebuild=rebuild, jaxpr=None, out_avals=None, memory_kind=None)
+                           rebuild=rebuild, jaxpr=None, out_avals=None, memory_kind=None, read_back=False)
+
+
+# The "copies written" token: an int32 scalar (remat rounds inexact residuals that the
+# forward also reads with reduce_precision; a token is neither).
+_TOKEN_AVAL = core.ShapedArray((), jax.numpy.int32)
 
 
 def _host_aval(aval):
     return aval.update(memory_space=core.MemorySpace.Host)
 
 
-def _abstract_eval(*avals, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind):
-    del name, rebuild, jaxpr, memory_kind
+def _abstract_eval(*avals, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, read_back):
+    del name, rebuild, jaxpr, memory_kind, read_back
     if mode == "rebuild":
         return list(out_avals)
     if mode == "on_host":  # a host copy handed on as is (RELOAD_AFTER_COTANGENT)
         return [a.update(memory_space=core.MemorySpace.Device) for a in avals[:num_values]]
     values = list(avals[:num_values])
     if mode == "offload":
-        return values + [_host_aval(a) for a in values]
+        return values + [_host_aval(a) for a in values] + [_TOKEN_AVAL]
     return values
 
 
@@ -142,7 +166,7 @@ def _annotate(x: ir.Value, memory_kind: str) -> ir.Value:
     return op.result
 
 
-def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, annotate):
+def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, read_back, annotate):
     del name, rebuild, out_avals
     if mode == "rebuild":
         extra = args[num_values:]
@@ -151,9 +175,49 @@ def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, mem
         return mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *extra)
     values = list(args[:num_values])
     if mode == "offload":
-        host = [_annotate(v, memory_kind) for v in values] if annotate else values
-        return values + host
+        if not annotate:
+            return values + values + [mlir.ir_constant(np.int32(0))]
+        host = [_annotate(v, memory_kind) for v in values]
+        return values + host + [_read_back(ctx, host, ctx.avals_in[:num_values], read_back)]
     return values
+
+
+def _per_device_program(ctx) -> bool:
+    """Whether this lowering's arrays are each one device's own (one device, or inside
+    ``shard_map`` over every mesh axis): only there is reading one element local. Under
+    automatic partitioning a slice of a sharded host copy could turn into collectives."""
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        return axis_context.num_devices == 1
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        return axis_context.manual_axes == frozenset(axis_context.mesh.axis_names)
+    return False
+
+
+def _read_back(ctx, host: list[ir.Value], avals, read_back: bool) -> ir.Value:
+    """An int32 scalar that exists only once every host copy in ``host`` is written:
+    one element of each, read back to the device.
+
+    XLA's host offloader turns a host copy into a device->host copy whose completion
+    the GPU scheduler puts just before the copy's first reader. The backward reload
+    alone lets that be the backward pass, and the device buffer lives until then; a
+    read in the forward pass (a one-element slice moved to the device: a path the
+    offloader accepts) makes the copy complete there. A barrier on the host values
+    themselves, or on a token beside them, orders nothing (the offloader walks through
+    barriers; measured on the H200)."""
+    token = mlir.ir_constant(np.int32(0))
+    if not (read_back and _per_device_program(ctx)):
+        return token
+    scalar = core.ShapedArray((), np.int32)
+    for value, aval in zip(host, avals):
+        if aval.size == 0:  # no element to read, and no copy to wait for
+            continue
+        one = aval.update(shape=(1,) * aval.ndim)
+        piece = mlir.slice_op(ctx, value, one, start_indices=(0,) * aval.ndim,
+                              limit_indices=(1,) * aval.ndim, strides=(1,) * aval.ndim)
+        piece = mlir.reshape(ctx, _annotate(piece, "device"), aval.update(shape=()))
+        token = hlo.add(token, mlir.convert_hlo(ctx, piece, aval.update(shape=()), scalar))
+    return token
 
 
 def _to_device_lowering(ctx, *args, memory_kind, annotate):
@@ -195,7 +259,9 @@ def _batch(args, dims, *, num_values, **params):
         params = {**params, "rebuild": None}
     out = residual_p.bind(*args, num_values=num_values, **params)
     out_dims = list(dims[:num_values])
-    return out, out_dims * (2 if params["mode"] == "offload" else 1)
+    if params["mode"] == "offload":
+        return out, out_dims * 2 + [batching.not_mapped]
+    return out, out_dims
 
 
 batching.primitive_batchers[residual_p] = _batch
@@ -214,14 +280,23 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
     if any(unks_in) or params["mode"] != "value":  # not a forward value: stage it as is
         return None, eqn, [True] * n, [True] * n, _needs(inst_in, eqn.invars)
     case = pe.ensure_enum(saveable(name_p, eqn.outvars[0].aval, name=params["name"]))
+    for v in eqn.outvars:  # a fresh answer: forget the token of an earlier pass
+        _TOKENS.pop(id(v), None)
     if isinstance(case, pe.SaveableType):
         return eqn, None, [False] * n, [False] * n, []
     if isinstance(case, pe.Offloadable):
         host = [core.Var(_host_aval(v.aval)) for v in eqn.outvars]
+        token = core.Var(_TOKEN_AVAL)
+        # A loop's iteration already bounds its copies: no read-back there.
+        read_back = FENCE_HOST_COPIES and not _in_loop_body()
         known = core.new_jaxpr_eqn(
-            eqn.invars, [*eqn.outvars, *host], residual_p,
-            {**params, "mode": "offload", "memory_kind": case.dst}, eqn.effects, eqn.source_info,
+            eqn.invars, [*eqn.outvars, *host, token], residual_p,
+            {**params, "mode": "offload", "memory_kind": case.dst, "read_back": read_back}, eqn.effects,
+            eqn.source_info,
         )  # fmt: skip
+        if read_back:
+            for v in eqn.outvars:
+                _remember_token(v, token)
         if RELOAD_AFTER_COTANGENT:  # stays on the host until after_cotangent
             reload = core.new_jaxpr_eqn(host, list(eqn.outvars), residual_p,
                                         {**params, "mode": "on_host", "rebuild": None}, frozenset(),
@@ -246,6 +321,139 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
 
 
 pe.partial_eval_jaxpr_custom_rules[residual_p] = _partial_eval_custom
+
+
+@functools.cache
+def _loop_rule_codes() -> frozenset:
+    """The code of JAX's partial-evaluation and linearization rules for ``scan`` and
+    ``while`` (looked up in JAX's rule tables, so no private function is named)."""
+    codes = set()
+    for prim in (lax.scan_p, lax.while_p):
+        for table in (pe.custom_partial_eval_rules, pe.partial_eval_jaxpr_custom_rules,
+                      getattr(ad, "primitive_linearizations", {})):
+            rule = table.get(prim)
+            while isinstance(rule, functools.partial):
+                rule = rule.func
+            code = getattr(rule, "__code__", None)
+            if code is not None:
+                codes.add(code)
+    return frozenset(codes)
+
+
+def _in_loop_body() -> bool:
+    """Whether remat is partially evaluating the body of a ``scan``/``while`` (a layer
+    of ``jax.lax.scan``, ``nnx.scan``, ``fori_loop``) right now.
+
+    There the host copies need no fence: XLA writes a loop's offloaded residuals into
+    a stacked host buffer with an asynchronous dynamic-update-slice that finishes
+    inside its iteration, and a read-back would add a second device->host copy of
+    every residual (measured on the H200: 20 instead of 15 transfers, the scan step
+    171 -> 225 ms). tests/test_offload_fence.py pins the answer for both layouts."""
+    codes = _loop_rule_codes()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# Offloaded residual -> the token of its host copy, from this rule to :func:`fence`'s
+# rule in the same partial evaluation (the tag always comes first in program order).
+# Keyed by ``id`` (``core.Var`` takes no weak reference) with the variable kept for an
+# identity check; the fence takes its entries out, and the size is bounded for tags
+# whose fence never came (a tag used on its own).
+_TOKENS: dict[int, tuple[core.Var, core.Var]] = {}
+_MAX_REMEMBERED = 4096
+
+
+def _remember_token(value: core.Var, token: core.Var) -> None:
+    if len(_TOKENS) >= _MAX_REMEMBERED:
+        _TOKENS.clear()
+    _TOKENS[id(value)] = (value, token)
+
+
+def _token_of(value) -> core.Var | None:
+    entry = _TOKENS.pop(id(value), None)
+    return entry[1] if entry is not None and entry[0] is value else None
+
+
+def fence(out: jax.Array, residual_arrays: Sequence[jax.Array]) -> jax.Array:
+    """``out`` (the op's output), which under remat becomes usable only once the host
+    copies of those of ``residual_arrays`` (tagged arrays) that the policy offloads are
+    written. The identity otherwise, and without ``FENCE_HOST_COPIES``/``OWN_TRANSFERS``.
+
+    The copies still overlap the rest of the layer (they start as soon as each
+    residual exists); what the fence removes is the scheduler's freedom to finish a
+    copy, and so free its device buffer, only where the backward pass reloads it.
+    """
+    if not (FENCE_HOST_COPIES and OWN_TRANSFERS):
+        return out
+    return fence_p.bind(out, *residual_arrays, mode="value")
+
+
+fence_p.def_abstract_eval(lambda out, *rest, mode: out)
+fence_p.def_impl(lambda out, *rest, mode: out)
+mlir.register_lowering(fence_p, lambda ctx, out, *rest, mode: [out])
+
+
+def _fence_wait_lowering(ctx, out, *tokens, mode):
+    """``out`` with its first element rewritten to itself OR-ed with bits that are
+    always zero but computed from ``tokens`` (the read-backs of the host copies): the
+    identity, bit for bit, that XLA cannot prove to be one, so every consumer of
+    ``out`` comes after the copies. An optimization barrier would not do: XLA drops a
+    barrier's unused outputs, and with them the read-backs (measured on the H200)."""
+    aval = ctx.avals_in[0]
+    if mode == "value" or not tokens or aval.size == 0 or not _per_device_program(ctx):
+        return [out]  # (no read-backs either without a per-device program)
+    token = tokens[0]
+    for t in tokens[1:]:
+        token = hlo.add(token, t)
+    bits_dtype = np.dtype(f"uint{8 * np.dtype(aval.dtype).itemsize}")
+    one = aval.update(shape=(1,) * aval.ndim)
+    one_bits = one.update(dtype=bits_dtype)
+    scalar = core.ShapedArray((), np.int32)
+    # (2 t) & 1 == 0 for every t.
+    zero = mlir.convert_hlo(ctx, token, scalar, scalar.update(dtype=bits_dtype))
+    zero = hlo.and_(hlo.shift_left(zero, mlir.ir_constant(bits_dtype.type(1))), mlir.ir_constant(bits_dtype.type(1)))
+    first = mlir.slice_op(ctx, out, one, start_indices=(0,) * aval.ndim, limit_indices=(1,) * aval.ndim,
+                          strides=(1,) * aval.ndim)
+    (bits_type,) = mlir.aval_to_ir_types(ctx.module_context, one_bits)
+    bits = hlo.or_(hlo.bitcast_convert(bits_type, first), mlir.reshape(ctx, zero, one_bits))
+    (first_type,) = mlir.aval_to_ir_types(ctx.module_context, one)
+    index = mlir.ir_constant(np.int32(0))
+    return [hlo.dynamic_update_slice(out, hlo.bitcast_convert(first_type, bits), [index] * aval.ndim)]
+
+
+for _platform in _GPU_TPU:
+    mlir.register_lowering(fence_p, _fence_wait_lowering, platform=_platform)
+
+
+def _fence_jvp(primals, tangents, *, mode):
+    return fence_p.bind(*primals, mode=mode), tangents[0]
+
+
+ad.primitive_jvps[fence_p] = _fence_jvp
+batching.primitive_batchers[fence_p] = lambda args, dims, *, mode: (fence_p.bind(*args, mode=mode), dims[0])
+
+
+def _fence_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+    """remat's rule: the forward's output behind a barrier with the tokens of the host
+    copies of its residual inputs; the backward's copy (if anything there needs the output)
+    the plain identity."""
+    del saveable
+    out = eqn.invars[0]
+    if any(unks_in) or eqn.params["mode"] != "value":
+        return None, eqn, [True], [True], _needs(inst_in, eqn.invars)
+    tokens = list(dict.fromkeys(t for t in map(_token_of, eqn.invars[1:]) if t is not None))
+    known = core.new_jaxpr_eqn([out, *tokens], list(eqn.outvars), fence_p,
+                               {"mode": "wait" if tokens else "value"}, frozenset(), eqn.source_info)
+    staged = core.new_jaxpr_eqn([out], list(eqn.outvars), fence_p, {"mode": "value"}, frozenset(),
+                                eqn.source_info)  # fmt: skip
+    return known, staged, [False], [True], _needs(inst_in[:1], [out])
+
+
+pe.partial_eval_jaxpr_custom_rules[fence_p] = _fence_partial_eval_custom
 
 
 def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:

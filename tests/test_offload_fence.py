@@ -1,0 +1,118 @@
+"""The host-copy fence (issue 17, the loop layout): in an unrolled stack of offloading
+layers, each layer's output is made to depend on a read-back of every host copy of its
+residuals, so XLA finishes the device->host copies inside the layer and the device
+buffers die with it. Checked here on the CPU through the CUDA lowering (the compiled
+effect is measured on the GPU by benchmarks/bench_offload.py):
+
+* the lowered loop program reads back each offloaded array once and feeds every layer's
+  output through the always-zero bit-or; a scan's body does neither (its iterations
+  already bound the copies, and a read-back there would copy each residual twice);
+* no fence without offloading (and none under automatic partitioning over devices:
+  tests/moe_sharded_cases.py, on simulated CPU devices);
+* the fence's GPU lowering is the identity bit for bit, NaNs, infinities and signed
+  zeros included, whatever the tokens.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.interpreters import mlir
+
+import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.op import residuals
+
+from test_offload_policies import COMBOS, LAYOUTS, _make_inputs
+
+LAYERS = 3
+
+
+def _cuda_text(layout: str, combo, rng, recipe: str = "mxfp8") -> str:
+    x, w1, w2, probs, gs = _make_inputs(rng, LAYERS)
+    policy = jgm.offload_policy(*combo)
+    grad = jax.grad(lambda p: LAYOUTS[layout](policy, x, *p, probs, gs, recipe=recipe))
+    return jax.jit(grad).trace((w1, w2)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _read_backs(text: str) -> int:
+    """One-element slices of a host copy that go back to the device."""
+    host = set(re.findall(r'(%\S+) = stablehlo.custom_call @annotate_device_placement\(\S+\).*"pinned_host"', text))
+    sliced = re.findall(r"= stablehlo.slice (%[^ ]+) \[(?:0:1(?:, )?)+\]", text)
+    return sum(1 for v in sliced if v in host)
+
+
+def _waits(text: str) -> int:
+    """Outputs rewritten through the fence's bit-or (one dynamic_update_slice each)."""
+    return len(re.findall(r"stablehlo.shift_left", text))
+
+
+def _offloaded_arrays(combo, recipe: str) -> int:
+    """Arrays per layer the policy offloads (the MXFP8 residuals are data + scales)."""
+    per_name = {"mxfp8": (2, 1, 2), "bf16": (1, 1, 1)}[recipe]
+    return sum(n for n, s in zip(per_name, combo) if s == "offload")
+
+
+@pytest.mark.parametrize("combo", [c for c in COMBOS if "offload" in c][::3] + [("offload",) * 3], ids=str)
+def test_loop_reads_back_every_host_copy_and_waits(rng, combo):
+    text = _cuda_text("loop", combo, rng)
+    assert _read_backs(text) == LAYERS * _offloaded_arrays(combo, "mxfp8")
+    assert _waits(text) == LAYERS
+
+
+def test_bf16_loop_fence(rng):
+    combo = ("offload", "device", "offload")
+    text = _cuda_text("loop", combo, rng, recipe="bf16")
+    assert _read_backs(text) == LAYERS * _offloaded_arrays(combo, "bf16")
+    assert _waits(text) == LAYERS
+
+
+@pytest.mark.parametrize("combo", [("offload",) * 3, ("device", "offload", "device")], ids=str)
+def test_scan_body_has_no_fence(rng, combo):
+    text = _cuda_text("scan", combo, rng)
+    assert "pinned_host" in text  # it does offload
+    assert _read_backs(text) == 0 and _waits(text) == 0
+
+
+@pytest.mark.parametrize("combo", [("device",) * 3, ("recompute", "device", "recompute")], ids=str)
+def test_no_fence_without_offload(rng, combo):
+    text = _cuda_text("loop", combo, rng)
+    assert _read_backs(text) == 0 and _waits(text) == 0
+
+
+def test_fence_off_switch(rng, monkeypatch):
+    monkeypatch.setattr(residuals, "FENCE_HOST_COPIES", False)
+    text = _cuda_text("loop", ("offload",) * 3, rng)
+    assert _waits(text) == 0
+
+
+@pytest.fixture
+def wait_lowering_on_cpu():
+    """The fence's GPU lowering, registered for the CPU for the duration of a test."""
+    mlir.register_lowering(residuals.fence_p, residuals._fence_wait_lowering, platform="cpu")
+    jax.clear_caches()
+    yield
+    mlir.register_lowering(residuals.fence_p, lambda ctx, out, *rest, mode: [out], platform="cpu")
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_wait_lowering_is_the_identity_bit_for_bit(rng, wait_lowering_on_cpu, dtype):
+    y = jnp.asarray(rng.standard_normal((7, 5)) * 1e3, dtype)
+    tokens = [jnp.int32(t) for t in rng.integers(-(2**31), 2**31 - 1, size=3)] + [jnp.int32(-1)]
+    fenced = jax.jit(lambda y, *t: residuals.fence_p.bind(y, *t, mode="wait"))
+    lowered = fenced.lower(y, *tokens).as_text()
+    assert "stablehlo.dynamic_update_slice" in lowered  # the GPU lowering did run
+    for first in (np.nan, -0.0, np.inf, -np.inf, 65504.0, 1e-40):
+        y0 = y.at[0, 0].set(first)
+        out = fenced(y0, *tokens)
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(y0).view(np.uint8))
+
+
+def test_wait_lowering_of_an_empty_output(wait_lowering_on_cpu):
+    y = jnp.zeros((0, 4), jnp.bfloat16)
+    out = jax.jit(lambda y, t: residuals.fence_p.bind(y, t, mode="wait"))(y, jnp.int32(3))
+    assert out.shape == (0, 4)
