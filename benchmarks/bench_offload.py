@@ -136,7 +136,8 @@ def group_sizes(tokens: int, experts: int, ragged: bool, seed: int = 0) -> np.nd
     return rng.multinomial(tokens, rng.dirichlet(np.ones(experts))).astype(np.int32)
 
 
-def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 0, layout: str = "loop"):
+def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 0, layout: str = "loop",
+               prevent_cse: bool = True):
     """``loss_for(label)`` -> ``loss(params, x, sizes, probs)``, and the arguments.
 
     Every layer is ``x + jax.checkpoint(grouped_mlp, policy=...)(x, w1, w2, sizes, probs)``.
@@ -144,6 +145,9 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     slicing of a stacked weight inside the step) and a Python loop over them;
     ``layout="scan"``: ``params`` is ``(w1 (L, G, H, F), w2 (L, G, F, H))`` and
     ``jax.lax.scan`` runs the layer over them. Both layouts get the same values.
+    ``prevent_cse`` is ``jax.checkpoint``'s: its default (True) puts every residual
+    of a layer's backward, host copies included, in one optimization barrier with the
+    layer's cotangent, so no reload can start before that layer's backward does.
     """
     import jax
     import jax.numpy as jnp
@@ -169,7 +173,7 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     def loss_for(label):
         p = POLICIES[label]
         policy = offload_policy() if p is None else offload_policy(*p)
-        layer = jax.checkpoint(functools.partial(grouped_mlp, recipe=recipe), policy=policy)
+        layer = jax.checkpoint(functools.partial(grouped_mlp, recipe=recipe), policy=policy, prevent_cse=prevent_cse)
 
         if layout == "loop":
 
@@ -399,7 +403,7 @@ def worker(opts, labels: list[str]) -> tuple[dict, list[dict]]:
     rows = []
     for layout in opts.layout:
         for layers in opts.layers:
-            stack = make_stack(shape, layers, opts.recipe, opts.ragged, layout=layout)
+            stack = make_stack(shape, layers, opts.recipe, opts.ragged, layout=layout, prevent_cse=opts.prevent_cse)
             for label in labels:
                 tag = f"{layout} x{layers} {label}"
                 print(f"[{tag}] measuring...", file=sys.stderr, flush=True)
@@ -427,6 +431,8 @@ def _child_argv(opts, label: str, out: str, layout: str, layers: int) -> list[st
         argv.append("--runtime-check")
     if not opts.fence:
         argv.append("--no-fence")
+    if not opts.prevent_cse:
+        argv.append("--no-prevent-cse")
     if opts.dump_hlo:
         argv += ["--dump-hlo", str(opts.dump_hlo)]
     for item in opts.xla_option or ():
@@ -743,6 +749,9 @@ def main(argv=None) -> dict:
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per policy process")
     p.add_argument("--no-autotune-cache", dest="autotune_cache", action="store_false",
                    help="do not share XLA:GPU autotuning results between the policy processes")
+    p.add_argument("--no-prevent-cse", dest="prevent_cse", action="store_false",
+                   help="jax.checkpoint(..., prevent_cse=False): no barrier ties a layer's reloads "
+                        "to its cotangent (lets XLA prefetch them; issue 17's time bar)")
     p.add_argument("--no-fence", dest="fence", action="store_false",
                    help="the op's output does not wait for its residuals' host copies "
                         "(residuals.FENCE_HOST_COPIES = False: the mechanism before the fence, for A/B)")
@@ -802,6 +811,7 @@ def main(argv=None) -> dict:
             "default_offload_policy": dict(zip(PLACEMENT_NAMES, default_placement())),
             "compiler_options": _compiler_options(opts),
             "fence_host_copies": opts.fence,
+            "checkpoint_prevent_cse": opts.prevent_cse,
             "timing": {"iters": opts.iters, "warmup": opts.warmup, "samples": opts.samples, "statistic": "median"},
             "link": link,
             "link_bandwidth_each_way": link["d2h_bytes_per_s"],

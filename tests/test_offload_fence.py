@@ -116,3 +116,27 @@ def test_wait_lowering_of_an_empty_output(wait_lowering_on_cpu):
     y = jnp.zeros((0, 4), jnp.bfloat16)
     out = jax.jit(lambda y, t: residuals.fence_p.bind(y, t, mode="wait"))(y, jnp.int32(3))
     assert out.shape == (0, 4)
+
+
+@pytest.mark.parametrize("prevent_cse", [True, False])
+def test_reloads_wait_for_the_cotangent_only_under_prevent_cse(rng, prevent_cse):
+    """Why the copies back are not prefetched (issue 17's step time, the planner's model):
+    ``jax.checkpoint``'s default ``prevent_cse=True`` passes a layer's host copies and its
+    cotangent through one optimization barrier, so no reload can start before that
+    layer's backward does. ``prevent_cse=False`` leaves no such barrier
+    (``bench_offload.py --no-prevent-cse`` measures what that buys)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, 2)
+    layer = jax.checkpoint(lambda x, a, b: x + jgm.grouped_mlp(x, a, b, gs, probs), policy=jgm.offload_policy(),
+                           prevent_cse=prevent_cse)  # fmt: skip
+
+    def loss(w1, w2):
+        y = x
+        for i in range(2):
+            y = layer(y, w1[i], w2[i])
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(w1, w2).lower(lowering_platforms=("cuda",)).as_text()
+    host = set(re.findall(r'(%\S+) = stablehlo.custom_call @annotate_device_placement\(\S+\).*"pinned_host"', text))
+    barriers = re.findall(r"stablehlo.optimization_barrier ([^:]+):", text)
+    holding = [b for b in barriers if host & set(re.findall(r"%[\w#]+", b))]
+    assert bool(holding) == prevent_cse

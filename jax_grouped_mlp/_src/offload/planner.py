@@ -28,23 +28,29 @@ Device memory for residuals::
 Step time (forward + backward of the stack)::
 
     transfer  = sum(bytes[r] for r "offload") / host_bandwidth       # each way
-    exposed   = max(0, transfer - overlap * forward)                 # device -> host,
-              + max(0, transfer - overlap * backward)                # host -> device
+    exposed   = max(0, transfer - overlap * forward)                 # device -> host
+              + transfer                                             # host -> device
     step_time = L * (forward + backward + sum(recompute[r] for r "recompute") + exposed)
 
 ``forward``/``backward`` are one layer's compute with everything on the device, and
 ``recompute[r]`` the extra backward work to rebuild ``r`` ("fc2_input": srelu and a
 quantize from "activation_input"; "activation_input": quantize x and the FC1 grouped
 GEMM, ``2*M*H*F`` flops; "fc1_input": quantize x), all from a :class:`LayerTime`.
-The copy of each layer's residuals to the host overlaps the next layers' forward
-compute and the copy back overlaps the backward compute of the layers after it;
-``overlap`` (0..1) is the fraction of that compute a copy can hide behind. The link
-is full duplex (``host_bandwidth`` each way). Not modelled: the first/last layer's
-edge effects, the weights (outside the budget), and recompute work that itself hides
-transfers (conservative). Measured on the H200 (a ``jax.lax.scan`` of 8 checkpointed
-layers, all 27 placements): the compiled temp memory grows per layer by the kept
+The copy of each layer's residuals to the host finishes within that layer's forward
+pass (in a Python loop the op's host-copy fence makes it; in a scan the iteration
+does) and hides behind that layer's forward compute, of which ``overlap`` (0..1) is
+the fraction a copy can hide behind. The copy back comes right before the layer's
+backward pass, which needs it first, and is not hidden (``jax.checkpoint``'s default
+``prevent_cse=True`` ties it to the layer's cotangent with an optimization barrier).
+Until 2026-12-02 the model let both hide behind compute and was 13-37 % optimistic
+on the H200; this one is within 16 % in both layouts for all 27 placements
+(docs/offload.md). Not modelled: the first/last layer's edge effects, the weights
+(outside the budget), and recompute work that itself hides transfers (conservative).
+Measured on the H200 (8 checkpointed layers, all 27
+placements): in a ``jax.lax.scan`` the compiled temp memory grows per layer by the kept
 residuals plus x exactly when "fc1_input" or "activation_input" is recomputed, within
-21 MB of 413 MB; a Python loop of layers does not follow the model (docs/offload.md).
+21 MB of 413 MB; in a Python loop it grows by at most that (XLA puts kept residuals into
+weight-gradient buffers not yet written: the model is an upper bound there).
 
 Choice: among the candidates whose memory fits ``budget_bytes``, the smallest step
 time; candidates within ``tie_tolerance`` (relative) of it count as tied and the one
@@ -369,9 +375,10 @@ def predict(
     not_kept = sum(residual_bytes[n] for n in RESIDUAL_NAMES if n not in on["device"] and n not in kept_anyway)
     offloaded = sum(residual_bytes[n] for n in on["offload"])
     transfer = offloaded / host_bandwidth
-    exposed = max(0.0, transfer - overlap * layer_time.forward) + max(
-        0.0, transfer - overlap * layer_time.backward
-    )
+    # To the host: within the layer's own forward pass (the op's host-copy fence in a
+    # Python loop, the iteration in a scan). Back: before the layer's backward starts,
+    # which needs it first; not hidden (measured on the H200, both layouts).
+    exposed = max(0.0, transfer - overlap * layer_time.forward) + transfer
     recompute = sum(layer_time.recompute[n] for n in on["recompute"])
     device = num_layers * kept + not_kept
     recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
@@ -425,8 +432,9 @@ def plan_offload(
         (:func:`measure_layer_time`, :meth:`LayerTime.roofline`) or its forward+backward
         seconds as a float (split like the roofline).
       recipe: "mxfp8" or "bf16", as given to :func:`grouped_mlp`.
-      overlap: fraction (0..1) of compute that a host copy can hide behind; 1 on a GPU
-        with copy engines, near 0 where copies take the compute's cores (CPU).
+      overlap: fraction (0..1) of a layer's forward compute that its copies to the host
+        can hide behind; 1 on a GPU with copy engines, near 0 where copies take the
+        compute's cores (CPU). The copies back are never hidden (the module docstring).
       tie_tolerance: step times within this relative distance of the best count as
         equal; among those the least host traffic wins.
       parallel: the layers' :class:`ExpertParallel` when they run as ``moe_block``
