@@ -15,6 +15,7 @@ effect is measured on the GPU by benchmarks/bench_offload.py):
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -140,3 +141,71 @@ def test_reloads_wait_for_the_cotangent_only_under_prevent_cse(rng, prevent_cse)
     barriers = re.findall(r"stablehlo.optimization_barrier ([^:]+):", text)
     holding = [b for b in barriers if host & set(re.findall(r"%[\w#]+", b))]
     assert bool(holding) == prevent_cse
+
+
+def _offload_loop_loss(policy, x, w1, w2, probs, gs, layers=2):
+    layer = jax.checkpoint(lambda x, a, b: x + jgm.grouped_mlp(x, a, b, gs, probs), policy=policy)
+    for i in range(layers):
+        x = layer(x, w1[i], w2[i])
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+
+def test_vmap_of_an_offloading_gradient(rng):
+    """vmap over the batch of a gradient whose layers offload: per-example bits, and the
+    fence is still in the CUDA lowering (the offload tag's batching rule)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, 2)
+    grad = jax.grad(lambda x: _offload_loop_loss(jgm.offload_policy(), x, w1, w2, probs, gs))
+    xs = jnp.stack([x, -0.5 * x])
+    batched = jax.jit(jax.vmap(grad))(xs)
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(batched[i], np.float32), np.asarray(jax.jit(grad)(xs[i]), np.float32))
+    text = jax.jit(jax.vmap(grad)).trace(xs).lower(lowering_platforms=("cuda",)).as_text()
+    assert _read_backs(text) > 0 and _waits(text) == 2
+
+
+def test_offloading_loop_inside_an_outer_checkpoint(rng):
+    """An outer ``jax.checkpoint`` around a stack of offloading layers (the offload tags
+    are then partially evaluated a second time, in their offload mode): gradients are
+    the bits of the unwrapped stack's."""
+    x, w1, w2, probs, gs = _make_inputs(rng, 2)
+    loss = functools.partial(_offload_loop_loss, jgm.offload_policy())
+    outer = jax.checkpoint(loss, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=())
+    want = jax.jit(jax.grad(loss, argnums=(1, 2)))(x, w1, w2, probs, gs)
+    got = jax.jit(jax.grad(outer, argnums=(1, 2)))(x, w1, w2, probs, gs)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    jax.jit(jax.grad(outer, argnums=(1, 2))).trace(x, w1, w2, probs, gs).lower(lowering_platforms=("cuda",))
+
+
+def test_fence_follows_the_first_layout_a_layer_function_is_traced_in(rng):
+    """Documented limitation (docs/offload.md): JAX caches remat's partial evaluation per
+    layer function and policy, so one checkpointed layer function traced first in a scan
+    and then in a Python loop keeps the scan's answer (no fence) in the loop. Separate
+    functions get each their own."""
+    x, w1, w2, probs, gs = _make_inputs(rng, LAYERS)
+    policy = jgm.offload_policy()
+
+    def texts(shared: bool):
+        jax.clear_caches()
+        make = lambda: jax.checkpoint(lambda x, a, b: x + jgm.grouped_mlp(x, a, b, gs, probs), policy=policy)  # noqa: E731
+        scan_layer = make()
+        loop_layer = scan_layer if shared else make()
+
+        def scan_loss(w):
+            y, _ = jax.lax.scan(lambda y, ab: (scan_layer(y, *ab), None), x, w)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        def loop_loss(w):
+            y = x
+            for i in range(LAYERS):
+                y = loop_layer(y, w[0][i], w[1][i])
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        lower = lambda f: jax.jit(jax.grad(f)).trace((w1, w2)).lower(lowering_platforms=("cuda",)).as_text()  # noqa: E731
+        return lower(scan_loss), lower(loop_loss)
+
+    scan_text, loop_text = texts(shared=False)
+    assert _waits(scan_text) == 0 and _waits(loop_text) == LAYERS
+    scan_text, loop_text = texts(shared=True)
+    assert _waits(scan_text) == 0 and _waits(loop_text) == 0  # the limitation, pinned
+    jax.clear_caches()

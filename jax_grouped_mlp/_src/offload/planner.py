@@ -37,8 +37,8 @@ Step time (forward + backward of the stack)::
 quantize from "activation_input"; "activation_input": quantize x and the FC1 grouped
 GEMM, ``2*M*H*F`` flops; "fc1_input": quantize x), all from a :class:`LayerTime`.
 The copy of each layer's residuals to the host finishes within that layer's forward
-pass (in a Python loop the op's host-copy fence makes it; in a scan the iteration
-does) and hides behind that layer's forward compute, of which ``overlap`` (0..1) is
+pass (in a Python loop the op's host-copy fence makes it, on CUDA GPUs and not under
+automatic partitioning; in a scan the iteration does) and hides behind that layer's forward compute, of which ``overlap`` (0..1) is
 the fraction a copy can hide behind. The copy back comes right before the layer's
 backward pass, which needs it first, and is not hidden (``jax.checkpoint``'s default
 ``prevent_cse=True`` ties it to the layer's cotangent with an optimization barrier).

@@ -57,6 +57,9 @@ to_device_p.multiple_results = True
 fence_p = core.Primitive("grouped_mlp_fence")
 
 _GPU_TPU = ("cuda", "rocm", "tpu")
+# Where the host-copy fence (:func:`fence`) is built: measured on NVIDIA GPUs only (the
+# read-back path through XLA's host offloader is untested on ROCm and TPU).
+_FENCED = ("cuda",)
 
 # False: tag with plain ``checkpoint_name`` and let JAX offload (the behaviour before
 # these tags: a jitted step's second call compiles again, and a recomputed
@@ -77,8 +80,9 @@ RELOAD_AFTER_COTANGENT = False
 # residual's device buffer dies with its layer. Without it, in an unrolled stack of
 # layers XLA's latency-hiding scheduler may finish a copy only just before its reload
 # in the backward pass, and the device buffer stays allocated until then (measured on
-# the H200: a Python loop of offloaded layers kept nearly all device copies). Read at
-# trace time; False is for A/B measurements.
+# the H200: a Python loop of offloaded layers kept nearly all device copies). Read when
+# remat partially evaluates a layer, which JAX caches per layer function and policy
+# (call ``jax.clear_caches()`` after changing it); False is for A/B measurements.
 FENCE_HOST_COPIES = True
 
 
@@ -220,6 +224,11 @@ def _read_back(ctx, host: list[ir.Value], avals, read_back: bool) -> ir.Value:
     return token
 
 
+def _lowering_on(ctx, *args, fence: bool, read_back: bool, **params):
+    """The GPU/TPU lowering: real transfers; read-backs only where the fence is built."""
+    return _lowering(ctx, *args, **params, read_back=read_back and fence, annotate=True)
+
+
 def _to_device_lowering(ctx, *args, memory_kind, annotate):
     return [_annotate(v, memory_kind) for v in args] if annotate else list(args)
 
@@ -227,7 +236,9 @@ def _to_device_lowering(ctx, *args, memory_kind, annotate):
 mlir.register_lowering(residual_p, lambda ctx, *a, **p: _lowering(ctx, *a, **p, annotate=False))
 mlir.register_lowering(to_device_p, lambda ctx, *a, **p: _to_device_lowering(ctx, *a, **p, annotate=False))
 for _platform in _GPU_TPU:
-    mlir.register_lowering(residual_p, lambda ctx, *a, **p: _lowering(ctx, *a, **p, annotate=True), platform=_platform)
+    mlir.register_lowering(
+        residual_p, functools.partial(_lowering_on, fence=_platform in _FENCED), platform=_platform
+    )
     mlir.register_lowering(
         to_device_p, lambda ctx, *a, **p: _to_device_lowering(ctx, *a, **p, annotate=True), platform=_platform
     )
@@ -260,7 +271,7 @@ def _batch(args, dims, *, num_values, **params):
     out = residual_p.bind(*args, num_values=num_values, **params)
     out_dims = list(dims[:num_values])
     if params["mode"] == "offload":
-        return out, out_dims * 2 + [batching.not_mapped]
+        return out, out_dims * 2 + [None]  # the token is not batched
     return out, out_dims
 
 
@@ -278,7 +289,8 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
     params = eqn.params
     n = params["num_values"]
     if any(unks_in) or params["mode"] != "value":  # not a forward value: stage it as is
-        return None, eqn, [True] * n, [True] * n, _needs(inst_in, eqn.invars)
+        outs = len(eqn.outvars)  # (an offload's values, host copies and token; a rebuild's)
+        return None, eqn, [True] * outs, [True] * outs, _needs(inst_in, eqn.invars)
     case = pe.ensure_enum(saveable(name_p, eqn.outvars[0].aval, name=params["name"]))
     for v in eqn.outvars:  # a fresh answer: forget the token of an earlier pass
         _TOKENS.pop(id(v), None)
@@ -406,10 +418,12 @@ def _fence_wait_lowering(ctx, out, *tokens, mode):
     aval = ctx.avals_in[0]
     if mode == "value" or not tokens or aval.size == 0 or not _per_device_program(ctx):
         return [out]  # (no read-backs either without a per-device program)
+    if not jax.numpy.issubdtype(aval.dtype, jax.numpy.floating) or jax.numpy.finfo(aval.dtype).bits not in (8, 16, 32, 64):
+        return [out]  # (the op's output is a float; anything else passes unfenced)
     token = tokens[0]
     for t in tokens[1:]:
         token = hlo.add(token, t)
-    bits_dtype = np.dtype(f"uint{8 * np.dtype(aval.dtype).itemsize}")
+    bits_dtype = np.dtype(f"uint{jax.numpy.finfo(aval.dtype).bits}")
     one = aval.update(shape=(1,) * aval.ndim)
     one_bits = one.update(dtype=bits_dtype)
     scalar = core.ShapedArray((), np.int32)
@@ -425,7 +439,7 @@ def _fence_wait_lowering(ctx, out, *tokens, mode):
     return [hlo.dynamic_update_slice(out, hlo.bitcast_convert(first_type, bits), [index] * aval.ndim)]
 
 
-for _platform in _GPU_TPU:
+for _platform in _FENCED:
     mlir.register_lowering(fence_p, _fence_wait_lowering, platform=_platform)
 
 
