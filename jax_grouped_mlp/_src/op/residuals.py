@@ -418,7 +418,8 @@ def _fence_wait_lowering(ctx, out, *tokens, mode):
     aval = ctx.avals_in[0]
     if mode == "value" or not tokens or aval.size == 0 or not _per_device_program(ctx):
         return [out]  # (no read-backs either without a per-device program)
-    if not jax.numpy.issubdtype(aval.dtype, jax.numpy.floating) or jax.numpy.finfo(aval.dtype).bits not in (8, 16, 32, 64):
+    floating = jax.numpy.issubdtype(aval.dtype, jax.numpy.floating)
+    if not floating or jax.numpy.finfo(aval.dtype).bits not in (8, 16, 32, 64):
         return [out]  # (the op's output is a float; anything else passes unfenced)
     token = tokens[0]
     for t in tokens[1:]:
@@ -452,9 +453,9 @@ batching.primitive_batchers[fence_p] = lambda args, dims, *, mode: (fence_p.bind
 
 
 def _fence_partial_eval_custom(saveable, unks_in, inst_in, eqn):
-    """remat's rule: the forward's output behind a barrier with the tokens of the host
-    copies of its residual inputs; the backward's copy (if anything there needs the output)
-    the plain identity."""
+    """remat's rule: the forward's output made to wait ("wait" mode) for the tokens of
+    the host copies of its residual inputs, when their tags read them back; the
+    backward's copy (if anything there needs the output) the plain identity."""
     del saveable
     out = eqn.invars[0]
     if any(unks_in) or eqn.params["mode"] != "value":
