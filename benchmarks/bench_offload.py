@@ -433,6 +433,8 @@ def _child_argv(opts, label: str, out: str, layout: str, layers: int) -> list[st
         argv.append("--no-fence")
     if not opts.prevent_cse:
         argv.append("--no-prevent-cse")
+    if not opts.reload_after_cotangent:
+        argv.append("--reload-in-remat")
     if opts.dump_hlo:
         argv += ["--dump-hlo", str(opts.dump_hlo)]
     for item in opts.xla_option or ():
@@ -755,6 +757,10 @@ def main(argv=None) -> dict:
     p.add_argument("--no-fence", dest="fence", action="store_false",
                    help="the op's output does not wait for its residuals' host copies "
                         "(residuals.FENCE_HOST_COPIES = False: the mechanism before the fence, for A/B)")
+    p.add_argument("--reload-in-remat", dest="reload_after_cotangent", action="store_false",
+                   help="residuals.RELOAD_AFTER_COTANGENT = False: offloaded residuals come back where "
+                        "remat's backward program starts (the mechanism before 2026-12-02: with "
+                        "--no-prevent-cse XLA then folds the copies away in a Python loop), for A/B")
     p.add_argument("--dump-hlo", type=pathlib.Path, default=None,
                    help="write <layout>_<layers>_<policy>.hlo.txt.gz here")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
@@ -774,6 +780,7 @@ def main(argv=None) -> dict:
     from jax_grouped_mlp._src.op import residuals
 
     residuals.FENCE_HOST_COPIES = opts.fence
+    residuals.RELOAD_AFTER_COTANGENT = opts.reload_after_cotangent
 
     if opts.worker:  # child: one policy, layout and layer count, results to --worker-out
         desc, rows = worker(opts, [opts.worker])
@@ -812,6 +819,7 @@ def main(argv=None) -> dict:
             "compiler_options": _compiler_options(opts),
             "fence_host_copies": opts.fence,
             "checkpoint_prevent_cse": opts.prevent_cse,
+            "reload_after_cotangent": opts.reload_after_cotangent,
             "timing": {"iters": opts.iters, "warmup": opts.warmup, "samples": opts.samples, "statistic": "median"},
             "link": link,
             "link_bandwidth_each_way": link["d2h_bytes_per_s"],

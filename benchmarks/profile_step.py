@@ -4,11 +4,16 @@
         [--candidates grouped_mlp_mxfp8,grouped_mlp_fp8_block] [--iters 5] [--top 25] [--out FILE]
     PYTHONPATH=. python3 benchmarks/profile_step.py --step grad_accum [--micro-batches 4]
         [--candidates bf16/per_micro_batch,fp8_block/prepared_once]
+    PYTHONPATH=. python3 benchmarks/profile_step.py --step stack --layers 8
+        [--candidates loop/d-d-d,scan/d-d-d]
 
 Runs the step of ``bench_mlp`` (same candidates, same operands, same router-made group
 sizes), or with ``--step grad_accum`` the scanned micro-batch step of
 ``bench_grad_accum`` (candidates ``RECIPE/per_micro_batch`` or ``RECIPE/prepared_once``,
-float32 master weights), ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
+float32 master weights), or with ``--step stack`` the layer stack of ``bench_offload``
+(candidates ``LAYOUT/POLICY``: a Python loop or ``lax.scan`` of ``--layers`` checkpointed
+layers, the policy as a label like ``d-o-d``; ``--shape`` nano, ep_share or cpu, equal
+group sizes), ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
 ``ProfileData`` and sums the device events by kernel name: ms per step and launches
 per step, largest first, grouped into our CUDA kernels (``jgm`` / CuTe names), XLA's
 fusions and copies, and the GEMMs of cuBLAS. The step's wall time (``time_call``) is
@@ -102,12 +107,35 @@ def profile(step, args, iters: int) -> list[tuple[str, float]]:
         return device_events(files[0]) if files else []
 
 
+def measure(key: str, step, args, iters: int, top: int) -> dict | None:
+    """Profile ``step(*args)``, time it, print its largest kernels; None without device events."""
+    from common import time_call
+
+    events = profile(step, args, iters)
+    if not events:
+        print(f"{key}: no device events in the trace (no GPU?); nothing to report", flush=True)
+        return None
+    rows = summarize(events, iters)
+    wall = time_call(step, *args, iters=iters, warmup=1, samples=3) * 1e3
+    kernels = sum(r["ms_per_step"] for r in rows)
+    report = {"step_ms": wall, "kernel_ms": kernels, "by_kind": by_kind(rows), "kernels": rows}
+    print(f"\n{key}: step {wall:.2f} ms, kernels {kernels:.2f} ms; by kind: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in report["by_kind"].items()), flush=True)
+    for r in rows[:top]:
+        print(f"  {r['ms_per_step']:7.3f} ms  x{r['launches_per_step']:<5g} {r['kind']:10s} {r['kernel'][:110]}")
+    return report
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="nano")
     ap.add_argument("--alphas", default="inf", help="group-size skews: inf (equal sizes) and Dirichlet alphas")
-    ap.add_argument("--step", default="mlp", choices=["mlp", "grad_accum"],
-                    help="bench_mlp's step, or bench_grad_accum's scan over micro-batches")
+    ap.add_argument("--step", default="mlp", choices=["mlp", "grad_accum", "stack"],
+                    help="bench_mlp's step, bench_grad_accum's scan over micro-batches, or bench_offload's "
+                         "stack of layers")
+    ap.add_argument("--layers", type=int, default=8, help="with --step stack")
+    ap.add_argument("--no-prevent-cse", dest="prevent_cse", action="store_false",
+                    help="with --step stack: jax.checkpoint(..., prevent_cse=False)")
     ap.add_argument("--micro-batches", type=int, default=4, help="with --step grad_accum")
     ap.add_argument("--candidates", default=None,
                     help="comma-separated: bench_mlp candidates (default grouped_mlp_mxfp8), or with "
@@ -119,7 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ns = ap.parse_args(argv)
     if ns.candidates is None:
-        ns.candidates = "grouped_mlp_mxfp8" if ns.step == "mlp" else "bf16/per_micro_batch"
+        ns.candidates = {"mlp": "grouped_mlp_mxfp8", "grad_accum": "bf16/per_micro_batch",
+                         "stack": "loop/d-d-d,scan/d-d-d"}[ns.step]
     if ns.iters < 1:
         ap.error(f"--iters must be >= 1, got {ns.iters}")
     if not ns.keep_command_buffers:
@@ -127,9 +156,11 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import bench_mlp
-    from common import MLP_SHAPES, command_line, time_call, write_result
+    from common import MLP_SHAPES, command_line, write_result
     from shapes import skew_label
 
+    if ns.step == "stack":
+        return _profile_stacks(ap, ns)
     if ns.shape not in MLP_SHAPES:
         ap.error(f"--shape must be one of {sorted(MLP_SHAPES)}, got {ns.shape!r}")
     names = [c for c in ns.candidates.split(",") if c]
@@ -155,24 +186,49 @@ def main(argv=None) -> int:
             args, _ = bench_grad_accum._inputs(ns.shape, ns.micro_batches, "float32", alpha, ns.seed)
             sizes = np.asarray(args[3])
         for cname in names:
-            step = make_step(cname)
-            events = profile(step, args, ns.iters)
             key = f"{ns.shape}@{skew_label(alpha)}/{cname}" + (f"/{ns.micro_batches}mb" if ns.step != "mlp" else "")
-            if not events:
-                print(f"{key}: no device events in the trace (no GPU?); nothing to report", flush=True)
-                continue
-            rows = summarize(events, ns.iters)
-            wall = time_call(step, *args, iters=ns.iters, warmup=1, samples=3) * 1e3
-            kernels = sum(r["ms_per_step"] for r in rows)
-            results[key] = {"step_ms": wall, "kernel_ms": kernels, "by_kind": by_kind(rows), "kernels": rows,
-                            "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
-            print(f"\n{key}: step {wall:.2f} ms, kernels {kernels:.2f} ms; by kind: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in results[key]["by_kind"].items()), flush=True)
-            for r in rows[: ns.top]:
-                print(f"  {r['ms_per_step']:7.3f} ms  x{r['launches_per_step']:<5g} {r['kind']:10s} {r['kernel'][:110]}")
+            report = measure(key, make_step(cname), args, ns.iters, ns.top)
+            if report is not None:
+                results[key] = {**report, "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
     if ns.out is not None and results:
         write_result(ns.out, command=command_line("benchmarks/profile_step.py", argv or sys.argv[1:]),
                      results=results, extra={"command_buffers": ns.keep_command_buffers, "step": ns.step})
+    return 0
+
+
+def _profile_stacks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """``--step stack``: bench_offload's stacks of checkpointed layers, per layout and policy."""
+    import jax
+
+    import bench_offload
+    from common import command_line, write_result
+
+    shapes = {"nano": bench_offload.NANO_SHAPE, "ep_share": bench_offload.EP_SHARE_SHAPE,
+              "cpu": bench_offload.CPU_SHAPE}
+    if ns.shape not in shapes:
+        ap.error(f"--shape must be one of {sorted(shapes)} with --step stack, got {ns.shape!r}")
+    if ns.layers < 1:
+        ap.error(f"--layers must be >= 1, got {ns.layers}")
+    names = [c for c in ns.candidates.split(",") if c]
+    bad = [c for c in names if c.partition("/")[0] not in bench_offload.LAYOUTS
+           or c.partition("/")[2] not in bench_offload.POLICIES]
+    if bad:
+        ap.error(f"--candidates: {bad} are not LAYOUT/POLICY (layouts {bench_offload.LAYOUTS}, "
+                 "policies like d-o-d)")
+    results: dict = {}
+    for cname in names:
+        layout, _, label = cname.partition("/")
+        loss_for, args = bench_offload.make_stack(shapes[ns.shape], ns.layers, "mxfp8", False, ns.seed,
+                                                  layout=layout, prevent_cse=ns.prevent_cse)
+        step = jax.jit(jax.value_and_grad(loss_for(label), argnums=(0, 1)))
+        key = f"{ns.shape}/{ns.layers}L/{cname}" + ("" if ns.prevent_cse else "/no_prevent_cse")
+        report = measure(key, step, args, ns.iters, ns.top)
+        if report is not None:
+            results[key] = report
+    if ns.out is not None and results:
+        write_result(ns.out, command=command_line("benchmarks/profile_step.py", sys.argv[1:]),
+                     results=results, extra={"command_buffers": ns.keep_command_buffers, "step": ns.step,
+                                             "layers": ns.layers, "prevent_cse": ns.prevent_cse})
     return 0
 
 

@@ -47,7 +47,7 @@ SLOW = frozenset({
     "tests/test_offload_policies.py::test_gradients_bitwise_equal_under_every_policy",
     "tests/test_offload_policies.py::test_gradients_bitwise_equal_under_every_policy_fp8_block",
     "tests/test_offload_policies.py::test_rebuilt_fc2_input_under_vmap_and_second_order",
-    "tests/test_offload_policies.py::test_reload_after_cotangent_prototype",
+    "tests/test_offload_policies.py::test_reloads_wait_for_the_layers_cotangent",
     "tests/test_offload_policies.py::test_train_step_compiles_once",
     "tests/test_planner.py::test_measure_layer_time_runs",
     "tests/test_planner.py::test_planned_policy_gradients_match_no_offload",

@@ -120,12 +120,11 @@ def test_wait_lowering_of_an_empty_output(wait_lowering_on_cpu):
 
 
 @pytest.mark.parametrize("prevent_cse", [True, False])
-def test_reloads_wait_for_the_cotangent_only_under_prevent_cse(rng, prevent_cse):
-    """Why the copies back are not prefetched (issue 17's step time, the planner's model):
-    ``jax.checkpoint``'s default ``prevent_cse=True`` passes a layer's host copies and its
-    cotangent through one optimization barrier, so no reload can start before that
-    layer's backward does. ``prevent_cse=False`` leaves no such barrier
-    (``bench_offload.py --no-prevent-cse`` measures what that buys)."""
+def test_host_copies_wait_for_the_cotangent_whatever_prevent_cse(rng, prevent_cse):
+    """A layer's host copies pass an optimization barrier with its cotangent before they
+    come back, with ``jax.checkpoint``'s ``prevent_cse`` on (remat's barrier and the
+    op's) or off (the op's): with no barrier at all, XLA folded each copy and its reload
+    into nothing in a Python loop of layers (measured on the H200)."""
     x, w1, w2, probs, gs = _make_inputs(rng, 2)
     layer = jax.checkpoint(lambda x, a, b: x + jgm.grouped_mlp(x, a, b, gs, probs), policy=jgm.offload_policy(),
                            prevent_cse=prevent_cse)  # fmt: skip
@@ -140,7 +139,7 @@ def test_reloads_wait_for_the_cotangent_only_under_prevent_cse(rng, prevent_cse)
     host = set(re.findall(r'(%\S+) = stablehlo.custom_call @annotate_device_placement\(\S+\).*"pinned_host"', text))
     barriers = re.findall(r"stablehlo.optimization_barrier ([^:]+):", text)
     holding = [b for b in barriers if host & set(re.findall(r"%[\w#]+", b))]
-    assert bool(holding) == prevent_cse
+    assert holding
 
 
 def _offload_loop_loss(policy, x, w1, w2, probs, gs, layers=2):

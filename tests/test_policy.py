@@ -53,9 +53,13 @@ def _remat_bodies(jaxpr):
 
 
 def _names(jaxpr) -> set[str]:
+    """Names of the residuals the backward body recomputes (a tag there in "on_host"
+    mode hands an offloaded residual's host copy on to the op's reload, not a recompute)."""
     out = set()
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("name", "grouped_mlp_residual"):
+        if eqn.primitive.name == "name" or (
+            eqn.primitive.name == "grouped_mlp_residual" and eqn.params["mode"] != "on_host"
+        ):
             out.add(eqn.params["name"])
         for sub in jex_core.jaxprs_in_params(eqn.params):
             out |= _names(sub)

@@ -55,11 +55,24 @@ def test_cpu_run_of_the_grad_accum_step(capsys):
     assert "tiny@uniform/bf16/prepared_once/2mb: no device events" in capsys.readouterr().out
 
 
+def test_cpu_run_of_a_layer_stack(capsys):
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("a GPU trace has device events")
+    assert profile_step.main(["--step", "stack", "--shape", "cpu", "--layers", "2", "--iters", "1",
+                              "--candidates", "scan/d-o-d", "--no-prevent-cse", "--keep-command-buffers"]) == 0
+    assert "cpu/2L/scan/d-o-d/no_prevent_cse: no device events" in capsys.readouterr().out
+
+
 def test_bad_arguments_name_the_flag(monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")  # main() appends to it; restored afterwards
     for argv, flag in ((["--shape", "huge"], "--shape"), (["--candidates", "nope"], "--candidates"),
                        (["--iters", "0"], "--iters"), (["--step", "grad_accum", "--candidates", "bf16"], "--candidates"),
-                       (["--step", "grad_accum", "--micro-batches", "0"], "--micro-batches")):
+                       (["--step", "grad_accum", "--micro-batches", "0"], "--micro-batches"),
+                       (["--step", "stack", "--shape", "tiny"], "--shape"),
+                       (["--step", "stack", "--candidates", "loop/x-y-z"], "--candidates"),
+                       (["--step", "stack", "--layers", "0"], "--layers")):
         with pytest.raises(SystemExit):
             profile_step.main(argv)
         assert flag in capsys.readouterr().err

@@ -214,9 +214,11 @@ def _with_leaves(op: Operand, leaves) -> Operand:
 def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     x_col, h, a_col, w1, w2, dgrad_weights, group_sizes, probs, (w1_dtype, w2_dtype) = res
     w1_ready, w2_ready = (None, None) if dgrad_weights is None else map(_dgrad_ready, dgrad_weights)
-    # (residuals.RELOAD_AFTER_COTANGENT: h and fc2_input come back once dy exists.)
-    (h, *a_leaves), dy = residuals.after_cotangent([h, *_leaves(a_col)], dy)
-    a_col = _with_leaves(a_col, a_leaves)
+    # Offloaded residuals come back once dy exists (residuals.RELOAD_AFTER_COTANGENT).
+    a_leaves, x_leaves = _leaves(a_col), _leaves(x_col)
+    (h, *leaves), dy = residuals.after_cotangent([h, *a_leaves, *x_leaves], dy)
+    a_col = _with_leaves(a_col, leaves[: len(a_leaves)])
+    x_col = _with_leaves(x_col, leaves[len(a_leaves):])
     dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=False)
     if heuristics.fuse_dgrad(choices, recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
@@ -236,9 +238,6 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     else:
         w1, dh_row = _after(choices, w1, dh_row)
     dx = _weight_gemm(dh_row, w1, group_sizes, recipe, choices, dy.dtype, transpose_rhs=True, ready=w1_ready)
-    # (fc1_input, needed last, once dh's columns exist.)
-    x_leaves, dh_col = residuals.after_cotangent(_leaves(x_col), dh_col)
-    x_col = _with_leaves(x_col, x_leaves)
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2_dtype.dtype)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1_dtype.dtype)
     # dx leaves this layer only with both weight gradients done (an optimization

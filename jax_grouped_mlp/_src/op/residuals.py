@@ -69,11 +69,14 @@ _FENCED = ("cuda",)
 # Read at trace time.
 OWN_TRANSFERS = True
 
-# Prototype (issue 17's lever; off by default, for measuring on the GPU): an offloaded
-# residual comes back only in the op's backward rule, after the layer's cotangent
-# exists (``after_cotangent``), instead of where remat's backward program starts,
-# which XLA's scheduler is free to hoist. Read at trace time.
-RELOAD_AFTER_COTANGENT = False
+# An offloaded residual comes back to the device in the op's backward rule, once the
+# layer's cotangent exists (``after_cotangent``), instead of where remat's backward
+# program starts. ``jax.checkpoint``'s default ``prevent_cse=True`` ties the reloads to
+# the cotangent with a barrier of its own; with ``prevent_cse=False`` nothing did, and
+# XLA folded each host copy and its reload into nothing (measured on the H200: no
+# transfer left, the device temp of all-device). Not inside ``scan``/``while`` bodies,
+# where XLA's loop offloading keeps the copies. Read at trace time.
+RELOAD_AFTER_COTANGENT = True
 
 # The op's output waits for the host copies of its offloaded residuals (:func:`fence`):
 # the device->host copies must finish before the next layer starts, so each
@@ -276,6 +279,9 @@ def _batch(args, dims, *, num_values, **params):
 
 
 batching.primitive_batchers[residual_p] = _batch
+# A move between memories: the tangents pass as they are (a residual's tangent under
+# second-order differentiation lives on the device already).
+ad.primitive_jvps[to_device_p] = lambda primals, tangents, **p: (to_device_p.bind(*primals, **p), list(tangents))
 batching.primitive_batchers[to_device_p] = lambda args, dims, **p: (to_device_p.bind(*args, **p), list(dims))
 
 
@@ -299,8 +305,10 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
     if isinstance(case, pe.Offloadable):
         host = [core.Var(_host_aval(v.aval)) for v in eqn.outvars]
         token = core.Var(_TOKEN_AVAL)
-        # A loop's iteration already bounds its copies: no read-back there.
-        read_back = FENCE_HOST_COPIES and not _in_loop_body()
+        # A loop's iteration already bounds its copies: no read-back there, and the
+        # reload is the loop offloading's own.
+        in_loop = _in_loop_body()
+        read_back = FENCE_HOST_COPIES and not in_loop
         known = core.new_jaxpr_eqn(
             eqn.invars, [*eqn.outvars, *host, token], residual_p,
             {**params, "mode": "offload", "memory_kind": case.dst, "read_back": read_back}, eqn.effects,
@@ -309,7 +317,7 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
         if read_back:
             for v in eqn.outvars:
                 _remember_token(v, token)
-        if RELOAD_AFTER_COTANGENT:  # stays on the host until after_cotangent
+        if RELOAD_AFTER_COTANGENT and not in_loop:  # stays on the host until after_cotangent
             reload = core.new_jaxpr_eqn(host, list(eqn.outvars), residual_p,
                                         {**params, "mode": "on_host", "rebuild": None}, frozenset(),
                                         eqn.source_info)  # fmt: skip
@@ -337,12 +345,14 @@ pe.partial_eval_jaxpr_custom_rules[residual_p] = _partial_eval_custom
 
 @functools.cache
 def _loop_rule_codes() -> frozenset:
-    """The code of JAX's partial-evaluation and linearization rules for ``scan`` and
-    ``while`` (looked up in JAX's rule tables, so no private function is named)."""
+    """The code of JAX's partial-evaluation, linearization and transposition rules for
+    ``scan`` and ``while`` (looked up in JAX's rule tables, so no private function is
+    named)."""
     codes = set()
     for prim in (lax.scan_p, lax.while_p):
         for table in (pe.custom_partial_eval_rules, pe.partial_eval_jaxpr_custom_rules,
-                      getattr(ad, "primitive_linearizations", {})):
+                      getattr(ad, "primitive_linearizations", {}), getattr(ad, "fancy_transposes", {}),
+                      ad.primitive_transposes):
             rule = table.get(prim)
             while isinstance(rule, functools.partial):
                 rule = rule.func
@@ -353,8 +363,10 @@ def _loop_rule_codes() -> frozenset:
 
 
 def _in_loop_body() -> bool:
-    """Whether remat is partially evaluating the body of a ``scan``/``while`` (a layer
-    of ``jax.lax.scan``, ``nnx.scan``, ``fori_loop``) right now.
+    """Whether remat is partially evaluating, or the op's backward rule is being traced
+    for, the body of a ``scan``/``while`` (a layer of ``jax.lax.scan``, ``nnx.scan``,
+    ``fori_loop``) right now (a loop's body is partially evaluated and transposed inside
+    these rules, so both answers agree for one layer).
 
     There the host copies need no fence: XLA writes a loop's offloaded residuals into
     a stacked host buffer with an asynchronous dynamic-update-slice that finishes
@@ -472,12 +484,22 @@ pe.partial_eval_jaxpr_custom_rules[fence_p] = _fence_partial_eval_custom
 
 
 def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:
-    """With ``RELOAD_AFTER_COTANGENT``: the residual arrays, each on the device, usable
-    only once ``cotangent`` (any pytree) exists. An optimization barrier ties the
-    (possibly host) arrays to the cotangent, then each is moved to the device; XLA
-    drops the move for an array that was on the device already. Otherwise the identity.
-    """
-    if not RELOAD_AFTER_COTANGENT:
-        return list(residual_arrays), cotangent
-    arrays, cotangent = jax.lax.optimization_barrier((list(residual_arrays), cotangent))
+    """With ``RELOAD_AFTER_COTANGENT`` (outside loop bodies): the residual arrays, each
+    on the device, usable only once ``cotangent`` (any pytree) exists. An optimization
+    barrier ties the (possibly host) arrays to the cotangent, then each is moved to the
+    device; XLA drops the move for an array that was on the device already. Otherwise
+    the identity (there remat's own reload brought them back)."""
+    arrays = list(residual_arrays)
+    if not RELOAD_AFTER_COTANGENT or _in_loop_body():
+        return arrays, cotangent
+    # E8M0 scales (1/32 of their data's bytes) stay out of the barrier: with them in it,
+    # its transpose fails in grad of grad (jax 0.12: AttributeError "no attribute
+    # accum" in _opt_barrier_fancy_transpose).
+    tied = [i for i, a in enumerate(arrays) if a.dtype != _E8M0]
+    out, cotangent = jax.lax.optimization_barrier(([arrays[i] for i in tied], cotangent))
+    for i, a in zip(tied, out):
+        arrays[i] = a
     return to_device_p.bind(*arrays, memory_kind="device"), cotangent
+
+
+_E8M0 = np.dtype(jax.numpy.float8_e8m0fnu)
