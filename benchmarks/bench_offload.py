@@ -433,8 +433,8 @@ def _child_argv(opts, label: str, out: str, layout: str, layers: int) -> list[st
         argv.append("--no-fence")
     if not opts.prevent_cse:
         argv.append("--no-prevent-cse")
-    if not opts.reload_after_cotangent:
-        argv.append("--reload-in-remat")
+    if opts.reload_after_cotangent:
+        argv.append("--reload-after-cotangent")
     if opts.dump_hlo:
         argv += ["--dump-hlo", str(opts.dump_hlo)]
     for item in opts.xla_option or ():
@@ -757,10 +757,10 @@ def main(argv=None) -> dict:
     p.add_argument("--no-fence", dest="fence", action="store_false",
                    help="the op's output does not wait for its residuals' host copies "
                         "(residuals.FENCE_HOST_COPIES = False: the mechanism before the fence, for A/B)")
-    p.add_argument("--reload-in-remat", dest="reload_after_cotangent", action="store_false",
-                   help="residuals.RELOAD_AFTER_COTANGENT = False: offloaded residuals come back where "
-                        "remat's backward program starts (the mechanism before 2026-12-02: with "
-                        "--no-prevent-cse XLA then folds the copies away in a Python loop), for A/B")
+    p.add_argument("--reload-after-cotangent", action="store_true",
+                   help="residuals.RELOAD_AFTER_COTANGENT (an experiment): the op's backward rule brings "
+                        "offloaded residuals back once the layer's cotangent exists (keeps a loop's "
+                        "offload under --no-prevent-cse)")
     p.add_argument("--dump-hlo", type=pathlib.Path, default=None,
                    help="write <layout>_<layers>_<policy>.hlo.txt.gz here")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",

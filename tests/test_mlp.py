@@ -149,8 +149,7 @@ def test_deterministic(rng):
 def test_backward_order_barrier(rng, recipe):
     """The backward's two ordering barriers (w1 quantized for the FC1 dgrad only once
     dh exists; dx leaves the layer only with dW1 and dW2 done): present in the lowered
-    gradient, and the results are the same bits with and without them. A third barrier
-    is always there: the residuals come back with dy (residuals.after_cotangent)."""
+    gradient, and the results are the same bits with and without them."""
     from jax_grouped_mlp._src.op.heuristics import KernelChoices
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
@@ -162,7 +161,7 @@ def test_backward_order_barrier(rng, recipe):
 
     n_on, on = barriers(True)
     n_off, off = barriers(False)
-    assert (n_on, n_off) == (3, 1)
+    assert (n_on, n_off) == (2, 0)
     for u, v in zip(on, off):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 

@@ -279,13 +279,14 @@ def test_gradients_bitwise_equal_under_every_policy_gpu(rng, layout):
 
 
 # ---------------------------------------------------------------------------------
-# 4. Offloaded residuals come back only after the layer's cotangent, whatever prevent_cse.
+# 4. The experiment: offloaded residuals come back only after the layer's cotangent.
 
 
 @pytest.mark.parametrize("prevent_cse", [True, False], ids=["prevent_cse", "no_prevent_cse"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_reloads_wait_for_the_layers_cotangent(rng, layout, prevent_cse):
-    """In the program lowered for CUDA, outside loop bodies every reload of a residual
+def test_reloads_wait_for_the_layers_cotangent(rng, monkeypatch, layout, prevent_cse):
+    """With ``residuals.RELOAD_AFTER_COTANGENT`` (an experiment, off by default): in the
+    program lowered for CUDA, outside loop bodies every reload of a residual
     array to the device reads the op's own optimization barrier (the layer's 3 residual
     arrays other than E8M0 scales, with its cotangent), with ``jax.checkpoint``'s ``prevent_cse`` on or off: without
     it, under ``prevent_cse=False`` nothing tied a reload to the backward pass and XLA
@@ -294,6 +295,9 @@ def test_reloads_wait_for_the_layers_cotangent(rng, layout, prevent_cse):
     all-device ones (CPU)."""
     import re
 
+    from jax_grouped_mlp._src.op import residuals
+
+    monkeypatch.setattr(residuals, "RELOAD_AFTER_COTANGENT", True)
     choices = KernelChoices(quantize_weights_in_gemm=False)  # the fused FC1 path
     inputs = _make_inputs(rng, layers=2)
     loss = functools.partial(LAYOUTS[layout], jgm.offload_policy(), choices=choices, prevent_cse=prevent_cse)

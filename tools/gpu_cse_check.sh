@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Reloads tied to the layer's cotangent by the op itself (residuals.RELOAD_AFTER_COTANGENT,
-# issue 17) on the H200 in one call: the whole GPU suite, then the 8-layer step at the EP
-# share for five policies in both layouts, and in the loop again with
-# jax.checkpoint(prevent_cse=False) (the offload must survive it).
+# an experiment, issue 17) on the H200 in one call: the whole GPU suite (as it is), then
+# the 8-layer step at the EP share for five policies in both layouts with the experiment
+# on, and in the loop again with jax.checkpoint(prevent_cse=False) (the offload must
+# survive it). (The committed runs had the flag's default on instead.)
 #   run(command="bash tools/gpu_cse_check.sh", carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s); stamp() { echo "[cse_check] $1 at +$(( $(date +%s) - T0 ))s"; }
-B="python3 benchmarks/bench_offload.py --ep-share --layers 8 --policies all_device,all_offload,o-d-d,d-o-d,d-d-o --inprocess --samples 3"
+B="python3 benchmarks/bench_offload.py --ep-share --layers 8 --policies all_device,all_offload,o-d-d,d-o-d,d-d-o --inprocess --samples 3 --reload-after-cotangent"
 timeout ${TEST_S:-290} python3 -m pytest -q -p no:cacheprovider --tb=short -rf -m gpu -n 4 tests --timeout=280 \
     > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log"; tail -3 "$OUT/pytest_gpu.log"; stamp tests
 timeout 100 $B --layout both --out "$OUT/offload_reload_after_dy_timed_h200.json" > "$OUT/bench.log" 2>&1; stamp timed

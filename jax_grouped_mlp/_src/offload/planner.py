@@ -40,8 +40,8 @@ The copy of each layer's residuals to the host finishes within that layer's forw
 pass (in a Python loop the op's host-copy fence makes it, on CUDA GPUs and not under
 automatic partitioning; in a scan the iteration does) and hides behind that layer's forward compute, of which ``overlap`` (0..1) is
 the fraction a copy can hide behind. The copy back comes right before the layer's
-backward pass, which needs it first, and is not hidden (the op's backward rule ties
-it to the layer's cotangent with an optimization barrier, whatever ``prevent_cse``).
+backward pass, which needs it first, and is not hidden (``jax.checkpoint``'s default
+``prevent_cse=True`` ties it to the layer's cotangent with an optimization barrier).
 Until 2026-12-02 the model let both hide behind compute and was 13-37 % optimistic
 on the H200; this one is within 16 % in both layouts for all 27 placements
 (docs/offload.md). Not modelled: the first/last layer's edge effects, the weights

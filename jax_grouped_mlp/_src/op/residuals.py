@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 from jax import lax
 from jax._src import core, sharding_impls
 from jax.ad_checkpoint import checkpoint_name
-from jax._src.ad_checkpoint import name_p
+from jax._src.ad_checkpoint import name_p, remat_p
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
@@ -69,14 +70,17 @@ _FENCED = ("cuda",)
 # Read at trace time.
 OWN_TRANSFERS = True
 
-# An offloaded residual comes back to the device in the op's backward rule, once the
-# layer's cotangent exists (``after_cotangent``), instead of where remat's backward
-# program starts. ``jax.checkpoint``'s default ``prevent_cse=True`` ties the reloads to
-# the cotangent with a barrier of its own; with ``prevent_cse=False`` nothing did, and
-# XLA folded each host copy and its reload into nothing (measured on the H200: no
-# transfer left, the device temp of all-device). Not inside ``scan``/``while`` bodies,
-# where XLA's loop offloading keeps the copies. Read at trace time.
-RELOAD_AFTER_COTANGENT = True
+# Experiment (off): an offloaded residual comes back to the device in the op's
+# backward rule, once the layer's cotangent exists (``after_cotangent``), instead of
+# where remat's backward program starts; not inside ``scan``/``while`` bodies. It keeps
+# a Python loop's offload under ``jax.checkpoint(prevent_cse=False)``, which XLA
+# otherwise folds away (measured on the H200, docs/notes/2026-12-02-reloads-and-prevent-cse.md),
+# but is not on by default: a recomputed "fc2_input" then reloads "activation_input"
+# twice, and a layer linearized outside a scan and transposed inside one would hand
+# host buffers to the kernels. Read at partial evaluation, when the backward rule is
+# traced and at lowering, each cached by JAX (call ``jax.clear_caches()`` after
+# changing it).
+RELOAD_AFTER_COTANGENT = False
 
 # The op's output waits for the host copies of its offloaded residuals (:func:`fence`):
 # the device->host copies must finish before the next layer starts, so each
@@ -309,6 +313,8 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
         # reload is the loop offloading's own.
         in_loop = _in_loop_body()
         read_back = FENCE_HOST_COPIES and not in_loop
+        if not (in_loop or RELOAD_AFTER_COTANGENT):
+            _warn_if_cse_allowed(params["name"])
         known = core.new_jaxpr_eqn(
             eqn.invars, [*eqn.outvars, *host, token], residual_p,
             {**params, "mode": "offload", "memory_kind": case.dst, "read_back": read_back}, eqn.effects,
@@ -365,8 +371,9 @@ def _loop_rule_codes() -> frozenset:
 def _in_loop_body() -> bool:
     """Whether remat is partially evaluating, or the op's backward rule is being traced
     for, the body of a ``scan``/``while`` (a layer of ``jax.lax.scan``, ``nnx.scan``,
-    ``fori_loop``) right now (a loop's body is partially evaluated and transposed inside
-    these rules, so both answers agree for one layer).
+    ``fori_loop``) right now. A scanned layer is partially evaluated and transposed
+    inside these rules; a layer linearized outside a loop and transposed inside one
+    gets two different answers (why ``RELOAD_AFTER_COTANGENT`` is off).
 
     There the host copies need no fence: XLA writes a loop's offloaded residuals into
     a stacked host buffer with an asynchronous dynamic-update-slice that finishes
@@ -380,6 +387,32 @@ def _in_loop_body() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@functools.cache
+def _remat_rule_code():
+    rule = pe.custom_partial_eval_rules.get(remat_p)
+    return getattr(rule, "__code__", None)
+
+
+def _warn_if_cse_allowed(name: str) -> None:
+    """Warn when the ``jax.checkpoint`` being partially evaluated (outside a loop body)
+    has ``prevent_cse=False``: nothing then keeps XLA from folding the host copy and its
+    reload into nothing (measured on the H200 in a Python loop of layers: no transfer,
+    the device memory of keeping everything). Found by reading remat's rule's frame; no
+    warning when JAX's internals differ."""
+    code = _remat_rule_code()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            if frame.f_locals.get("prevent_cse") is False:
+                warnings.warn(
+                    f"jax.checkpoint(..., prevent_cse=False) around a layer whose policy offloads {name!r}: "
+                    "outside a scan, XLA removes the host copy and keeps the residual on the device. Keep "
+                    "prevent_cse=True (the default) for layers in a Python loop (docs/offload.md, "
+                    "\"Layer stacks\").", stacklevel=2)
+            return
+        frame = frame.f_back
 
 
 # Offloaded residual -> the token of its host copy, from this rule to :func:`fence`'s
