@@ -17,6 +17,7 @@ MLP_SHAPES = {
     "moe8": (8, 8192, 4096, 4096),
     "moe32": (32, 1024, 4096, 1536),
     "nano": (128, 384, 2688, 1856),  # Nemotron-3-Nano: 8192 tokens x top-6
+    "ep_share": (16, 3072, 2688, 1856),  # Nano's expert-parallel local share (8-way)
     "tiny": (4, 64, 128, 128),  # a CPU smoke test of the scripts, not a measurement
 }
 

@@ -317,8 +317,9 @@ def test_recipe_semantics_exact(rng):
 def test_recipe_keeps_fp8_residuals_and_sends_only_its_gemms_to_cuda(rng, monkeypatch):
     """The residuals fc1_input and fc2_input are FP8 with their 128-block scales (about
     half the bf16 bytes), and the CUDA branch is traced only for the GEMMs (the FP8
-    block-scaled kernel, and the wgrad kernel on dequantized operands): every other
-    primitive takes the reference on fp8_block operands on every platform."""
+    block-scaled kernel, and the wgrad kernel on dequantized operands) and the recipe's
+    two quantizers (x, srelu(h), dy, dh; both weights): every other primitive takes the
+    reference on fp8_block operands on every platform."""
     from jax_grouped_mlp._src.op import primitives
 
     calls = []
@@ -334,7 +335,8 @@ def test_recipe_keeps_fp8_residuals_and_sends_only_its_gemms_to_cuda(rng, monkey
     loss = lambda x, w1, w2: jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="fp8_block").astype(jnp.float32))  # noqa: E731
     jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=jgm.offload_policy("device", "device", "device")),
                             argnums=(0, 1, 2)))(x, w1, w2)
-    assert set(calls) == {"grouped_gemm", "grouped_wgrad"} and calls.count("grouped_wgrad") == 2, calls
+    assert set(calls) == {"grouped_gemm", "grouped_wgrad", "fp8_block_pair", "fp8_block_weight"}, calls
+    assert calls.count("grouped_wgrad") == 2 and calls.count("fp8_block_pair") == 4, calls
     _, res = jax.vjp(jax.checkpoint(loss, policy=jgm.offload_policy("device", "device", "device")), x, w1, w2)
     leaves = jax.tree_util.tree_leaves(res)
     fp8 = [a for a in leaves if getattr(a, "dtype", None) == jnp.float8_e4m3fn]
@@ -377,6 +379,8 @@ def test_recipe_on_the_gpu_runs_its_kernels(rng):
     hlo = _run.lower(x, w1, w2, gs, probs, dy).compile().as_text()
     assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block"') == 4
     assert hlo.count('custom_call_target="jgm_grouped_wgrad') == 2
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 4  # x, srelu(h), dy, dh
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block_tile"') >= 2  # w1, w2
     out = _run(x, w1, w2, gs, probs, dy)
     got = jax.tree_util.tree_leaves(out)
     cpu = jax.devices("cpu")[0]
@@ -387,3 +391,34 @@ def test_recipe_on_the_gpu_runs_its_kernels(rng):
         assert rel_err(a, b) < BANDS[k], k
     for a, b in zip(got, want):
         assert rel_err(a, b) < 3e-2
+
+
+def test_recipe_quantizer_primitives(rng):
+    """``primitives.fp8_block_pair`` / ``fp8_block_weight`` (what the CUDA kernels must
+    match bit for bit): the public quantizers' tensors, the unkept column copy as its
+    dequantized bf16 values, group sizes carried as int32, straight-through tangents."""
+    from jax_grouped_mlp._src.op import primitives
+
+    x = jnp.asarray(rng.standard_normal((300, 200)) * np.exp2(rng.integers(-8, 8, size=(300, 1))), jnp.bfloat16)
+    gs = jnp.asarray([0, 130, 150, 5], jnp.int32)  # 285 of 300 rows
+    row, col = primitives.fp8_block_pair(x, gs, keep_col=True)
+    want_row, want_col = jgm.quantize_fp8_block(x, 1), jgm.quantize_fp8_block(x, 0, group_sizes=gs)
+    for got, want in ((row, want_row), (col, want_col)):
+        assert got.axes == want.axes
+        np.testing.assert_array_equal(np.asarray(got.data, np.float32), np.asarray(want.data, np.float32))
+        np.testing.assert_array_equal(np.asarray(got.scale, np.float32), np.asarray(want.scale, np.float32))
+    assert col.group_sizes.dtype == jnp.int32
+    _, values = primitives.fp8_block_pair(x, gs, keep_col=False)
+    assert values.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(jgm.dequantize_fp8_block(want_col), np.float32))
+    assert not np.asarray(values[285:], np.float32).any()
+    w = jnp.asarray(rng.standard_normal((3, 200, 136)), jnp.bfloat16)
+    wq = primitives.fp8_block_weight(w)
+    want_w = jgm.quantize_fp8_block(w, (1, 2))
+    assert wq.axes == (1, 2) and wq.scale.shape == (3, 2, 2)
+    np.testing.assert_array_equal(np.asarray(wq.data, np.float32), np.asarray(want_w.data, np.float32))
+    # Straight through: d/dx sum(dequantize(col values) * c) is c on the rows in groups.
+    c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    g = jax.grad(lambda x: jnp.sum(primitives.fp8_block_pair(x, gs, keep_col=False)[1].astype(jnp.float32) * c))(x)
+    want_g = np.where(np.arange(300)[:, None] < 285, np.asarray(jnp.asarray(c, jnp.bfloat16), np.float32), 0)
+    np.testing.assert_array_equal(np.asarray(g, np.float32), want_g)

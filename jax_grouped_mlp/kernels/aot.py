@@ -224,6 +224,15 @@ def _kernel(v: registry.Variant):
         if v.mode in PAIR_MODES:
             return cfg, FakeQuantizePairMxfp8(cfg), _fake_quantize_pair_args(v.mode == "rowcol")
         return cfg, FakeQuantizeMxfp8(cfg), _fake_quantize_args()
+    if isinstance(v, registry.QuantizeFp8BlockVariant):
+        from jax_grouped_mlp.kernels.quantize_fp8_block import (
+            QuantizeFp8Block, QuantizeFp8BlockConfig, QuantizeFp8BlockTile,
+        )
+
+        cfg = QuantizeFp8BlockConfig(vec=v.vec, threads=v.threads, mode=v.mode)
+        if v.mode == "tile":
+            return cfg, QuantizeFp8BlockTile(cfg), _quantize_fp8_block_tile_args()
+        return cfg, QuantizeFp8Block(cfg), _quantize_fp8_block_pair_args(v.mode == "pair_bf16")
     if isinstance(v, registry.DequantizeVariant):
         from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeColMxfp8, DequantizeConfig
 
@@ -257,6 +266,34 @@ def _fake_quantize_pair_args(col_bf16: bool):
     col = cutlass.BFloat16 if col_bf16 else cutlass.Uint8
     return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.BFloat16, (m, k)),
             t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
+
+
+def _quantize_fp8_block_pair_args(col_bf16: bool):
+    """Fake (x [M, K] bf16, group_sizes, row [M, K] uint8, row_scale [M, KB] uint8,
+    col [M, K] uint8 or bf16, col_scale [NB, K] uint8, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    t = _fake
+    m, g, nb, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    k = cute.sym_int32(divisibility=8)
+    col = cutlass.BFloat16 if col_bf16 else cutlass.Uint8
+    return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.Uint8, (m, k)),
+            t(cutlass.Uint8, (m, kb), align=1), t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
+
+
+def _quantize_fp8_block_tile_args():
+    """Fake (x [M, K] bf16, group_sizes, data [M, K] uint8, scale [NB, KB] uint8, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    t = _fake
+    m, g, nb, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    k = cute.sym_int32(divisibility=8)
+    return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.Uint8, (m, k)),
+            t(cutlass.Uint8, (nb, kb), align=1), make_fake_stream())
 
 
 def _dequantize_args():

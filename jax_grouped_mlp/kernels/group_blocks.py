@@ -56,13 +56,17 @@ class GroupBlockConfig:
 
 
 class GroupBlockKernel:
-    """Base of the kernels with one CTA per group-aware 32-row block; see the module doc."""
+    """Base of the kernels with one CTA per group-aware block of ``block_rows`` rows (32:
+    MXFP8; a subclass may set 128); see the module doc."""
+
+    block_rows: int = BLOCK
+    row_block_cols: int = BLOCK  # columns of a rowwise block
 
     def __init__(self, config: GroupBlockConfig):
         self.config = config
         self.vec = config.vec
         self.threads = config.threads
-        self.lanes_per_block = BLOCK // config.vec  # lanes sharing one rowwise block
+        self.lanes_per_block = self.row_block_cols // config.vec  # lanes sharing one rowwise block
 
     @cute.jit
     def _locate_block(self, group_sizes: cute.Tensor, b: Int32, m: Int32):
@@ -100,7 +104,7 @@ class GroupBlockKernel:
             if first + i < num_groups:
                 size = cutlass.min(cutlass.max(Int32(group_sizes[first + i]), Int32(0)), m)
                 end = cutlass.min(c + size, m)
-                blocks_mine = blocks_mine + (end - c + (BLOCK - 1)) // BLOCK
+                blocks_mine = blocks_mine + (end - c + (self.block_rows - 1)) // self.block_rows
                 c = end
         blocks_incl = blocks_mine
         for sh in cutlass.range_constexpr(5):
@@ -121,11 +125,11 @@ class GroupBlockKernel:
                     if first + i < num_groups:
                         size = cutlass.min(cutlass.max(Int32(group_sizes[first + i]), Int32(0)), m)
                         end = cutlass.min(c + size, m)
-                        nblk = (end - c + (BLOCK - 1)) // BLOCK
+                        nblk = (end - c + (self.block_rows - 1)) // self.block_rows
                         if b >= u:
                             if b < u + nblk:
-                                row0 = c + (b - u) * BLOCK
-                                nrows = cutlass.min(end - row0, Int32(BLOCK))
+                                row0 = c + (b - u) * self.block_rows
+                                nrows = cutlass.min(end - row0, Int32(self.block_rows))
                                 found = Int32(1)
                         u = u + nblk
                         c = end
@@ -138,6 +142,6 @@ class GroupBlockKernel:
             in_group = Int32(1)
         else:
             # Rows past sum(group_sizes): rowwise only.
-            row0 = total_rows + (b - total_blocks) * BLOCK
-            nrows = cutlass.max(cutlass.min(m - row0, Int32(BLOCK)), Int32(0))
+            row0 = total_rows + (b - total_blocks) * self.block_rows
+            nrows = cutlass.max(cutlass.min(m - row0, Int32(self.block_rows)), Int32(0))
         return row0, nrows, in_group

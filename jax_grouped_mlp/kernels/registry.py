@@ -54,6 +54,8 @@ class Family(enum.Enum):
     FAKE_QUANTIZE_PAIR = ("jgm_fake_quantize_pair", "FAKE_QUANTIZE_PAIR_VARIANTS", ("col_type",))
     DEQUANTIZE = ("jgm_dequantize_mxfp8", "DEQUANTIZE_VARIANTS", ())
     GROUPED_GEMM_FP8_BLOCK = ("jgm_grouped_gemm_fp8_block", "GROUPED_GEMM_FP8_BLOCK_VARIANTS", ())
+    QUANTIZE_FP8_BLOCK_PAIR = ("jgm_quantize_fp8_block_pair", "QUANTIZE_FP8_BLOCK_PAIR_VARIANTS", ("col_type",))
+    QUANTIZE_FP8_BLOCK_TILE = ("jgm_quantize_fp8_block_tile", "QUANTIZE_FP8_BLOCK_TILE_VARIANTS", ())
 
     @property
     def target(self) -> str:
@@ -272,7 +274,42 @@ class Fp8BlockGemmVariant:
         return s + (f"_p{self.panel_m}" if self.panel_m != 8 else "")
 
 
-Variant = Union[GemmVariant, QwGemmVariant, WgradVariant, FakeQuantizeVariant, DequantizeVariant, Fp8BlockGemmVariant]
+@dataclasses.dataclass(frozen=True)
+class QuantizeFp8BlockVariant:
+    """``QuantizeFp8Block`` / ``QuantizeFp8BlockTile`` (``kernels/quantize_fp8_block.py``):
+    bf16 ``[M, K]`` to the ``fp8_block`` format in one read.
+
+    mode: "pair" (rowwise 1 x 128 blocks and the group-aware 128-row copy as E4M3,
+    ``jgm_quantize_fp8_block_pair``), "pair_bf16" (the same, the group-aware copy as its
+    bf16 values) or "tile" (128 x 128 tiles of each group's rows: a weight,
+    ``jgm_quantize_fp8_block_tile``). vec, threads: bf16 columns per thread, threads per CTA.
+    """
+
+    mode: Literal["pair", "pair_bf16", "tile"]
+    vec: int = 8
+    threads: int = 128
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("pair", "pair_bf16", "tile"), self, "mode")
+
+    @property
+    def family(self) -> Family:
+        return Family.QUANTIZE_FP8_BLOCK_TILE if self.mode == "tile" else Family.QUANTIZE_FP8_BLOCK_PAIR
+
+    @property
+    def col_type(self) -> str:
+        """The group-aware copy's XLA FFI element type (pair modes; a C++ table column)."""
+        return "ffi::BF16" if self.mode == "pair_bf16" else "ffi::F8E4M3FN"
+
+    @property
+    def name(self) -> str:
+        return f"quantize_fp8_block_{self.mode}_v{self.vec}_t{self.threads}"
+
+
+Variant = Union[
+    GemmVariant, QwGemmVariant, WgradVariant, FakeQuantizeVariant, DequantizeVariant, Fp8BlockGemmVariant,
+    QuantizeFp8BlockVariant,
+]
 
 
 def _check(ok: bool, variant, what: str) -> None:
@@ -318,6 +355,10 @@ VARIANTS: tuple[Variant, ...] = (
     DequantizeVariant(),
     # jgm_grouped_gemm_fp8_block (draft: compiled, not yet GPU-tested)
     Fp8BlockGemmVariant(tile_n=128, stages=6),
+    # jgm_quantize_fp8_block_pair, jgm_quantize_fp8_block_tile
+    QuantizeFp8BlockVariant("pair"),
+    QuantizeFp8BlockVariant("pair_bf16"),
+    QuantizeFp8BlockVariant("tile"),
 )
 
 _BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}

@@ -26,9 +26,11 @@ Operands of the ``fp8_block`` recipe are :class:`FP8BlockTensor` (FP8 data and
 FP8 block-scaled GEMM, which promotes its partial sums into float32 every 128 of K, and
 the bf16 wgrad kernel on the exactly dequantized values); :func:`_dispatch` sends any
 other primitive with such an operand to the reference on every platform. The reference
-dequantizes them (exact) and multiplies with float32 accumulation throughout. Their
-quantizers (:func:`fp8_block_quantize`, :func:`fp8_block_quantize_grouped`) are pure
-JAX everywhere.
+dequantizes them (exact) and multiplies with float32 accumulation throughout. The
+recipe's quantizers :func:`fp8_block_pair` (an activation's two copies) and
+:func:`fp8_block_weight` (a weight's 128 x 128 tiles) are one kernel each on CUDA for
+bf16 input (``cuda/fp8_block_ffi.py``), the pure-JAX quantizers elsewhere; :func:`fp8_block_quantize`
+(1 x 128 blocks alone) is pure JAX everywhere.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ Operand = Union[MXFP8Tensor, FP8BlockTensor, jax.Array]
 QUANTIZED = (MXFP8Tensor, FP8BlockTensor)
 OpName = Literal[
     "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw",
-    "grouped_wgrad", "fc1_fused", "dgrad_fused",
+    "grouped_wgrad", "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_weight",
 ]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
@@ -96,7 +98,7 @@ def _has_fp8_block(args) -> bool:
 
 
 # Which argument is the group sizes that a primitive's group-aware MXFP8 outputs carry.
-_GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2}
+_GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2, "fp8_block_pair": 1}
 
 
 def _cuda_branch(name: OpName, static: tuple, *args):
@@ -321,15 +323,28 @@ def _st_fp8_block_jvp(axis, primals, tangents):
     return q, _fp8_tangent(q, tangents[0])
 
 
-@jax.custom_jvp
-def _st_fp8_block_grouped(x: jax.Array, group_sizes: jax.Array) -> FP8BlockTensor:
-    return fp8_block.quantize_fp8_block(x, 0, group_sizes=group_sizes)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _st_fp8_block_pair(x: jax.Array, group_sizes: jax.Array, keep_col: bool):
+    row = fp8_block.quantize_fp8_block(x, 1)
+    col = fp8_block.quantize_fp8_block(x, 0, group_sizes=group_sizes)
+    return row, (col if keep_col else fp8_block.dequantize_fp8_block(col, jnp.bfloat16))
 
 
-@_st_fp8_block_grouped.defjvp
-def _st_fp8_block_grouped_jvp(primals, tangents):
-    q = _st_fp8_block_grouped(*primals)
-    return q, _fp8_tangent(q, tangents[0])
+@_st_fp8_block_pair.defjvp
+def _st_fp8_block_pair_jvp(keep_col, primals, tangents):
+    x, group_sizes = primals
+    x_dot = tangents[0]
+    row, col = _st_fp8_block_pair(x, group_sizes, keep_col)
+    col_dot = _fp8_tangent(col, x_dot) if keep_col else _in_groups(x_dot, group_sizes)
+    return (row, col), (_fp8_tangent(row, x_dot), col_dot)
+
+
+def _ref_fp8_block_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col: bool):
+    return _with_group_sizes(_st_fp8_block_pair(x, group_sizes, keep_col), group_sizes)
+
+
+def _ref_fp8_block_weight(w: jax.Array) -> FP8BlockTensor:
+    return _st_fp8_block(w, (1, 2))
 
 
 def _fc1_composed(gemm: Callable, quantize_pair: Callable, lhs: Operand, rhs: Operand, group_sizes: jax.Array,
@@ -370,6 +385,8 @@ _REFERENCE: dict[str, Callable] = {
     "grouped_wgrad": _ref_grouped_wgrad,
     "fc1_fused": _ref_fc1_fused,
     "dgrad_fused": _ref_dgrad_fused,
+    "fp8_block_pair": _ref_fp8_block_pair,
+    "fp8_block_weight": _ref_fp8_block_weight,
 }
 
 
@@ -498,20 +515,36 @@ def fp8_block_quantize(x: jax.Array, axis: int | tuple[int, int]) -> FP8BlockTen
     return _st_fp8_block(x, axis if isinstance(axis, int) else tuple(axis))
 
 
-def fp8_block_quantize_grouped(x: jax.Array, group_sizes: jax.Array) -> FP8BlockTensor:
-    """``quantize_fp8_block(x, 0, group_sizes=group_sizes)`` for ``[M, K]`` (128-row blocks
-    that never cross a group; ``group_sizes`` already cut at ``M``), differentiated
-    straight-through, carrying ``group_sizes`` itself as int32 (so a remat policy sees
-    them as the operand, not as an output of the quantizer). Pure JAX everywhere."""
-    return _with_group_sizes(_st_fp8_block_grouped(x, group_sizes), group_sizes)
+def fp8_block_pair(
+    x: jax.Array, group_sizes: jax.Array, *, keep_col: bool
+) -> tuple[FP8BlockTensor, FP8BlockTensor | jax.Array]:
+    """Both ``fp8_block`` copies of ``[M, K]`` a GEMM pair needs, from one read on CUDA.
+
+    ``(quantize_fp8_block(x, 1), col)``: the fprop/dgrad operand (1 x 128 blocks along
+    K) and the weight-gradient operand in group-aware 128-row blocks, as the
+    :class:`FP8BlockTensor` when ``keep_col`` (a residual) or else as its exactly
+    dequantized bf16 values (what the bf16 weight-gradient kernel reads; rows past the
+    groups 0). Differentiated straight-through; one kernel on CUDA for bf16 input.
+    """
+    return _dispatch("fp8_block_pair", x, group_sizes, keep_col=keep_col)
+
+
+def fp8_block_weight(w: jax.Array) -> FP8BlockTensor:
+    """``quantize_fp8_block(w, (1, 2))`` of a ``[G, A, B]`` weight (128 x 128 tiles),
+    differentiated straight-through; one kernel on CUDA for bf16 weights."""
+    return _dispatch("fp8_block_weight", w)
 
 
 def _register_available_kernels() -> None:
     """Plugs in whatever the CUDA extension provides (nothing when it is not built)."""
-    from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+    from jax_grouped_mlp._src.cuda import ffi, fp8_block_ffi, gemm_ffi
 
     if not ffi.available():
         return
+    if fp8_block_ffi.pair_variants():
+        register_cuda_impl("fp8_block_pair", fp8_block_ffi.quantize_pair_cuda)
+    if fp8_block_ffi.tile_variants():
+        register_cuda_impl("fp8_block_weight", fp8_block_ffi.quantize_weight_cuda)
     if ffi.fake_quantize_pair_variants():
         register_cuda_impl("fake_quantize_pair", ffi.fake_quantize_pair_cuda)
     if ffi.fake_quantize_variants():

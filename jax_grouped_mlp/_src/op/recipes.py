@@ -69,7 +69,7 @@ class Recipe(str, enum.Enum):
         ``reduce_axis``: the tile is square, so fprop and dgrad read the same copy.
         """
         if self is Recipe.FP8_BLOCK:
-            return primitives.fp8_block_quantize(w, (1, 2))
+            return primitives.fp8_block_weight(w)
         if self is Recipe.MXFP8:
             return primitives.fake_quantize(w, reduce_axis)
         return w.astype(jnp.bfloat16)
@@ -77,13 +77,13 @@ class Recipe(str, enum.Enum):
     def row_and_col(self, x: jax.Array, group_sizes: jax.Array, *, keep_col: bool) -> tuple[Operand, Operand]:
         """``(row(x, 1), col)`` for ``[M, K]``, col blocked along tokens; one pass on CUDA.
 
-        ``keep_col``: col is a residual, so MXFP8 keeps it as FP8 (an
-        :class:`MXFP8Tensor`); otherwise it is used at once and comes as bf16 values.
-        ``fp8_block`` returns both as :class:`FP8BlockTensor` always (col in group-aware
-        128-row blocks), pure JAX.
+        ``keep_col``: col is a residual, so it stays FP8 (an :class:`MXFP8Tensor`, or an
+        :class:`FP8BlockTensor` in group-aware 128-row blocks for ``fp8_block``);
+        otherwise it is used at once and comes as its bf16 values (what the bf16
+        weight-gradient kernel reads). ``fp8_block``'s row is an :class:`FP8BlockTensor`.
         """
         if self is Recipe.FP8_BLOCK:
-            return primitives.fp8_block_quantize(x, 1), primitives.fp8_block_quantize_grouped(x, group_sizes)
+            return primitives.fp8_block_pair(x, group_sizes, keep_col=keep_col)
         if self is Recipe.MXFP8:
             return primitives.fake_quantize_pair(x, group_sizes, keep_col_fp8=keep_col)
         x = x.astype(jnp.bfloat16)

@@ -1,0 +1,115 @@
+"""XLA FFI bindings of the ``fp8_block`` quantize kernels (``csrc/quantize_fp8_block.cc``,
+kernel ``kernels/quantize_fp8_block.py``).
+
+Two targets, bit for bit the pure-JAX quantizers of :mod:`formats.fp8_block` on bf16
+input (the E4M3 conversion and the RCEIL scale rule are MXFP8's, which the MXFP8 kernels
+already match exactly):
+
+* ``jgm_quantize_fp8_block_pair``: from one read of an activation ``[M, K]``, the
+  GEMM operand (1 x 128 blocks along K) and the weight-gradient operand (group-aware
+  128-row blocks), the latter as E4M3 (a residual) or as its bf16 values (used at once);
+* ``jgm_quantize_fp8_block_tile``: a weight ``[G, A, B]`` in 128 x 128 tiles.
+
+Whatever the kernels cannot take (another dtype, symbolic shapes, ``K % 8 != 0``,
+offsets past 32 bits, no compiled variant) raises :class:`ffi.Unsupported` at trace time
+and ``primitives`` runs the reference. Lowers only for CUDA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.cuda.ffi import Unsupported
+from jax_grouped_mlp._src.formats import fp8_block
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
+from jax_grouped_mlp.kernels import registry
+
+PAIR_TARGET = "jgm_quantize_fp8_block_pair"
+TILE_TARGET = "jgm_quantize_fp8_block_tile"
+
+
+def pair_variants() -> tuple[str, ...]:
+    """Names of the compiled activation-quantizer configurations (empty without the extension)."""
+    return ffi.variants("QUANTIZE_FP8_BLOCK_PAIR_VARIANTS")
+
+
+def tile_variants() -> tuple[str, ...]:
+    """Names of the compiled weight-quantizer configurations (empty without the extension)."""
+    return ffi.variants("QUANTIZE_FP8_BLOCK_TILE_VARIANTS")
+
+
+def _mode_variant(names: tuple[str, ...], mode: str) -> np.int32:
+    """The ``variant`` attribute of the first compiled variant of ``mode``, or Unsupported."""
+    for i, v in enumerate(names):
+        if registry.variant(v).mode == mode:
+            return np.int32(i)
+    raise Unsupported(f"no quantize_fp8_block variant of mode {mode!r} is compiled")
+
+
+def _fits(x: jax.Array, num_groups) -> bool:
+    """bf16 ``[M, K]``, static sizes, ``K % 8 == 0`` (16-byte loads of 8 columns per
+    thread), and 32-bit offsets for the data and the group-aware scale rows."""
+    if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
+        return False
+    m, k = x.shape
+    if not all(isinstance(d, int) for d in (m, k, num_groups)):
+        return False
+    return k % 8 == 0 and m * k < 2**31 and fp8_block.grouped_scale_rows(m, num_groups) * k < 2**31
+
+
+def quantize_pair_cuda(
+    x: jax.Array, group_sizes: jax.Array, *, keep_col: bool
+) -> tuple[FP8BlockTensor, FP8BlockTensor | jax.Array]:
+    """``primitives`` "fp8_block_pair" on CUDA: one kernel, one read of bf16 ``x [M, K]``.
+
+    Returns ``(quantize_fp8_block(x, 1), col)``: ``col`` is
+    ``quantize_fp8_block(x, 0, group_sizes=group_sizes)`` (``keep_col``), or its
+    dequantized bf16 values (rows past the groups 0). :class:`Unsupported` when the kernel
+    does not take ``x``.
+    """
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else None
+    if not ffi.available() or not pair_variants() or g is None or not _fits(x, g):
+        raise Unsupported(f"quantize_fp8_block_pair kernel: needs bf16 [M, K], K % 8 == 0, got {x.shape=} {x.dtype=}")
+    variant = _mode_variant(pair_variants(), "pair" if keep_col else "pair_bf16")
+    gs = groups.clamp_group_sizes(group_sizes, x.shape[0])
+    m, k = x.shape
+    kb, nb = groups.cdiv(k, fp8_block.BLOCK), fp8_block.grouped_scale_rows(m, g)
+    out = (
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((m, kb), jnp.float8_e8m0fnu),
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn if keep_col else jnp.bfloat16),
+        jax.ShapeDtypeStruct((nb, k), jnp.float8_e8m0fnu),
+    )
+    row, row_scale, col, col_scale = jax.ffi.ffi_call(PAIR_TARGET, out)(x, gs, variant=variant)
+    row_t = FP8BlockTensor(data=row, scale=row_scale, axes=(1,))
+    if keep_col:
+        return row_t, FP8BlockTensor(data=col, scale=col_scale, axes=(0,), group_sizes=gs)
+    return row_t, col
+
+
+def quantize_weight_cuda(w: jax.Array) -> FP8BlockTensor:
+    """``primitives`` "fp8_block_weight" on CUDA: ``quantize_fp8_block(w, (1, 2))`` of a
+    bf16 weight ``[G, A, B]`` in one kernel (the weight read as ``[G * A, B]``, each
+    expert's rows one group). :class:`Unsupported` when the kernel does not take it."""
+    if w.ndim != 3 or not ffi.available() or not tile_variants():
+        raise Unsupported(f"quantize_fp8_block_tile kernel: needs a bf16 [G, A, B] weight, got {w.shape=}")
+    g, a, b = w.shape
+    flat = w.reshape(g * a, b) if all(isinstance(d, int) for d in w.shape) else w
+    if flat.ndim != 2 or not _fits(flat, g):
+        raise Unsupported(f"quantize_fp8_block_tile kernel: needs bf16, B % 8 == 0, 32-bit offsets, got {w.shape=} {w.dtype=}")
+    m = g * a
+    ab, kb = groups.cdiv(a, fp8_block.BLOCK), groups.cdiv(b, fp8_block.BLOCK)
+    nb = fp8_block.grouped_scale_rows(m, g)
+    out = (
+        jax.ShapeDtypeStruct((m, b), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((nb, kb), jnp.float8_e8m0fnu),
+    )
+    sizes = jnp.full((g,), a, jnp.int32)
+    data, scale = jax.ffi.ffi_call(TILE_TARGET, out)(flat, sizes, variant=_mode_variant(tile_variants(), "tile"))
+    # Group g's blocks are scale rows [g * ab, (g + 1) * ab); the G trailing rows are unused.
+    scale = scale[: g * ab].reshape(g, ab, kb)
+    return FP8BlockTensor(data=data.reshape(g, a, b), scale=scale, axes=(1, 2))
