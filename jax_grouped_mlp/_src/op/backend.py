@@ -32,7 +32,9 @@ class BackendInfo:
         run on the default device: ``"cuda kernel"`` or ``"pure JAX"``.
         ``"fp8_block"`` runs its forward GEMMs and data gradients on the FP8
         block-scaled kernel and its weight gradients on the bf16 kernel (on the exactly
-        dequantized operands); its quantizers are pure JAX.
+        dequantized operands); its quantizers are kernels too for bf16 input
+        (``fp8_block_pair``, ``fp8_block_weight``; the op quantizes the bf16 copy of
+        float32 weights).
     """
 
     extension: bool
