@@ -52,7 +52,7 @@ PYBIND11_MODULE(_kernels, m) {
         JGM_ADD("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgrad);
         JGM_ADD("jgm_grouped_gemm_fp8_block", JgmGroupedGemmFp8Block);
         JGM_ADD("jgm_quantize_fp8_block_pair", JgmQuantizeFp8BlockPair);
-        JGM_ADD("jgm_quantize_fp8_block_tile", JgmQuantizeFp8BlockTile);
+        JGM_ADD("jgm_quantize_fp8_block", JgmQuantizeFp8Block);
         return d;
       },
       py::arg("cuda_graphs") = true,
@@ -69,7 +69,7 @@ PYBIND11_MODULE(_kernels, m) {
   JGM_NAMES(GROUPED_GEMM_DGRAD_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_FP8_BLOCK_VARIANTS);
   JGM_NAMES(QUANTIZE_FP8_BLOCK_PAIR_VARIANTS);
-  JGM_NAMES(QUANTIZE_FP8_BLOCK_TILE_VARIANTS);
+  JGM_NAMES(QUANTIZE_FP8_BLOCK_VARIANTS);
   m.attr("ARCH") = "sm_90a";
   m.attr("JAXLIB_VERSION") = JGM_JAXLIB_VERSION;
   m.attr("BUILT_AGAINST") = kBuiltAgainst;

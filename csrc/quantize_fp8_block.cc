@@ -5,8 +5,10 @@
 // data, one E8M0 scale per 1 x 128 block along K) and the group-aware columnwise copy
 // (128-row blocks that never cross a group: E4M3 data, or its bf16 values, by variant
 // X(name, col_type), and the E8M0 scales).
-// jgm_quantize_fp8_block_tile: a weight [G, A, B] read as x [G * A, B] with group sizes
-// [A] * G: E4M3 data and one E8M0 scale per 128 x 128 tile, in group-aware scale rows.
+// jgm_quantize_fp8_block: one copy, by variant X(name, rowwise): a weight [G, A, B] read as
+// x [G * A, B] with group sizes [A] * G, E4M3 data and one E8M0 scale per 128 x 128 tile in
+// group-aware scale rows (rowwise false); or x's rowwise copy alone, scales [M, cdiv(K, 128)]
+// (rowwise true, group sizes empty).
 #include "jgm_variants.h"
 
 namespace jgm {
@@ -53,19 +55,22 @@ struct Args {
   Tensor<2> x, data, scale;
 };
 #define JGM_CALL(a, s) a.x, a.group_sizes, a.data, a.scale, s
-JGM_FAMILY(JGM_QUANTIZE_FP8_BLOCK_TILE_VARIANTS, "quantize_fp8_block_tile")
+JGM_FAMILY(JGM_QUANTIZE_FP8_BLOCK_VARIANTS, "quantize_fp8_block")
 #undef JGM_CALL
+#define JGM_ROWWISE(name, rowwise) rowwise,
+const bool kRowwise[] = {JGM_QUANTIZE_FP8_BLOCK_VARIANTS(JGM_ROWWISE)};
 
 ffi::Error Execute(cudaStream_t stream, Bf16R2 x, S32R1 group_sizes, Out<Fp8> data,
                    Out<Fp8> scale, int32_t variant) {
   if (auto e = kFamily.Load(variant); e.failure()) return e;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], g = group_sizes.dimensions()[0],
-                kb = CeilDiv(k, 128), nb = CeilDiv(m, 128) + g;
-  auto e = Check("quantize_fp8_block_tile")
+                kb = CeilDiv(k, 128), nb = kRowwise[variant] ? m : CeilDiv(m, 128) + g;
+  auto e = Check("quantize_fp8_block")
                .Shape("x", x, "[M, K]", {m, k}).Multiple8("K", k)
                .Shape("data", *data, "[M, K]", {m, k})
                .Type("data", data->element_type(), ffi::F8E4M3FN)
-               .Shape("scale", *scale, "[cdiv(M, 128) + G, cdiv(K, 128)]", {nb, kb})
+               .Shape("scale", *scale, kRowwise[variant] ? "[M, cdiv(K, 128)]" : "[cdiv(M, 128) + G, cdiv(K, 128)]",
+                      {nb, kb})
                .Type("scale", scale->element_type(), ffi::F8E8M0FNU)
                .Result();
   if (e.failure() || k == 0 || nb == 0) return e;  // (nothing to write)
@@ -89,11 +94,11 @@ JGM_DEFINE_HANDLERS(JgmQuantizeFp8BlockPair, jgm::pair::kFamily, jgm::pair::Exec
                         .Ret<jgm::Fp8>()     // col [M, K], f8e4m3fn or bf16 by variant
                         .Ret<jgm::Fp8>()     // col_scale [cdiv(M, 128) + G, K] f8e8m0fnu
                         .Attr<int32_t>("variant"));
-JGM_DEFINE_HANDLERS(JgmQuantizeFp8BlockTile, jgm::tile::kFamily, jgm::tile::Execute,
+JGM_DEFINE_HANDLERS(JgmQuantizeFp8Block, jgm::tile::kFamily, jgm::tile::Execute,
                     xla::ffi::Ffi::Bind()
                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                        .Arg<jgm::Bf16R2>()  // x [G * A, B], B % 8 == 0
-                        .Arg<jgm::S32R1>()   // group_sizes [G] (A each)
-                        .Ret<jgm::Fp8>()     // data [G * A, B] f8e4m3fn
-                        .Ret<jgm::Fp8>()     // scale [cdiv(G * A, 128) + G, cdiv(B, 128)] f8e8m0fnu
+                        .Arg<jgm::Bf16R2>()  // x [M, K] (a weight: [G * A, B]), K % 8 == 0
+                        .Arg<jgm::S32R1>()   // group_sizes [G] (a weight: A each; rowwise: [0])
+                        .Ret<jgm::Fp8>()     // data [M, K] f8e4m3fn
+                        .Ret<jgm::Fp8>()     // scale [cdiv(M, 128) + G or M, cdiv(K, 128)] f8e8m0fnu
                         .Attr<int32_t>("variant"));

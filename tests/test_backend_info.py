@@ -132,7 +132,7 @@ def test_backend_info_on_the_h200():
     # MXFP8 tensors, for the public quantize_mxfp8) are XLA fusions since their standalone
     # kernel was removed, and are honestly reported as pure JAX.
     kernels = {"fake_quantize", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw", "grouped_wgrad",
-               "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_weight"}
+               "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_weight", "fp8_block_row"}
     assert {n for n, p in info.paths.items() if p == backend.KERNEL} == kernels, info
     assert {n for n, p in info.paths.items() if p == backend.REFERENCE} == {"quantize", "quantize_both"}, info
     assert info.reason is None

@@ -335,7 +335,8 @@ def test_recipe_keeps_fp8_residuals_and_sends_only_its_gemms_to_cuda(rng, monkey
     loss = lambda x, w1, w2: jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="fp8_block").astype(jnp.float32))  # noqa: E731
     jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=jgm.offload_policy("device", "device", "device")),
                             argnums=(0, 1, 2)))(x, w1, w2)
-    assert set(calls) == {"grouped_gemm", "grouped_wgrad", "fp8_block_pair", "fp8_block_weight"}, calls
+    # (fp8_block_row: the op's undifferentiated forward, which custom_vjp traces too)
+    assert set(calls) == {"grouped_gemm", "grouped_wgrad", "fp8_block_pair", "fp8_block_weight", "fp8_block_row"}, calls
     assert calls.count("grouped_wgrad") == 2 and calls.count("fp8_block_pair") == 4, calls
     _, res = jax.vjp(jax.checkpoint(loss, policy=jgm.offload_policy("device", "device", "device")), x, w1, w2)
     leaves = jax.tree_util.tree_leaves(res)
@@ -380,7 +381,7 @@ def test_recipe_on_the_gpu_runs_its_kernels(rng):
     assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block"') == 4
     assert hlo.count('custom_call_target="jgm_grouped_wgrad') == 2
     assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 4  # x, srelu(h), dy, dh
-    assert hlo.count('custom_call_target="jgm_quantize_fp8_block_tile"') >= 2  # w1, w2
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 2  # w1, w2
     out = _run(x, w1, w2, gs, probs, dy)
     got = jax.tree_util.tree_leaves(out)
     cpu = jax.devices("cpu")[0]
@@ -422,3 +423,17 @@ def test_recipe_quantizer_primitives(rng):
     g = jax.grad(lambda x: jnp.sum(primitives.fp8_block_pair(x, gs, keep_col=False)[1].astype(jnp.float32) * c))(x)
     want_g = np.where(np.arange(300)[:, None] < 285, np.asarray(jnp.asarray(c, jnp.bfloat16), np.float32), 0)
     np.testing.assert_array_equal(np.asarray(g, np.float32), want_g)
+
+
+@pytest.mark.gpu
+def test_forward_without_gradient_runs_the_kernels(rng):
+    """A forward that is not differentiated (an eval step) quantizes x's and srelu's rows
+    with the rowwise kernel and the weights with the tile kernel, and gives the
+    differentiated forward's output."""
+    x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
+    fwd = jax.jit(lambda x, w1, w2, probs: jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="fp8_block"))
+    hlo = fwd.lower(x, w1, w2, probs).compile().as_text()
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 4  # x, srelu(h); w1, w2
+    assert 'custom_call_target="jgm_quantize_fp8_block_pair"' not in hlo
+    y, _ = _run(x, w1, w2, gs, probs, dy)
+    assert rel_err(fwd(x, w1, w2, probs), y) < 1e-2

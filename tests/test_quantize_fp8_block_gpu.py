@@ -3,7 +3,7 @@
 ``quantize_pair_cuda(x, gs, keep_col)`` must give ``quantize_fp8_block(x, 1)`` (data and
 scales byte for byte) and ``quantize_fp8_block(x, 0, group_sizes=gs)`` (``keep_col``) or
 its bf16 dequantization; ``quantize_weight_cuda(w)`` must give
-``quantize_fp8_block(w, (1, 2))``. The references run on the GPU through XLA (the FP8
+``quantize_fp8_block(w, (1, 2))`` and ``quantize_row_cuda(x)`` ``quantize_fp8_block(x, 1)``. The references run on the GPU through XLA (the FP8
 tests of the MXFP8 kernels do the same: the CPU flushes float32 subnormals). Outputs are
 poisoned with two patterns first, so an element the kernel forgets to write shows up as
 a difference. Shapes cover K off the 128 grid, M off 128, empty and skewed groups,
@@ -25,11 +25,12 @@ from mxfp8_gpu_helpers import _bytes, _poison, _random, _sizes
 from test_fake_quantize_gpu import _assert_same_bits, _special
 
 needs_kernels = pytest.mark.skipif(
-    not (has_gpu() and ffi.available() and fp8_block_ffi.pair_variants() and fp8_block_ffi.tile_variants()),
+    not (has_gpu() and ffi.available() and fp8_block_ffi.pair_variants() and fp8_block_ffi.single_variants()),
     reason="needs a GPU and the built extension",
 )
 _pair = jax.jit(fp8_block_ffi.quantize_pair_cuda, static_argnames="keep_col")
 _weight = jax.jit(fp8_block_ffi.quantize_weight_cuda)
+_row = jax.jit(fp8_block_ffi.quantize_row_cuda)
 _ref_pair = jax.jit(
     lambda x, gs: (fp8_block.quantize_fp8_block(x, 1), fp8_block.quantize_fp8_block(x, 0, group_sizes=gs))
 )
@@ -123,5 +124,20 @@ def test_primitives_lower_to_the_kernels(rng):
     for keep in (False, True):
         text = jax.jit(lambda x, gs: primitives.fp8_block_pair(x, gs, keep_col=keep)).lower(x, gs).as_text()
         assert fp8_block_ffi.PAIR_TARGET in text
-    assert fp8_block_ffi.TILE_TARGET in jax.jit(primitives.fp8_block_weight).lower(w).as_text()
-    assert fp8_block_ffi.TILE_TARGET not in jax.jit(primitives.fp8_block_weight).lower(w.astype(jnp.float32)).as_text()
+    assert fp8_block_ffi.TARGET in jax.jit(lambda x: primitives.fp8_block_quantize(x, 1)).lower(x).as_text()
+    assert fp8_block_ffi.TARGET in jax.jit(primitives.fp8_block_weight).lower(w).as_text()
+    assert fp8_block_ffi.TARGET not in jax.jit(primitives.fp8_block_weight).lower(w.astype(jnp.float32)).as_text()
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("m,k", [(256, 256), (1000, 520), (77, 2056), (33, 8), (0, 64)])
+def test_row_alone(rng, m, k):
+    """The rowwise copy alone (a forward without gradient), with poisoned outputs."""
+    x = jnp.asarray(_random(rng, m, k), jnp.bfloat16)
+    want = jax.jit(lambda x: fp8_block.quantize_fp8_block(x, 1))(x)
+    for value in (0x5A, 0xFF):
+        _poison([s for s in ((m, k), (m, -(-k // 128))) if all(s)], value)
+        _assert_same_fp8(jax.block_until_ready(_row(x)), want, f"row {x.shape} (poison {value:#x})")
+    x = jnp.asarray(_special(rng), jnp.bfloat16)
+    _assert_same_fp8(_row(x), jax.jit(lambda x: fp8_block.quantize_fp8_block(x, 1))(x), "row, special values")

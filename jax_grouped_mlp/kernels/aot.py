@@ -230,7 +230,7 @@ def _kernel(v: registry.Variant):
         )
 
         cfg = QuantizeFp8BlockConfig(vec=v.vec, threads=v.threads, mode=v.mode)
-        if v.mode == "tile":
+        if v.mode in ("tile", "row"):
             return cfg, QuantizeFp8BlockTile(cfg), _quantize_fp8_block_tile_args()
         return cfg, QuantizeFp8Block(cfg), _quantize_fp8_block_pair_args(v.mode == "pair_bf16")
     if isinstance(v, registry.DequantizeVariant):
@@ -284,7 +284,7 @@ def _quantize_fp8_block_pair_args(col_bf16: bool):
 
 
 def _quantize_fp8_block_tile_args():
-    """Fake (x [M, K] bf16, group_sizes, data [M, K] uint8, scale [NB, KB] uint8, stream)."""
+    """Fake (x [M, K] bf16, group_sizes, data [M, K] uint8, scale [NB or M, KB] uint8, stream)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream

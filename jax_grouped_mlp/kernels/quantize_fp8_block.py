@@ -8,6 +8,7 @@ Modes, bit for bit the pure-JAX quantizers of ``_src/formats/fp8_block.py``
   "pair_bf16"  (row.data, row.scale, dequantize(col), col.scale)  a transient one (dy,
                                                               dh): the weight gradient
                                                               reads the bf16 values
+  "row"        (row.data, row.scale) alone (an operand of a forward without gradient)
   "tile"       (data, scale) of 128 x 128 tiles of each group's rows: a weight
                ``[G, A, B]`` read as ``[G * A, B]`` with ``group_sizes = [A] * G``
                (scale rows ``g * cdiv(A, 128) + i``; ``quantize_fp8_block(w, (1, 2))``)
@@ -37,7 +38,7 @@ from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.group_blocks import GroupBlockConfig, GroupBlockKernel
 
 FP8_BLOCK = 128
-MODES = ("pair", "pair_bf16", "tile")
+MODES = ("pair", "pair_bf16", "tile", "row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +145,6 @@ class QuantizeFp8Block(GroupBlockKernel):
         cc = cutlass.min(chunk, n_chunks - 1)  # loads stay in bounds; lanes past K read zeros
         keep = Uint32(0) - Uint32(valid)
         mask = Uint32(0) - Uint32(in_group)  # the columnwise outputs of rows past the groups are 0
-        smem = cutlass.utils.SmemAllocator()
-        red = smem.allocate_tensor(Uint32, cute.make_layout((self.threads // 32, lanes * (vec // 2))), 16)
 
         # ---- the tile into registers; rowwise blocks and column maxima on the way ----
         rows = []
@@ -170,65 +169,70 @@ class QuantizeFp8Block(GroupBlockKernel):
                     if cg == 0:
                         row_scale[row0 + r, kb] = Uint8(e)
 
-        # ---- column maxima over the 8 row groups: lanes l and l + 16, then the warps ----
-        cm = [ptx.max_u16x2(x, Uint32(cute.arch.shuffle_sync_bfly(x, offset=16))) for x in cm]
-        warp = Int32(tidx) // 32
-        if Int32(tidx) % 32 < lanes:
-            for q in cutlass.range_constexpr(vec // 2):
-                red[warp, cg * (vec // 2) + q] = cm[q]
-        cute.arch.sync_threads()
-        for wi in cutlass.range_constexpr(self.threads // 32):  # (its own warp's included: max is idempotent)
-            cm = [ptx.max_u16x2(cm[q], red[wi, cg * (vec // 2) + q]) for q in range(vec // 2)]
+        if cutlass.const_expr(mode != "row"):  # the columnwise copy, or the tile's data
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Uint32, cute.make_layout((self.threads // 32, lanes * (vec // 2))), 16)
+            # ---- column maxima over the 8 row groups: lanes l and l + 16, then the warps ----
+            cm = [ptx.max_u16x2(x, Uint32(cute.arch.shuffle_sync_bfly(x, offset=16))) for x in cm]
+            warp = Int32(tidx) // 32
+            if Int32(tidx) % 32 < lanes:
+                for q in cutlass.range_constexpr(vec // 2):
+                    red[warp, cg * (vec // 2) + q] = cm[q]
+            cute.arch.sync_threads()
+            for wi in cutlass.range_constexpr(self.threads // 32):  # (its own warp's included: max is idempotent)
+                cm = [ptx.max_u16x2(cm[q], red[wi, cg * (vec // 2) + q]) for q in range(vec // 2)]
 
-        if cutlass.const_expr(mode == "tile"):
-            e = ptx.e8m0_rceil(self._lanes_max(cm)) & mask
-            rs = [ptx.e8m0_reciprocal(e)] * vec
-            if Int32(tidx) == 0:
-                row_scale[b, kb] = Uint8(e)
-            for i in cutlass.range_constexpr(reps):
-                r = rg + row_groups * i
-                if r < nrows:
-                    if valid:
-                        self._store_e4m3(rows[i], rs, g_row[(None, (row0 + r, chunk))], mask)
-        else:
-            ecol = [ptx.e8m0_rceil((cm[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF)) & mask for j in range(vec)]
-            rcol = [ptx.e8m0_reciprocal(e) for e in ecol]
-            if valid:
-                if rg == 0:
-                    out_scale = cute.make_rmem_tensor((1, vec), Uint8)
-                    for j in cutlass.range_constexpr(vec):
-                        out_scale[j] = Uint8(ecol[j])
-                    cute.autovec_copy(out_scale, g_col_scale[(None, (b, chunk))])
-            vcol = [ptx.e8m0_value(e) for e in ecol] if mode == "pair_bf16" else []
-            for i in cutlass.range_constexpr(reps):
-                r = rg + row_groups * i
-                if r < nrows:
-                    if valid:
-                        if cutlass.const_expr(mode == "pair"):
-                            self._store_e4m3(rows[i], rcol, g_col[(None, (row0 + r, chunk))], mask)
-                        else:
-                            w = rows[i]
-                            o = cute.make_rmem_tensor((1, vec), BFloat16)
-                            ow = cute.recast_tensor(o, Uint32)
-                            for q in cutlass.range_constexpr(vec // 4):
-                                lo, hi = ptx.fake_quant_bf16x4(
-                                    w[2 * q], w[2 * q + 1], *rcol[4 * q: 4 * q + 4], *vcol[4 * q: 4 * q + 4]
-                                )
-                                ow[2 * q] = lo & mask
-                                ow[2 * q + 1] = hi & mask
-                            cute.autovec_copy(o, g_col[(None, (row0 + r, chunk))])
+            if cutlass.const_expr(mode == "tile"):
+                e = ptx.e8m0_rceil(self._lanes_max(cm)) & mask
+                rs = [ptx.e8m0_reciprocal(e)] * vec
+                if Int32(tidx) == 0:
+                    row_scale[b, kb] = Uint8(e)
+                for i in cutlass.range_constexpr(reps):
+                    r = rg + row_groups * i
+                    if r < nrows:
+                        if valid:
+                            self._store_e4m3(rows[i], rs, g_row[(None, (row0 + r, chunk))], mask)
+            else:
+                ecol = [ptx.e8m0_rceil((cm[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF)) & mask for j in range(vec)]
+                rcol = [ptx.e8m0_reciprocal(e) for e in ecol]
+                if valid:
+                    if rg == 0:
+                        out_scale = cute.make_rmem_tensor((1, vec), Uint8)
+                        for j in cutlass.range_constexpr(vec):
+                            out_scale[j] = Uint8(ecol[j])
+                        cute.autovec_copy(out_scale, g_col_scale[(None, (b, chunk))])
+                vcol = [ptx.e8m0_value(e) for e in ecol] if mode == "pair_bf16" else []
+                for i in cutlass.range_constexpr(reps):
+                    r = rg + row_groups * i
+                    if r < nrows:
+                        if valid:
+                            if cutlass.const_expr(mode == "pair"):
+                                self._store_e4m3(rows[i], rcol, g_col[(None, (row0 + r, chunk))], mask)
+                            else:
+                                w = rows[i]
+                                o = cute.make_rmem_tensor((1, vec), BFloat16)
+                                ow = cute.recast_tensor(o, Uint32)
+                                for q in cutlass.range_constexpr(vec // 4):
+                                    lo, hi = ptx.fake_quant_bf16x4(
+                                        w[2 * q], w[2 * q + 1], *rcol[4 * q: 4 * q + 4], *vcol[4 * q: 4 * q + 4]
+                                    )
+                                    ow[2 * q] = lo & mask
+                                    ow[2 * q + 1] = hi & mask
+                                cute.autovec_copy(o, g_col[(None, (row0 + r, chunk))])
 
 
 class QuantizeFp8BlockTile(QuantizeFp8Block):
-    """Mode "tile": 128 x 128 tiles of each group's rows (a weight); see the module doc."""
+    """Modes "tile" (128 x 128 tiles of each group's rows: a weight) and "row" (the rowwise
+    copy alone; ``scale`` is then ``[M, cdiv(K, 128)]`` and ``group_sizes`` empty); one
+    data output and one scale output. See the module doc."""
 
     @cute.jit
     def __call__(
         self,
         x: cute.Tensor,  # [M, K] bf16 (a weight [G, A, B] as [G * A, B])
-        group_sizes: cute.Tensor,  # [G] int32 (A each)
+        group_sizes: cute.Tensor,  # [G] int32 (A each; "row": [0])
         data: cute.Tensor,  # [M, K] uint8 E4M3
-        scale: cute.Tensor,  # [cdiv(M, 128) + G, cdiv(K, 128)] uint8 E8M0
+        scale: cute.Tensor,  # [cdiv(M, 128) + G, cdiv(K, 128)] uint8 E8M0 ("row": [M, cdiv(K, 128)])
         stream: cuda.CUstream,
     ):
         tile = (1, self.vec)

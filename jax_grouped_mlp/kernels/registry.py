@@ -55,7 +55,7 @@ class Family(enum.Enum):
     DEQUANTIZE = ("jgm_dequantize_mxfp8", "DEQUANTIZE_VARIANTS", ())
     GROUPED_GEMM_FP8_BLOCK = ("jgm_grouped_gemm_fp8_block", "GROUPED_GEMM_FP8_BLOCK_VARIANTS", ())
     QUANTIZE_FP8_BLOCK_PAIR = ("jgm_quantize_fp8_block_pair", "QUANTIZE_FP8_BLOCK_PAIR_VARIANTS", ("col_type",))
-    QUANTIZE_FP8_BLOCK_TILE = ("jgm_quantize_fp8_block_tile", "QUANTIZE_FP8_BLOCK_TILE_VARIANTS", ())
+    QUANTIZE_FP8_BLOCK = ("jgm_quantize_fp8_block", "QUANTIZE_FP8_BLOCK_VARIANTS", ("rowwise",))
 
     @property
     def target(self) -> str:
@@ -281,20 +281,27 @@ class QuantizeFp8BlockVariant:
 
     mode: "pair" (rowwise 1 x 128 blocks and the group-aware 128-row copy as E4M3,
     ``jgm_quantize_fp8_block_pair``), "pair_bf16" (the same, the group-aware copy as its
-    bf16 values) or "tile" (128 x 128 tiles of each group's rows: a weight,
-    ``jgm_quantize_fp8_block_tile``). vec, threads: bf16 columns per thread, threads per CTA.
+    bf16 values), "tile" (128 x 128 tiles of each group's rows: a weight,
+    ``jgm_quantize_fp8_block``) or "row" (the rowwise copy alone, ``jgm_quantize_fp8_block``).
+    vec, threads: bf16 columns per thread, threads per CTA.
     """
 
-    mode: Literal["pair", "pair_bf16", "tile"]
+    mode: Literal["pair", "pair_bf16", "tile", "row"]
     vec: int = 8
     threads: int = 128
 
     def __post_init__(self) -> None:
-        _check(self.mode in ("pair", "pair_bf16", "tile"), self, "mode")
+        _check(self.mode in ("pair", "pair_bf16", "tile", "row"), self, "mode")
 
     @property
     def family(self) -> Family:
-        return Family.QUANTIZE_FP8_BLOCK_TILE if self.mode == "tile" else Family.QUANTIZE_FP8_BLOCK_PAIR
+        return Family.QUANTIZE_FP8_BLOCK if self.mode in ("tile", "row") else Family.QUANTIZE_FP8_BLOCK_PAIR
+
+    @property
+    def rowwise(self) -> str:
+        """Whether the scales are per row ([M, cdiv(K, 128)], mode "row") rather than per
+        group-aware block ("tile"): a C++ table column of ``jgm_quantize_fp8_block``."""
+        return "true" if self.mode == "row" else "false"
 
     @property
     def col_type(self) -> str:
@@ -355,10 +362,11 @@ VARIANTS: tuple[Variant, ...] = (
     DequantizeVariant(),
     # jgm_grouped_gemm_fp8_block (draft: compiled, not yet GPU-tested)
     Fp8BlockGemmVariant(tile_n=128, stages=6),
-    # jgm_quantize_fp8_block_pair, jgm_quantize_fp8_block_tile
+    # jgm_quantize_fp8_block_pair, jgm_quantize_fp8_block
     QuantizeFp8BlockVariant("pair"),
     QuantizeFp8BlockVariant("pair_bf16"),
     QuantizeFp8BlockVariant("tile"),
+    QuantizeFp8BlockVariant("row"),
 )
 
 _BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}

@@ -8,7 +8,8 @@ already match exactly):
 * ``jgm_quantize_fp8_block_pair``: from one read of an activation ``[M, K]``, the
   GEMM operand (1 x 128 blocks along K) and the weight-gradient operand (group-aware
   128-row blocks), the latter as E4M3 (a residual) or as its bf16 values (used at once);
-* ``jgm_quantize_fp8_block_tile``: a weight ``[G, A, B]`` in 128 x 128 tiles.
+* ``jgm_quantize_fp8_block``: one copy: a weight ``[G, A, B]`` in 128 x 128 tiles, or an
+  activation's 1 x 128 rowwise copy alone (a forward that is not differentiated).
 
 Whatever the kernels cannot take (another dtype, symbolic shapes, ``K % 8 != 0``,
 offsets past 32 bits, no compiled variant) raises :class:`ffi.Unsupported` at trace time
@@ -29,7 +30,7 @@ from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
 from jax_grouped_mlp.kernels import registry
 
 PAIR_TARGET = "jgm_quantize_fp8_block_pair"
-TILE_TARGET = "jgm_quantize_fp8_block_tile"
+TARGET = "jgm_quantize_fp8_block"
 
 
 def pair_variants() -> tuple[str, ...]:
@@ -37,9 +38,9 @@ def pair_variants() -> tuple[str, ...]:
     return ffi.variants("QUANTIZE_FP8_BLOCK_PAIR_VARIANTS")
 
 
-def tile_variants() -> tuple[str, ...]:
-    """Names of the compiled weight-quantizer configurations (empty without the extension)."""
-    return ffi.variants("QUANTIZE_FP8_BLOCK_TILE_VARIANTS")
+def single_variants() -> tuple[str, ...]:
+    """Names of the compiled one-copy (weight tiles, rowwise) configurations (empty without the extension)."""
+    return ffi.variants("QUANTIZE_FP8_BLOCK_VARIANTS")
 
 
 def _mode_variant(names: tuple[str, ...], mode: str) -> np.int32:
@@ -95,7 +96,7 @@ def quantize_weight_cuda(w: jax.Array) -> FP8BlockTensor:
     """``primitives`` "fp8_block_weight" on CUDA: ``quantize_fp8_block(w, (1, 2))`` of a
     bf16 weight ``[G, A, B]`` in one kernel (the weight read as ``[G * A, B]``, each
     expert's rows one group). :class:`Unsupported` when the kernel does not take it."""
-    if w.ndim != 3 or not ffi.available() or not tile_variants():
+    if w.ndim != 3 or not ffi.available() or not single_variants():
         raise Unsupported(f"quantize_fp8_block_tile kernel: needs a bf16 [G, A, B] weight, got {w.shape=}")
     g, a, b = w.shape
     flat = w.reshape(g * a, b) if all(isinstance(d, int) for d in w.shape) else w
@@ -109,7 +110,23 @@ def quantize_weight_cuda(w: jax.Array) -> FP8BlockTensor:
         jax.ShapeDtypeStruct((nb, kb), jnp.float8_e8m0fnu),
     )
     sizes = jnp.full((g,), a, jnp.int32)
-    data, scale = jax.ffi.ffi_call(TILE_TARGET, out)(flat, sizes, variant=_mode_variant(tile_variants(), "tile"))
+    data, scale = jax.ffi.ffi_call(TARGET, out)(flat, sizes, variant=_mode_variant(single_variants(), "tile"))
     # Group g's blocks are scale rows [g * ab, (g + 1) * ab); the G trailing rows are unused.
     scale = scale[: g * ab].reshape(g, ab, kb)
     return FP8BlockTensor(data=data.reshape(g, a, b), scale=scale, axes=(1, 2))
+
+
+def quantize_row_cuda(x: jax.Array) -> FP8BlockTensor:
+    """``primitives`` "fp8_block_row" on CUDA: ``quantize_fp8_block(x, 1)`` of bf16
+    ``[M, K]`` in one kernel. :class:`Unsupported` when the kernel does not take ``x``."""
+    if not ffi.available() or not single_variants() or not _fits(x, 0):
+        raise Unsupported(f"quantize_fp8_block kernel (row): needs bf16 [M, K], K % 8 == 0, got {x.shape=} {x.dtype=}")
+    m, k = x.shape
+    out = (
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((m, groups.cdiv(k, fp8_block.BLOCK)), jnp.float8_e8m0fnu),
+    )
+    data, scale = jax.ffi.ffi_call(TARGET, out)(
+        x, jnp.zeros((0,), jnp.int32), variant=_mode_variant(single_variants(), "row")
+    )
+    return FP8BlockTensor(data=data, scale=scale, axes=(1,))

@@ -30,7 +30,7 @@ dequantizes them (exact) and multiplies with float32 accumulation throughout. Th
 recipe's quantizers :func:`fp8_block_pair` (an activation's two copies) and
 :func:`fp8_block_weight` (a weight's 128 x 128 tiles) are one kernel each on CUDA for
 bf16 input (``cuda/fp8_block_ffi.py``), the pure-JAX quantizers elsewhere; :func:`fp8_block_quantize`
-(1 x 128 blocks alone) is pure JAX everywhere.
+(1 x 128 blocks alone) is the kernel's rowwise mode for ``[M, K]`` along K, else pure JAX.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ Operand = Union[MXFP8Tensor, FP8BlockTensor, jax.Array]
 QUANTIZED = (MXFP8Tensor, FP8BlockTensor)
 OpName = Literal[
     "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw",
-    "grouped_wgrad", "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_weight",
+    "grouped_wgrad", "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_weight", "fp8_block_row",
 ]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
@@ -347,6 +347,10 @@ def _ref_fp8_block_weight(w: jax.Array) -> FP8BlockTensor:
     return _st_fp8_block(w, (1, 2))
 
 
+def _ref_fp8_block_row(x: jax.Array) -> FP8BlockTensor:
+    return _st_fp8_block(x, 1)
+
+
 def _fc1_composed(gemm: Callable, quantize_pair: Callable, lhs: Operand, rhs: Operand, group_sizes: jax.Array,
                   probs: jax.Array):
     """FC1, the activation and its two MXFP8 copies, unfused, from ``gemm`` and
@@ -387,6 +391,7 @@ _REFERENCE: dict[str, Callable] = {
     "dgrad_fused": _ref_dgrad_fused,
     "fp8_block_pair": _ref_fp8_block_pair,
     "fp8_block_weight": _ref_fp8_block_weight,
+    "fp8_block_row": _ref_fp8_block_row,
 }
 
 
@@ -510,8 +515,11 @@ def dgrad_fused(
 
 def fp8_block_quantize(x: jax.Array, axis: int | tuple[int, int]) -> FP8BlockTensor:
     """``quantize_fp8_block(x, axis)`` (1 x 128 blocks along ``axis``, or 128 x 128 tiles
-    over a pair of axes), differentiated straight-through. Pure JAX on every platform
-    (no kernel yet)."""
+    over a pair of axes), differentiated straight-through. The 1 x 128 blocks of a
+    ``[M, K]`` operand along K (a GEMM operand of a forward without gradient) are one
+    kernel on CUDA for bf16 input (``fp8_block_row``); anything else is pure JAX."""
+    if isinstance(axis, int) and jnp.ndim(x) == 2 and axis in (1, -1):
+        return _dispatch("fp8_block_row", x)
     return _st_fp8_block(x, axis if isinstance(axis, int) else tuple(axis))
 
 
@@ -543,8 +551,9 @@ def _register_available_kernels() -> None:
         return
     if fp8_block_ffi.pair_variants():
         register_cuda_impl("fp8_block_pair", fp8_block_ffi.quantize_pair_cuda)
-    if fp8_block_ffi.tile_variants():
+    if fp8_block_ffi.single_variants():
         register_cuda_impl("fp8_block_weight", fp8_block_ffi.quantize_weight_cuda)
+        register_cuda_impl("fp8_block_row", fp8_block_ffi.quantize_row_cuda)
     if ffi.fake_quantize_pair_variants():
         register_cuda_impl("fake_quantize_pair", ffi.fake_quantize_pair_cuda)
     if ffi.fake_quantize_variants():
