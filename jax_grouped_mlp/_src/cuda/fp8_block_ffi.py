@@ -97,11 +97,11 @@ def quantize_weight_cuda(w: jax.Array) -> FP8BlockTensor:
     bf16 weight ``[G, A, B]`` in one kernel (the weight read as ``[G * A, B]``, each
     expert's rows one group). :class:`Unsupported` when the kernel does not take it."""
     if w.ndim != 3 or not ffi.available() or not single_variants():
-        raise Unsupported(f"quantize_fp8_block_tile kernel: needs a bf16 [G, A, B] weight, got {w.shape=}")
+        raise Unsupported(f"quantize_fp8_block kernel (tile): needs a bf16 [G, A, B] weight, got {w.shape=}")
     g, a, b = w.shape
     flat = w.reshape(g * a, b) if all(isinstance(d, int) for d in w.shape) else w
     if flat.ndim != 2 or not _fits(flat, g):
-        raise Unsupported(f"quantize_fp8_block_tile kernel: needs bf16, B % 8 == 0, 32-bit offsets, got {w.shape=} {w.dtype=}")
+        raise Unsupported(f"quantize_fp8_block kernel (tile): needs bf16, B % 8 == 0, 32-bit offsets, got {w.shape=} {w.dtype=}")
     m = g * a
     ab, kb = groups.cdiv(a, fp8_block.BLOCK), groups.cdiv(b, fp8_block.BLOCK)
     nb = fp8_block.grouped_scale_rows(m, g)
