@@ -98,7 +98,7 @@ NAMED_POLICIES = {
     "all_recompute": ("recompute", "recompute", "recompute"),
 }
 POLICIES = NAMED_POLICIES | offload_bars.ALL27  # "d-o-r": fc1_input device, activation_input offload, ...
-LAYOUTS = ("loop", "scan")
+LAYOUTS = ("loop", "scan", "stack")
 # Run order: what the bar and the temp-memory question need first, in case a run is cut short.
 RUN_ORDER = ["all_device", "all_offload", "all_recompute", "fc1_input_offload", "activation_input_offload",
              "fc2_input_offload", "default", "d-d-d", "o-o-o", "r-r-r"]  # fmt: skip
@@ -154,6 +154,7 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
 
     from jax_grouped_mlp._src.op.mlp import grouped_mlp
     from jax_grouped_mlp._src.offload.policy import offload_policy
+    from jax_grouped_mlp._src.offload.stack import layer_stack
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got layout={layout!r}")
@@ -163,7 +164,7 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     probs = jax.random.uniform(keys[1], (m,), jnp.float32)
     w1 = (jax.random.normal(keys[2], (layers, g, h, f), jnp.bfloat16) * h**-0.5).astype(jnp.bfloat16)
     w2 = (jax.random.normal(keys[3], (layers, g, f, h), jnp.bfloat16) * f**-0.5).astype(jnp.bfloat16)
-    if layout == "loop":
+    if layout in ("loop", "stack"):
         params = [(w1[i], w2[i]) for i in range(layers)]
         del w1, w2
     else:
@@ -180,6 +181,15 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
             def loss(params, x, sizes, probs):
                 for w1, w2 in params:
                     x = x + layer(x, w1, w2, sizes, probs)
+                return jnp.mean(x.astype(jnp.float32) ** 2)
+
+        elif layout == "stack":
+
+            def one(p, x, sizes, probs):
+                return x + grouped_mlp(x, p[0], p[1], sizes, probs, recipe=recipe)
+
+            def loss(params, x, sizes, probs):
+                x = layer_stack(one, params, x, sizes, probs, policy=policy)
                 return jnp.mean(x.astype(jnp.float32) ** 2)
 
         else:
@@ -255,6 +265,35 @@ def _temp_peak(compiled, text: str, opts) -> dict | None:
     return temp_peak_report(blob, module, instrs) if blob else None
 
 
+def _recompile_with_profile(lowered, compiled, args, opts):
+    """``lowered`` compiled again with a profile of ``compiled``'s own kernels and copies
+    (XLA's profile-guided latency estimator, what ``jax_enable_pgle`` does for jitted
+    calls): the latency-hiding scheduler then knows how long each copy and kernel takes."""
+    import tempfile
+
+    import jax
+    from jax._src import profiler as jax_profiler
+
+    jax.block_until_ready(compiled(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(2):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        profile = jax_profiler.stop_and_get_fdo_profile()
+    if not profile:
+        return compiled, {"used": False, "why": "empty profile"}
+    folder = pathlib.Path(tempfile.mkdtemp())
+    if isinstance(profile, str):  # (a text proto)
+        path = folder / "profile.pbtxt"
+        path.write_text(profile)
+    else:
+        path = folder / "profile.pb"
+        path.write_bytes(profile)
+    options = {**_compiler_options(opts), "xla_gpu_pgle_profile_file_or_directory_path": str(path)}
+    return lowered.compile(compiler_options=options), {"used": True, "profile_bytes": len(profile)}
+
+
 def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | None = None) -> dict:
     """Everything measured for one policy (run it in a fresh process for a clean device peak).
 
@@ -279,7 +318,7 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
         n: {"placement": r.placement, "device_bytes": r.device_bytes, "host_bytes": r.host_bytes}
         for n, r in report.items()
     }
-    per = {"loop": layers, "scan": 1}[layout]  # layers the traced bytes cover
+    per = {"loop": layers, "scan": 1, "stack": layers}[layout]  # layers the traced bytes cover
     dev = sum(report[n].device_bytes for n in RESIDUAL_NAMES if n in report)
     host = sum(report[n].host_bytes for n in RESIDUAL_NAMES if n in report)
     x = args[1]
@@ -309,6 +348,8 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
     except Exception as e:
         row["lowered_placement"] = {"error": f"{type(e).__name__}: {e}"}
     compiled = lowered.compile(compiler_options=_compiler_options(opts) or None)
+    if opts.pgle and device.platform == "gpu":
+        compiled, row["pgle"] = _recompile_with_profile(lowered, compiled, args, opts)
     row["compile_s"] = time.perf_counter() - t0
     row["compiled"] = _memory_analysis(compiled)
     text = compiled.as_text()
@@ -435,6 +476,10 @@ def _child_argv(opts, label: str, out: str, layout: str, layers: int) -> list[st
         argv.append("--no-prevent-cse")
     if opts.reload_after_cotangent:
         argv.append("--reload-after-cotangent")
+    if not opts.stack_lag:
+        argv.append("--no-stack-lag")
+    if opts.pgle:
+        argv.append("--pgle")
     if opts.dump_hlo:
         argv += ["--dump-hlo", str(opts.dump_hlo)]
     for item in opts.xla_option or ():
@@ -691,6 +736,17 @@ def _int_list(text: str) -> list[int]:
     return sorted(set(vals))
 
 
+def _layouts(text: str) -> list[str]:
+    """``--layout``: "both" (loop and scan), or a comma-separated list of LAYOUTS."""
+    if text == "both":
+        return ["loop", "scan"]
+    out = [t for t in text.split(",") if t]
+    bad = [t for t in out if t not in LAYOUTS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"--layout must be 'both' or a comma-separated list of {LAYOUTS}, got {text!r}")
+    return out
+
+
 def _labels(text: str, error) -> list[str]:
     labels: list[str] = []
     for s in (s.strip() for s in text.split(",")):
@@ -718,7 +774,7 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=_int_list, default=[4, 8],
                    help="layer counts, comma-separated (default 4,8); the per-layer growth is taken between "
                         "the smallest and the largest")
-    p.add_argument("--layout", default="both", choices=["loop", "scan", "both"],
+    p.add_argument("--layout", default="both", type=_layouts,
                    help="loop: a Python loop over per-layer weights; scan: lax.scan over stacked weights")
     p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "bf16"])
     shapes = p.add_mutually_exclusive_group()
@@ -761,6 +817,12 @@ def main(argv=None) -> dict:
                    help="residuals.RELOAD_AFTER_COTANGENT (an experiment): the op's backward rule brings "
                         "offloaded residuals back once the layer's cotangent exists (keeps a loop's "
                         "offload under --no-prevent-cse)")
+    p.add_argument("--pgle", action="store_true",
+                   help="compile each step again with a profile of its first compile (XLA's profile-guided "
+                        "latency estimator, as jax_enable_pgle does), and time that")
+    p.add_argument("--no-stack-lag", dest="stack_lag", action="store_false",
+                   help="layout stack: each layer's output waits for its own host copies (the op's fence) "
+                        "instead of the next layer's output waiting for them (stack.LAG_FENCE = False, for A/B)")
     p.add_argument("--dump-hlo", type=pathlib.Path, default=None,
                    help="write <layout>_<layers>_<policy>.hlo.txt.gz here")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
@@ -774,13 +836,15 @@ def main(argv=None) -> dict:
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--xla-dump-dir", default=None, help=argparse.SUPPRESS)  # set by the parent with XLA_FLAGS
     opts = p.parse_args(argv)
-    opts.layout = list(LAYOUTS) if opts.layout == "both" else [opts.layout]
     if opts.samples < 0:
         p.error(f"--samples must be >= 0, got {opts.samples}")
     from jax_grouped_mlp._src.op import residuals
 
     residuals.FENCE_HOST_COPIES = opts.fence
     residuals.RELOAD_AFTER_COTANGENT = opts.reload_after_cotangent
+    from jax_grouped_mlp._src.offload import stack as layer_stack_module
+
+    layer_stack_module.LAG_FENCE = opts.stack_lag
 
     if opts.worker:  # child: one policy, layout and layer count, results to --worker-out
         desc, rows = worker(opts, [opts.worker])
@@ -820,6 +884,8 @@ def main(argv=None) -> dict:
             "fence_host_copies": opts.fence,
             "checkpoint_prevent_cse": opts.prevent_cse,
             "reload_after_cotangent": opts.reload_after_cotangent,
+            "stack_lag_fence": opts.stack_lag,
+            "pgle": opts.pgle,
             "timing": {"iters": opts.iters, "warmup": opts.warmup, "samples": opts.samples, "statistic": "median"},
             "link": link,
             "link_bandwidth_each_way": link["d2h_bytes_per_s"],

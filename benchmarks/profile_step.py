@@ -76,8 +76,10 @@ def by_kind(rows: list[dict]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def device_events(xplane: str) -> list[tuple[str, float]]:
-    """Kernel events of the GPU planes of a trace file (empty without a GPU plane)."""
+def device_events(xplane: str, timeline: list | None = None) -> list[tuple[str, float]]:
+    """Kernel events of the GPU planes of a trace file (empty without a GPU plane).
+    With ``timeline`` (a list), also appends ``(stream line, name, start ns, duration ns)``
+    of each event, for reading the overlap of copies and compute."""
     from jax._src.lib import _profile_data
 
     data = _profile_data.ProfileData.from_file(xplane)
@@ -91,10 +93,12 @@ def device_events(xplane: str) -> list[tuple[str, float]]:
             if line.name.startswith("XLA") or line.name in ("Steps", "Framework Ops", "Source code"):
                 continue
             events += [(e.name, e.duration_ns) for e in line.events]
+            if timeline is not None:
+                timeline += [(line.name, e.name, e.start_ns, e.duration_ns) for e in line.events]
     return events
 
 
-def profile(step, args, iters: int) -> list[tuple[str, float]]:
+def profile(step, args, iters: int, timeline: list | None = None) -> list[tuple[str, float]]:
     import jax
 
     jax.block_until_ready(step(*args))  # compile and warm up outside the trace
@@ -104,14 +108,24 @@ def profile(step, args, iters: int) -> list[tuple[str, float]]:
                 out = step(*args)
             jax.block_until_ready(out)
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        return device_events(files[0]) if files else []
+        return device_events(files[0], timeline) if files else []
 
 
-def measure(key: str, step, args, iters: int, top: int) -> dict | None:
-    """Profile ``step(*args)``, time it, print its largest kernels; None without device events."""
+def measure(key: str, step, args, iters: int, top: int, timeline: pathlib.Path | None = None) -> dict | None:
+    """Profile ``step(*args)``, time it, print its largest kernels; None without device events.
+    ``timeline``: also write every device event (stream, name, start, duration) there as JSON."""
     from common import time_call
 
-    events = profile(step, args, iters)
+    events_at: list | None = [] if timeline is not None else None
+    events = profile(step, args, iters, events_at)
+    if timeline is not None and events_at:
+        import json
+
+        t0 = min(e[2] for e in events_at)
+        rows = sorted([(line, name, (start - t0) / 1e3, dur / 1e3) for line, name, start, dur in events_at],
+                      key=lambda r: r[2])
+        timeline.write_text(json.dumps({"key": key, "iters": iters, "unit": "us",
+                                        "events": [dict(zip(("stream", "name", "start", "dur"), r)) for r in rows]}))
     if not events:
         print(f"{key}: no device events in the trace (no GPU?); nothing to report", flush=True)
         return None
@@ -145,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="kernels printed per run")
     ap.add_argument("--keep-command-buffers", action="store_true")
     ap.add_argument("--out", type=pathlib.Path, default=None)
+    ap.add_argument("--timeline", type=pathlib.Path, default=None,
+                    help="with --step stack: a folder; writes <candidate>.timeline.json (every device event)")
     ns = ap.parse_args(argv)
     if ns.candidates is None:
         ns.candidates = {"mlp": "grouped_mlp_mxfp8", "grad_accum": "bf16/per_micro_batch",
@@ -222,7 +238,11 @@ def _profile_stacks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                                                   layout=layout, prevent_cse=ns.prevent_cse)
         step = jax.jit(jax.value_and_grad(loss_for(label), argnums=(0, 1)))
         key = f"{ns.shape}/{ns.layers}L/{cname}" + ("" if ns.prevent_cse else "/no_prevent_cse")
-        report = measure(key, step, args, ns.iters, ns.top)
+        where = None
+        if ns.timeline is not None:
+            ns.timeline.mkdir(parents=True, exist_ok=True)
+            where = ns.timeline / f"{cname.replace('/', '_')}.timeline.json"
+        report = measure(key, step, args, ns.iters, ns.top, where)
         if report is not None:
             results[key] = report
     if ns.out is not None and results:

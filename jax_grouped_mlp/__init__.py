@@ -3,6 +3,8 @@
 Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 
 * :func:`grouped_mlp` - the op; :func:`offload_policy` - where its residuals live;
+  :func:`layer_stack` - a loop of checkpointed layers that prefetches their
+  offloaded residuals in the backward pass;
   :func:`prepare_weights` / :class:`PreparedWeights` - its weights cast and quantized
   once for many micro-batches;
 * :func:`quantize_mxfp8`, :func:`quantize_mxfp8_grouped`, :func:`dequantize`,
@@ -45,6 +47,7 @@ from jax_grouped_mlp._src.op.prepared import PreparedWeights, prepare_weights
 from jax_grouped_mlp._src.offload.placement import residual_placements
 from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
 from jax_grouped_mlp._src.offload.policy import offload_policy
+from jax_grouped_mlp._src.offload.stack import layer_stack
 from jax_grouped_mlp._src.moe.router_stats import RouterStats, update_score_bias
 from jax_grouped_mlp._src.moe.routing import Permutation, RoutingConfig, ScoreFunction, combine, permute, route
 
@@ -69,6 +72,7 @@ __all__ = [
     "dequantize_fp8_block",
     "export_disabled_checks",
     "grouped_mlp",
+    "layer_stack",
     "measure_host_bandwidth",
     "measure_layer_time",
     "moe_block",

@@ -40,16 +40,27 @@ def _cuda_text(layout: str, combo, rng, recipe: str = "mxfp8") -> str:
     return jax.jit(grad).trace((w1, w2)).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _defs(text: str) -> dict[str, str]:
+    """SSA value -> the operation that defines it (``stablehlo.xxx``)."""
+    return dict(re.findall(r"(%[\w#]+) = \"?(stablehlo\.\w+|[\w.]+)", text))
+
+
 def _read_backs(text: str) -> int:
-    """One-element slices of a host copy that go back to the device."""
+    """One-element slices of a host copy that go back to the device, at an index
+    computed from the output that waits (``and``: ``(2 t) & 1``), not a constant:
+    read back only once that output exists."""
     host = set(re.findall(r'(%\S+) = stablehlo.custom_call @annotate_device_placement\(\S+\).*"pinned_host"', text))
-    sliced = re.findall(r"= stablehlo.slice (%[^ ]+) \[(?:0:1(?:, )?)+\]", text)
-    return sum(1 for v in sliced if v in host)
+    defs = _defs(text)
+    sliced = re.findall(r"= stablehlo.dynamic_slice (%[^ ,]+), (%[^ ,]+),", text)
+    return sum(1 for v, index in sliced if v in host and defs.get(index) == "stablehlo.and")
 
 
 def _waits(text: str) -> int:
-    """Outputs rewritten through the fence's bit-or (one dynamic_update_slice each)."""
-    return len(re.findall(r"stablehlo.shift_left", text))
+    """Outputs rewritten through the fence's bit-or (one dynamic_update_slice of a
+    bitcast value each)."""
+    defs = _defs(text)
+    updates = re.findall(r"= stablehlo.dynamic_update_slice %[^ ,]+, (%[^ ,]+),", text)
+    return sum(1 for u in updates if defs.get(u) == "stablehlo.bitcast_convert")
 
 
 def _offloaded_arrays(combo, recipe: str) -> int:

@@ -51,12 +51,13 @@ from jax_grouped_mlp._src.op.heuristics import KernelChoices
 from jax_grouped_mlp._src.op.validation import as_array, check_mlp_args
 
 
-def _tag(op: Operand, name: str, *, rebuild: residuals.Rebuild | None = None, extra=()) -> Operand:
-    """The residual tag on the arrays of an operand (never on its group sizes)."""
+def _tag(op: Operand, name: str, *, rebuild: residuals.Rebuild | None = None, extra=(), after=None) -> Operand:
+    """The residual tag on the arrays of an operand (never on its group sizes);
+    ``after``: the op's output, which :func:`residuals.fence` makes wait for the copies."""
     if isinstance(op, QUANTIZED):
-        data, scale = residuals.tag([op.data, op.scale], name, rebuild=rebuild, extra=extra)
+        data, scale = residuals.tag([op.data, op.scale], name, rebuild=rebuild, extra=extra, after=after)
         return dataclasses.replace(op, data=data, scale=scale)
-    (out,) = residuals.tag([op], name, rebuild=rebuild, extra=extra)
+    (out,) = residuals.tag([op], name, rebuild=rebuild, extra=extra, after=after)
     return out
 
 
@@ -117,9 +118,8 @@ def _dgrad_ready(op: Operand | None) -> _Ready | None:
 
 
 def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe, choices: KernelChoices, ready=None):
-    """FC1 and the scaled srelu: the tagged bf16 pre-activation ``h`` and bf16 ``a``."""
+    """FC1 and the scaled srelu: the bf16 pre-activation ``h`` and bf16 ``a``."""
     h = _weight_gemm(x_row, w1, group_sizes, recipe, choices, jnp.bfloat16, ready=ready)
-    h = _tag(h, ACTIVATION_INPUT)
     a = srelu_scaled(h, probs)
     return h, a
 
@@ -188,14 +188,17 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
         # tagged h when it is recomputed, so this kernel is never rerun for it.
         w1q = _weight(recipe, w1, 1, _fprop_ready(prepared, "w1"))
         h, a_row, a_col = primitives.fc1_fused(x_row, w1q, group_sizes, probs)
-        h = _tag(h, ACTIVATION_INPUT)
     else:
         h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices, _fprop_ready(prepared, "w1"))
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
     y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _fprop_ready(prepared, "w2"))
-    a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes))
+    # The residuals are tagged once y exists (the tags are the identity; their host
+    # copies still start as soon as each value does, and are read back for the fence
+    # only after y: docs/notes/2026-12-03-layer-stack.md).
+    h = _tag(h, ACTIVATION_INPUT, after=y)
+    a_col = _tag(a_col, FC2_INPUT, rebuild=_fc2_input_rebuild(recipe), extra=(h, probs, group_sizes), after=y)
     dgrad_weights = None if prepared is None else (prepared.w1_dgrad, prepared.w2_dgrad)
-    x_col = _tag(x_col, FC1_INPUT)
+    x_col = _tag(x_col, FC1_INPUT, after=y)
     # The next layer starts only once the offloaded residuals are on the host.
     y = residuals.fence(y, [*_leaves(x_col), *_leaves(h), *_leaves(a_col)])
     return y, (x_col, h, a_col, w1, w2, dgrad_weights, group_sizes, probs, w_dtypes)

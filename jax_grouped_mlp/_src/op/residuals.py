@@ -94,6 +94,19 @@ FENCE_HOST_COPIES = True
 
 
 @dataclasses.dataclass(frozen=True)
+class FencedByCaller:
+    """A remat policy (``policy``) whose offloaded residuals get no fence of their own:
+    the caller (``layer_stack``) makes a later layer wait for the host copies instead
+    (:func:`wait_for_host`). A distinct policy object, so JAX's caches of remat's
+    partial evaluation (keyed by the policy) keep the two kinds apart."""
+
+    policy: Callable
+
+    def __call__(self, *args, **kwargs):
+        return self.policy(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class Rebuild:
     """How the backward pass recomputes a residual from other values (hashable:
     it is a parameter of the program). ``fn(*extra)`` returns the residual's arrays."""
@@ -109,18 +122,23 @@ class Rebuild:
 
 
 def tag(values: Sequence[jax.Array], name: str, *, rebuild: Rebuild | None = None,
-        extra: Sequence[jax.Array] = ()) -> list[jax.Array]:
+        extra: Sequence[jax.Array] = (), after: jax.Array | None = None) -> list[jax.Array]:
     """``values`` (the arrays of one residual), tagged ``name`` for the remat policy.
 
-    ``extra`` are the inputs of ``rebuild`` (unused in the forward pass).
+    ``extra`` are the inputs of ``rebuild`` (unused in the forward pass). ``after``:
+    the array that :func:`fence` will make wait for this residual's host copies (the
+    op's output); the copies are read back only once it exists, so the wait falls
+    after it (never read in the backward pass).
     """
     values, extra = list(values), list(extra)
     if rebuild is None and extra:
         raise ValueError("extra inputs need a rebuild function")
     if not OWN_TRANSFERS:
         return [checkpoint_name(v, name) for v in values]
-    return residual_p.bind(*values, *extra, name=name, num_values=len(values), mode="value",
-                           rebuild=rebuild, jaxpr=None, out_avals=None, memory_kind=None, read_back=False)
+    tail = [] if after is None else [after]
+    return residual_p.bind(*values, *extra, *tail, name=name, num_values=len(values), mode="value",
+                           rebuild=rebuild, jaxpr=None, out_avals=None, memory_kind=None, read_back=False,
+                           has_after=after is not None)
 
 
 # The "copies written" token: an int32 scalar (remat rounds inexact residuals that the
@@ -132,8 +150,8 @@ def _host_aval(aval):
     return aval.update(memory_space=core.MemorySpace.Host)
 
 
-def _abstract_eval(*avals, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, read_back):
-    del name, rebuild, jaxpr, memory_kind, read_back
+def _abstract_eval(*avals, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, read_back, has_after):
+    del name, rebuild, jaxpr, memory_kind, read_back, has_after
     if mode == "rebuild":
         return list(out_avals)
     if mode == "on_host":  # a host copy handed on as is (RELOAD_AFTER_COTANGENT)
@@ -177,7 +195,8 @@ def _annotate(x: ir.Value, memory_kind: str) -> ir.Value:
     return op.result
 
 
-def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, read_back, annotate):
+def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, read_back, has_after,
+              annotate):
     del name, rebuild, out_avals
     if mode == "rebuild":
         extra = args[num_values:]
@@ -189,7 +208,12 @@ def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, mem
         if not annotate:
             return values + values + [mlir.ir_constant(np.int32(0))]
         host = [_annotate(v, memory_kind) for v in values]
-        return values + host + [_read_back(ctx, host, ctx.avals_in[:num_values], read_back)]
+        token = mlir.ir_constant(np.int32(0))
+        if read_back and _per_device_program(ctx):
+            # Read once the fence's output exists (the last operand), or else at once.
+            index = _zero_from(ctx, args[-1], ctx.avals_in[-1]) if has_after else token
+            token = _read_back(ctx, host, ctx.avals_in[:num_values], index)
+        return values + host + [token]
     return values
 
 
@@ -205,9 +229,10 @@ def _per_device_program(ctx) -> bool:
     return False
 
 
-def _read_back(ctx, host: list[ir.Value], avals, read_back: bool) -> ir.Value:
+def _read_back(ctx, host: list[ir.Value], avals, index: ir.Value) -> ir.Value:
     """An int32 scalar that exists only once every host copy in ``host`` is written:
-    one element of each, read back to the device.
+    one element of each, at ``index`` (an int32 zero) along every axis, read back to
+    the device.
 
     XLA's host offloader turns a host copy into a device->host copy whose completion
     the GPU scheduler puts just before the copy's first reader. The backward reload
@@ -215,20 +240,46 @@ def _read_back(ctx, host: list[ir.Value], avals, read_back: bool) -> ir.Value:
     read in the forward pass (a one-element slice moved to the device: a path the
     offloader accepts) makes the copy complete there. A barrier on the host values
     themselves, or on a token beside them, orders nothing (the offloader walks through
-    barriers; measured on the H200)."""
+    barriers; measured on the H200). The read is asynchronous, and XLA's scheduler
+    starts it as early as its operands allow, pulling the copy's completion with it:
+    ``index`` computed from the output that waits (:func:`_zero_from`) keeps it, and
+    so the wait, after that output (measured on the H200: with constant indices the
+    next layer waited for its copies before its first GEMM)."""
     token = mlir.ir_constant(np.int32(0))
-    if not (read_back and _per_device_program(ctx)):
-        return token
     scalar = core.ShapedArray((), np.int32)
     for value, aval in zip(host, avals):
         if aval.size == 0:  # no element to read, and no copy to wait for
             continue
         one = aval.update(shape=(1,) * aval.ndim)
-        piece = mlir.slice_op(ctx, value, one, start_indices=(0,) * aval.ndim,
-                              limit_indices=(1,) * aval.ndim, strides=(1,) * aval.ndim)
+        piece = mlir.dynamic_slice(ctx, one, value, start_indices=[index] * aval.ndim)
         piece = mlir.reshape(ctx, _annotate(piece, "device"), aval.update(shape=()))
         token = hlo.add(token, mlir.convert_hlo(ctx, piece, aval.update(shape=()), scalar))
     return token
+
+
+def _zero_from(ctx, out: ir.Value, aval) -> ir.Value:
+    """An int32 zero computed from ``out``'s first element (``(2 t) & 1``), which XLA
+    cannot prove to be zero: whatever reads it comes after ``out``. A constant for
+    outputs that are empty or not 8-64 bit floats."""
+    if aval.size == 0 or not _float_bits(aval):
+        return mlir.ir_constant(np.int32(0))
+    bits_dtype = np.dtype(f"uint{_float_bits(aval)}")
+    one = aval.update(shape=(1,) * aval.ndim)
+    first = mlir.slice_op(ctx, out, one, start_indices=(0,) * aval.ndim, limit_indices=(1,) * aval.ndim,
+                          strides=(1,) * aval.ndim)
+    (bits_type,) = mlir.aval_to_ir_types(ctx.module_context, one.update(dtype=bits_dtype))
+    bits = mlir.reshape(ctx, hlo.bitcast_convert(bits_type, first), one.update(shape=(), dtype=bits_dtype))
+    scalar = core.ShapedArray((), np.int32)
+    t = mlir.convert_hlo(ctx, bits, scalar.update(dtype=bits_dtype), scalar)
+    return hlo.and_(hlo.shift_left(t, mlir.ir_constant(np.int32(1))), mlir.ir_constant(np.int32(1)))
+
+
+def _float_bits(aval) -> int:
+    """The bit width of ``aval``'s dtype if it is an 8-64 bit float, else 0."""
+    if not jax.numpy.issubdtype(aval.dtype, jax.numpy.floating):
+        return 0
+    bits = jax.numpy.finfo(aval.dtype).bits
+    return bits if bits in (8, 16, 32, 64) else 0
 
 
 def _lowering_on(ctx, *args, fence: bool, read_back: bool, **params):
@@ -274,7 +325,7 @@ def _batch(args, dims, *, num_values, **params):
         # A batched tag drops its rebuild (traced for the unbatched shapes): recomputing
         # it then replays what produced the value, as a plain checkpoint_name would.
         args, dims = args[:num_values], dims[:num_values]
-        params = {**params, "rebuild": None}
+        params = {**params, "rebuild": None, "has_after": False}
     out = residual_p.bind(*args, num_values=num_values, **params)
     out_dims = list(dims[:num_values])
     if params["mode"] == "offload":
@@ -312,7 +363,7 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
         # A loop's iteration already bounds its copies: no read-back there, and the
         # reload is the loop offloading's own.
         in_loop = _in_loop_body()
-        read_back = FENCE_HOST_COPIES and not in_loop
+        read_back = FENCE_HOST_COPIES and not in_loop and not isinstance(saveable, FencedByCaller)
         if not (in_loop or RELOAD_AFTER_COTANGENT):
             _warn_if_cse_allowed(params["name"])
         known = core.new_jaxpr_eqn(
@@ -325,22 +376,25 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
                 _remember_token(v, token)
         if RELOAD_AFTER_COTANGENT and not in_loop:  # stays on the host until after_cotangent
             reload = core.new_jaxpr_eqn(host, list(eqn.outvars), residual_p,
-                                        {**params, "mode": "on_host", "rebuild": None}, frozenset(),
+                                        {**params, "mode": "on_host", "rebuild": None, "has_after": False},
+                                        frozenset(),
                                         eqn.source_info)  # fmt: skip
         else:
             reload = core.new_jaxpr_eqn(host, list(eqn.outvars), to_device_p, {"memory_kind": case.src},
                                         frozenset(), eqn.source_info)  # fmt: skip
         return known, reload, [False] * n, [True] * n, host
-    # Recompute.
+    # Recompute (``after`` is not needed for that: the backward's tag never reads back).
+    end = len(eqn.invars) - params["has_after"]
     if params["rebuild"] is None:
-        return eqn, eqn, [False] * n, [True] * n, _needs(inst_in, eqn.invars)
-    extra_vars, extra_inst = eqn.invars[n:], inst_in[n:]
+        staged = eqn.replace(invars=eqn.invars[:end], params={**params, "has_after": False})
+        return eqn, staged, [False] * n, [True] * n, _needs(inst_in[:end], eqn.invars[:end])
+    extra_vars, extra_inst = eqn.invars[n:end], inst_in[n:end]
     # The rebuild as a program in the backward pass (what it runs is visible there).
     jaxpr = jax.make_jaxpr(params["rebuild"].fn)(*[v.aval for v in extra_vars])
     staged = core.new_jaxpr_eqn(
         extra_vars, list(eqn.outvars), residual_p,
         {**params, "num_values": 0, "mode": "rebuild", "jaxpr": jaxpr,
-         "out_avals": tuple(v.aval for v in eqn.outvars)},
+         "out_avals": tuple(v.aval for v in eqn.outvars), "has_after": False},
         eqn.effects, eqn.source_info,
     )  # fmt: skip
     return eqn, staged, [False] * n, [True] * n, _needs(extra_inst, extra_vars)
@@ -415,11 +469,13 @@ def _warn_if_cse_allowed(name: str) -> None:
         frame = frame.f_back
 
 
-# Offloaded residual -> the token of its host copy, from this rule to :func:`fence`'s
-# rule in the same partial evaluation (the tag always comes first in program order).
-# Keyed by ``id`` (``core.Var`` takes no weak reference) with the variable kept for an
-# identity check; the fence takes its entries out, and the size is bounded for tags
-# whose fence never came (a tag used on its own).
+# Offloaded residual -> the token of its host copies' read-backs, from this rule to
+# :func:`fence`'s rule in the same partial evaluation (the tag always comes first in
+# program order). An int32 token, not the host copies themselves: remat rounds inexact
+# residuals that the forward also reads (``reduce_precision``), which would change FP8
+# data and E8M0 scales. Keyed by ``id`` (``core.Var`` takes no weak reference) with the
+# variable kept for an identity check; the fence takes its entries out, and the size is
+# bounded for tags whose fence never came (a tag used on its own).
 _TOKENS: dict[int, tuple[core.Var, core.Var]] = {}
 _MAX_REMEMBERED = 4096
 
@@ -455,21 +511,25 @@ mlir.register_lowering(fence_p, lambda ctx, out, *rest, mode: [out])
 
 
 def _fence_wait_lowering(ctx, out, *tokens, mode):
-    """``out`` with its first element rewritten to itself OR-ed with bits that are
-    always zero but computed from ``tokens`` (the read-backs of the host copies): the
-    identity, bit for bit, that XLA cannot prove to be one, so every consumer of
-    ``out`` comes after the copies. An optimization barrier would not do: XLA drops a
-    barrier's unused outputs, and with them the read-backs (measured on the H200)."""
-    aval = ctx.avals_in[0]
-    if mode == "value" or not tokens or aval.size == 0 or not _per_device_program(ctx):
+    """``out`` usable only once the read-backs in ``tokens`` exist (:func:`_after_token`)."""
+    if mode == "value" or not tokens or not _per_device_program(ctx):
         return [out]  # (no read-backs either without a per-device program)
-    floating = jax.numpy.issubdtype(aval.dtype, jax.numpy.floating)
-    if not floating or jax.numpy.finfo(aval.dtype).bits not in (8, 16, 32, 64):
-        return [out]  # (the op's output is a float; anything else passes unfenced)
     token = tokens[0]
     for t in tokens[1:]:
         token = hlo.add(token, t)
-    bits_dtype = np.dtype(f"uint{jax.numpy.finfo(aval.dtype).bits}")
+    return [_after_token(ctx, out, token, ctx.avals_in[0])]
+
+
+def _after_token(ctx, out: ir.Value, token: ir.Value, aval) -> ir.Value:
+    """``out`` with its first element rewritten to itself OR-ed with bits that are
+    always zero but computed from the int32 ``token`` (the read-backs of host copies):
+    the identity, bit for bit, that XLA cannot prove to be one, so every consumer of
+    ``out`` comes after the copies. An optimization barrier would not do: XLA drops a
+    barrier's unused outputs, and with them the read-backs (measured on the H200).
+    Outputs that are empty or not 8-64 bit floats pass unchanged."""
+    if aval.size == 0 or not _float_bits(aval):
+        return out
+    bits_dtype = np.dtype(f"uint{_float_bits(aval)}")
     one = aval.update(shape=(1,) * aval.ndim)
     one_bits = one.update(dtype=bits_dtype)
     scalar = core.ShapedArray((), np.int32)
@@ -482,7 +542,7 @@ def _fence_wait_lowering(ctx, out, *tokens, mode):
     bits = hlo.or_(hlo.bitcast_convert(bits_type, first), mlir.reshape(ctx, zero, one_bits))
     (first_type,) = mlir.aval_to_ir_types(ctx.module_context, one)
     index = mlir.ir_constant(np.int32(0))
-    return [hlo.dynamic_update_slice(out, hlo.bitcast_convert(first_type, bits), [index] * aval.ndim)]
+    return hlo.dynamic_update_slice(out, hlo.bitcast_convert(first_type, bits), [index] * aval.ndim)
 
 
 for _platform in _FENCED:
@@ -516,6 +576,40 @@ def _fence_partial_eval_custom(saveable, unks_in, inst_in, eqn):
 pe.partial_eval_jaxpr_custom_rules[fence_p] = _fence_partial_eval_custom
 
 
+# ``out`` usable only once the host arrays after it are written (``wait_for_host``).
+host_wait_p = core.Primitive("grouped_mlp_host_wait")
+host_wait_p.def_abstract_eval(lambda out, *host: out)
+host_wait_p.def_impl(lambda out, *host: out)
+mlir.register_lowering(host_wait_p, lambda ctx, out, *host: [out])
+ad.primitive_jvps[host_wait_p] = lambda primals, tangents: (host_wait_p.bind(*primals), tangents[0])
+batching.primitive_batchers[host_wait_p] = lambda args, dims: (host_wait_p.bind(*args), dims[0])
+
+
+def _host_wait_lowering(ctx, out, *host):
+    """``out`` (first operand) rewritten through read-backs of ``host`` (the rest) taken
+    after ``out`` exists; the identity outside per-device programs."""
+    aval = ctx.avals_in[0]
+    if not host or not _per_device_program(ctx) or aval.size == 0 or not _float_bits(aval):
+        return [out]
+    token = _read_back(ctx, list(host), ctx.avals_in[1:], _zero_from(ctx, out, aval))
+    return [_after_token(ctx, out, token, aval)]
+
+
+for _platform in _FENCED:
+    mlir.register_lowering(host_wait_p, _host_wait_lowering, platform=_platform)
+
+
+def wait_for_host(out: jax.Array, host_arrays: Sequence[jax.Array]) -> jax.Array:
+    """``out``, usable only once every array in ``host_arrays`` (host copies made by
+    this module's tags) is written: one element of each read back to the device, and
+    ``out``'s first element rewritten through them (bit for bit the same). The
+    fence of :func:`fence`, for a caller that ties one layer's copies to a later
+    layer's output. The identity on the CPU and without ``FENCE_HOST_COPIES``."""
+    if not (FENCE_HOST_COPIES and OWN_TRANSFERS) or not host_arrays:
+        return out
+    return host_wait_p.bind(out, *host_arrays)
+
+
 def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:
     """With ``RELOAD_AFTER_COTANGENT`` (outside loop bodies): the residual arrays, each
     on the device, usable only once ``cotangent`` (any pytree) exists. An optimization
@@ -525,6 +619,14 @@ def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[li
     arrays = list(residual_arrays)
     if not RELOAD_AFTER_COTANGENT or _in_loop_body():
         return arrays, cotangent
+    return reload_after(arrays, cotangent)
+
+
+def reload_after(arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:
+    """``arrays`` (host or device), each moved to the device once ``cotangent`` (any
+    pytree) exists, and ``cotangent``: an optimization barrier ties them, then each is
+    moved; XLA drops the move of an array that was on the device already."""
+    arrays = list(arrays)
     # E8M0 scales (1/32 of their data's bytes) stay out of the barrier: with them in it,
     # its transpose fails in grad of grad (jax 0.12: AttributeError "no attribute
     # accum" in _opt_barrier_fancy_transpose).

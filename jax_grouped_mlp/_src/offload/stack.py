@@ -1,0 +1,176 @@
+"""``layer_stack``: a Python loop of checkpointed layers whose backward pass
+prefetches each layer's offloaded residuals while the layer after it runs backward.
+
+Why a helper: with one ``jax.checkpoint`` per layer, a layer's offloaded residuals
+come back to the device only once that layer's own cotangent exists (remat's
+``prevent_cse`` barrier ties them to it, and without that barrier XLA either folds the
+copy away or brings every layer back at once). Each reload is then exposed: measured
+on the H200 at the expert-parallel share of Nano, 8 layers all-offload took 168 ms
+against 50 ms of compute and 62 ms of link time each way
+(docs/notes/2026-12-02-reloads-and-prevent-cse.md). The layers cannot see each other;
+this helper can. It runs the stack as one ``jax.custom_vjp``:
+
+* forward: layer by layer, ``jax.vjp`` of ``jax.checkpoint(layer, policy=policy)``;
+  each layer's residuals (its pullback's arrays, the op's host copies among them) are
+  kept, exactly as the per-layer checkpoints would keep them;
+* backward: before layer ``i``'s pullback runs, layer ``i - 1``'s host residuals are
+  tied to layer ``i``'s cotangent by an optimization barrier and moved to the device.
+  The copies back then run during layer ``i``'s backward pass, and at most two
+  layers' offloaded residuals are on the device at once.
+
+The arithmetic is the per-layer loop's: the same pullbacks run on the same values, so
+gradients are bitwise those of ``for p in params: x = jax.checkpoint(layer, policy)(p, x, *args)``
+(tests/test_layer_stack.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+
+from jax_grouped_mlp._src.op import residuals
+
+PyTree = Any
+
+# Each layer's device->host copies are waited for by the next layer's output, not by
+# its own (the op's fence): the copies overlap one layer of compute, at the cost of one
+# more layer's offloaded residuals on the device at a time. False: the op's own fence.
+# Read when layer_stack is traced.
+LAG_FENCE = True
+
+
+def layer_stack(
+    layer: Callable[..., PyTree],
+    params: Sequence[PyTree],
+    x: PyTree,
+    *args: PyTree,
+    policy: Callable | None = None,
+    prefetch: bool = True,
+) -> PyTree:
+    """``x`` after ``x = layer(params[i], x, *args)`` for each ``i``, each layer under
+    ``jax.checkpoint(layer, policy=policy)``, differentiable in ``params``, ``x`` and
+    ``args``.
+
+    With ``prefetch`` (the default), the backward pass moves layer ``i - 1``'s
+    offloaded residuals back to the device as soon as layer ``i``'s backward pass
+    starts, so the copies overlap compute instead of each layer waiting for its own
+    (one more layer's offloaded residuals on the device, once, not per layer). Without
+    it the helper is the plain loop.
+
+    Args:
+      layer: ``layer(p, x, *args) -> x``: one layer (e.g. attention and a
+        :func:`grouped_mlp` expert block); its output has ``x``'s structure, shapes
+        and dtypes. Values it closes over are constants (not differentiated): pass
+        anything that needs a gradient through ``params``, ``x`` or ``args``.
+      params: one parameter pytree per layer (a list; layers may differ in values,
+        not in structure). An empty list returns ``x``.
+      x: the carry (any pytree of arrays).
+      *args: arrays every layer reads (group sizes, routing probabilities, a mask);
+        their gradients are summed over the layers.
+      policy: the ``jax.checkpoint`` policy, e.g. :func:`offload_policy`'s; None
+        saves nothing (``jax.checkpoint``'s default).
+      prefetch: overlap each layer's reload with the next layer's backward pass.
+
+    Returns:
+      The carry after the last layer.
+
+    Raises:
+      TypeError: ``layer`` is not callable, or ``params`` is not a sequence.
+
+    Use it instead of a Python loop of ``jax.checkpoint`` layers; for
+    ``jax.lax.scan`` / ``nnx.scan`` stacks, XLA's own loop offloading applies
+    (docs/offload.md, "Layer stacks").
+    """
+    if not callable(layer):
+        raise TypeError(f"layer must be callable, got layer={layer!r}")
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(f"params must be a sequence (one parameter pytree per layer), got {type(params).__name__}")
+    params = list(params)
+    if not params:
+        return x
+    ckpt = jax.checkpoint(layer, policy=policy)
+
+    def run(params, x, args):
+        for p in params:
+            x = ckpt(p, x, *args)
+        return x
+
+    if not prefetch:
+        return run(params, x, args)
+
+    @jax.custom_vjp
+    def stack(params, x, args):
+        return run(params, x, args)
+
+    # The forward: each layer's host copies are waited for by the next layer's output
+    # (LAG_FENCE), so they overlap that layer's compute; the op's own fence (the layer's
+    # output waits for its own copies) is off for these layers.
+    lagged = LAG_FENCE and policy is not None
+    ckpt_fwd = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy)) if lagged else ckpt
+
+    def fwd(params, x, args):
+        pullbacks = []
+        for p in params:
+            x, pullback = jax.vjp(ckpt_fwd, p, x, *args)
+            if lagged and pullbacks:
+                x = _wait(x, _host_leaves(pullbacks[-1]))
+            pullbacks.append(pullback)
+        return x, pullbacks
+
+    def bwd(pullbacks, dy):
+        d_params = [None] * len(pullbacks)
+        d_args = None
+        for i in reversed(range(len(pullbacks))):
+            if i > 0:  # layer i - 1's copies back start with layer i's backward pass
+                pullbacks[i - 1], dy = _reload_after(pullbacks[i - 1], dy)
+            d_p, dy, *d_a = pullbacks[i](dy)
+            d_params[i] = d_p
+            d_args = d_a if d_args is None else jax.tree.map(_add, d_args, d_a)
+        return d_params, dy, tuple(d_args)
+
+    stack.defvjp(fwd, bwd)
+    return stack(params, x, tuple(args))
+
+
+def _wait(x: PyTree, host: list) -> PyTree:
+    """``x`` with its first floating leaf made to wait for the host copies ``host``."""
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    for i, leaf in enumerate(leaves):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size:
+            leaves[i] = residuals.wait_for_host(leaf, host)
+            return jax.tree_util.tree_unflatten(tree, leaves)
+    return x
+
+
+def _host_leaves(pullback) -> list:
+    return [leaf for leaf in jax.tree_util.tree_leaves(pullback) if _on_host(leaf)]
+
+
+def _add(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Sum of two cotangents; integer inputs' cotangents (float0) stay as they are."""
+    return a if a.dtype == jax.dtypes.float0 else a + b
+
+
+def _on_host(leaf) -> bool:
+    aval = jax.typeof(leaf)
+    return getattr(aval, "memory_space", None) == core.MemorySpace.Host
+
+
+def _reload_after(pullback, cotangent):
+    """``pullback`` with its host arrays moved to the device once ``cotangent`` exists
+    (``residuals.after_cotangent``'s barrier and move), and ``cotangent``.
+
+    The pullback's own reload of those arrays then moves arrays already on the
+    device, which XLA drops."""
+    leaves, tree = jax.tree_util.tree_flatten(pullback)
+    host = [i for i, leaf in enumerate(leaves) if _on_host(leaf)]
+    if not host:
+        return pullback, cotangent
+    moved, cotangent = residuals.reload_after([leaves[i] for i in host], cotangent)
+    for i, leaf in zip(host, moved):
+        leaves[i] = leaf
+    return jax.tree_util.tree_unflatten(tree, leaves), cotangent
+

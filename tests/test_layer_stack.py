@@ -1,0 +1,194 @@
+"""``layer_stack``: a Python loop of checkpointed layers whose backward pass reloads
+layer ``i - 1``'s offloaded residuals when layer ``i``'s backward starts (issue 17's
+step time). Its gradients must be bitwise those of the plain loop under every policy
+(CPU: the program structure, copies are no-ops; GPU: real host copies), its
+prefetch must be in the program, and bad arguments must say what was expected.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.op import residuals
+
+from test_offload_policies import ALL_DEVICE, COMBOS, FULL, PAIRWISE, _make_inputs
+
+
+def _one(p, x, gs, probs, recipe="mxfp8"):
+    return x + jgm.grouped_mlp(x, p[0], p[1], gs, probs, recipe=recipe)
+
+
+def _params(w1, w2, lo, hi):
+    return [(w1[i], w2[i]) for i in range(lo, hi)]
+
+
+def _stack_loss(combos, x, w1, w2, probs, gs, prefetch=True, recipe="mxfp8"):
+    """Two layers per policy in ``combos``, each pair one ``layer_stack``."""
+    layer = functools.partial(_one, recipe=recipe)
+    for i, combo in enumerate(combos):
+        x = jgm.layer_stack(layer, _params(w1, w2, 2 * i, 2 * i + 2), x, gs, probs,
+                            policy=jgm.offload_policy(*combo), prefetch=prefetch)  # fmt: skip
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+
+def _loop_loss(x, w1, w2, probs, gs, recipe="mxfp8"):
+    """The plain loop with everything on the device: the reference."""
+    layer = jax.checkpoint(functools.partial(_one, recipe=recipe), policy=jgm.offload_policy(*ALL_DEVICE))
+    for i in range(w1.shape[0]):
+        x = layer((w1[i], w2[i]), x, gs, probs)
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+
+def _grads(fn, inputs):
+    x, w1, w2, probs, gs = inputs
+    out = jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3)))(x, w1, w2, probs, gs)
+    return [np.asarray(g.astype(jnp.float32)) for g in out]
+
+
+def _check(rng, combos, recipe="mxfp8"):
+    inputs = _make_inputs(rng, layers=6)
+    want = _grads(functools.partial(_loop_loss, recipe=recipe), inputs)
+    assert all(np.isfinite(w).all() and np.abs(w).max() > 0 for w in want)  # a test that can fail
+    for i in range(0, len(combos), 3):
+        group = tuple(combos[i : i + 3])
+        got = _grads(functools.partial(_stack_loss, group, recipe=recipe), inputs)
+        for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
+            np.testing.assert_array_equal(a, b, err_msg=f"stack {group} {name}")
+        # probs, read by every layer: each stack sums its layers' gradients and the
+        # stacks' sums are then added, where the loop adds layer by layer (the same
+        # terms, grouped differently); one stack over all layers is bitwise (below).
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6, err_msg=f"stack {group} dprobs")
+
+
+def test_one_stack_over_all_layers_is_bitwise_the_loop(rng):
+    inputs = _make_inputs(rng, layers=6)
+    want = _grads(_loop_loss, inputs)
+
+    def loss(x, w1, w2, probs, gs):
+        y = jgm.layer_stack(_one, _params(w1, w2, 0, 6), x, gs, probs, policy=jgm.offload_policy())
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    for name, a, b in zip(("dx", "dw1", "dw2", "dprobs"), _grads(loss, inputs), want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_gradients_bitwise_equal_to_the_loop(rng):
+    _check(rng, COMBOS if FULL else PAIRWISE)
+
+
+@pytest.mark.gpu
+def test_gradients_bitwise_equal_to_the_loop_gpu(rng):
+    """All 27 policies on the GPU, where the host copies and the prefetch are real."""
+    _check(rng, COMBOS)
+
+
+@pytest.mark.gpu
+def test_gradients_bitwise_equal_to_the_loop_bf16_gpu(rng):
+    _check(rng, [("offload",) * 3, ("device", "offload", "recompute"), ("offload", "device", "offload")],
+           recipe="bf16")  # fmt: skip
+
+
+def test_without_prefetch_and_without_gradient_it_is_the_loop(rng):
+    x, w1, w2, probs, gs = inputs = _make_inputs(rng, layers=6)
+    combos = [("offload",) * 3, ("device", "offload", "recompute"), ("recompute", "device", "offload")]
+    want = _grads(_loop_loss, inputs)
+    got = _grads(functools.partial(_stack_loss, combos, prefetch=False), inputs)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(_stack_loss, combos))(*inputs)),
+                                  np.asarray(jax.jit(_loop_loss)(*inputs)))  # fmt: skip
+
+
+def _count(jaxpr, prim) -> int:
+    """Arrays ``prim`` outputs in ``jaxpr`` and the programs inside it."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += len(eqn.outvars) if eqn.primitive is prim else 0
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else [v]:
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    n += _count(inner, prim)
+    return n
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_the_prefetch_is_in_the_program(rng, layers):
+    """With all three residuals offloaded (five arrays a layer in MXFP8: data and scales
+    of the two columnwise copies, and h), the backward pass moves layers 0..L-2's host
+    arrays to the device once more than the loop does: the prefetch."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=layers)
+    policy = jgm.offload_policy()
+
+    def loss(w1, prefetch):
+        y = jgm.layer_stack(_one, _params(w1, w2, 0, layers), x, gs, probs, policy=policy, prefetch=prefetch)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    moves = [_count(jax.make_jaxpr(jax.grad(functools.partial(loss, prefetch=p)))(w1).jaxpr, residuals.to_device_p)
+             for p in (False, True)]  # fmt: skip
+    assert moves[1] - moves[0] == 5 * (layers - 1), moves
+
+
+def test_an_empty_stack_is_the_identity(rng):
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    assert jgm.layer_stack(_one, [], x) is x
+
+
+def test_args_get_summed_gradients(rng):
+    """An ``args`` array every layer reads gets the sum of the layers' gradients, and
+    integer args (group sizes) pass."""
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    scale = jnp.asarray(rng.standard_normal((8,)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((8, 8)) / 4, jnp.float32) for _ in range(3)]
+    count = jnp.asarray(3, jnp.int32)
+
+    def layer(w, x, scale, count):
+        return jnp.tanh(x @ w) * scale + count.astype(x.dtype)
+
+    def via_stack(ws, x, scale):
+        return jnp.sum(jgm.layer_stack(layer, ws, x, scale, count) ** 2)
+
+    def via_loop(ws, x, scale):
+        for w in ws:
+            x = layer(w, x, scale, count)
+        return jnp.sum(x**2)
+
+    got = jax.grad(via_stack, argnums=(0, 1, 2))(ws, x, scale)
+    want = jax.grad(via_loop, argnums=(0, 1, 2))(ws, x, scale)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments_say_what_was_expected(rng):
+    x = jnp.zeros((4, 8), jnp.float32)
+    with pytest.raises(TypeError, match="layer must be callable"):
+        jgm.layer_stack(None, [1], x)
+    with pytest.raises(TypeError, match="params must be a sequence"):
+        jgm.layer_stack(_one, {"w": 1}, x)
+    with pytest.raises(TypeError, match="params must be a sequence"):
+        jgm.layer_stack(_one, jnp.zeros((2, 3)), x)
+
+
+def test_each_layer_waits_for_the_previous_layers_copies(rng):
+    """The forward's fence lags one layer (issue 17's step time): in the CUDA program
+    layer ``i``'s output waits for read-backs of layer ``i - 1``'s host copies (five
+    arrays a layer in MXFP8), taken after that output exists; the op's own fence (each
+    layer waiting for its own copies) is off inside the stack."""
+    from test_offload_fence import _read_backs, _waits
+
+    layers = 3
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=layers)
+
+    def loss(w1):
+        y = jgm.layer_stack(_one, _params(w1, w2, 0, layers), x, gs, probs, policy=jgm.offload_policy())
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    text = jax.jit(jax.grad(loss)).trace(w1).lower(lowering_platforms=("cuda",)).as_text()
+    assert _waits(text) == layers - 1
+    assert _read_backs(text) == 5 * (layers - 1)
