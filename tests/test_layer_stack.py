@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.offload import stack as stack_module
 from jax_grouped_mlp._src.op import residuals
 
 from test_offload_policies import ALL_DEVICE, COMBOS, FULL, PAIRWISE, _make_inputs
@@ -127,12 +128,45 @@ def test_the_prefetch_is_in_the_program(rng, layers):
     policy = jgm.offload_policy()
 
     def loss(w1, prefetch):
-        y = jgm.layer_stack(_one, _params(w1, w2, 0, layers), x, gs, probs, policy=policy, prefetch=prefetch)
+        y = jgm.layer_stack(_one, _params(w1, w2, 0, layers), x, gs, probs, policy=policy, prefetch=prefetch,
+                            offload_last=True)  # fmt: skip
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     moves = [_count(jax.make_jaxpr(jax.grad(functools.partial(loss, prefetch=p)))(w1).jaxpr, residuals.to_device_p)
              for p in (False, True)]  # fmt: skip
     assert moves[1] - moves[0] == 5 * (layers - 1), moves
+
+
+@pytest.mark.parametrize("offload_last", [False, True])
+def test_the_last_layer_keeps_its_residuals_on_the_device(rng, offload_last):
+    """The backward pass needs the last layer's residuals first: by default they are not
+    offloaded (a copy out and straight back), and only that layer changes."""
+    layers = 3
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=layers)
+    params = _params(w1, w2, 0, layers)
+    seen = []
+
+    def spy(pullback):
+        seen.append(sum(1 for leaf in jax.tree.leaves(pullback) if stack_module._on_host(leaf)))
+        return pullback
+
+    def loss(w1):
+        y = jgm.layer_stack(_one, _params(w1, w2, 0, layers), x, gs, probs, policy=jgm.offload_policy(),
+                            offload_last=offload_last)  # fmt: skip
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    original = stack_module._reload_after
+    try:
+        stack_module._reload_after = lambda pullback, ct: original(spy(pullback), ct)
+        jax.make_jaxpr(jax.grad(loss))(w1)
+    finally:
+        stack_module._reload_after = original
+    # (prefetched: layers L-2 .. 0, each with its five host arrays)
+    assert seen == [5] * (layers - 1)
+    host_last = [leaf for leaf in jax.tree.leaves(jax.vjp(lambda p: jgm.layer_stack(
+        _one, [p], x, gs, probs, policy=jgm.offload_policy(), offload_last=offload_last), params[-1])[1])
+        if stack_module._on_host(leaf)]  # fmt: skip
+    assert len(host_last) == (5 if offload_last else 0)
 
 
 def test_an_empty_stack_is_the_identity(rng):

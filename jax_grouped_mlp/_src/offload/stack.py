@@ -12,11 +12,17 @@ this helper can. It runs the stack as one ``jax.custom_vjp``:
 
 * forward: layer by layer, ``jax.vjp`` of ``jax.checkpoint(layer, policy=policy)``;
   each layer's residuals (its pullback's arrays, the op's host copies among them) are
-  kept, exactly as the per-layer checkpoints would keep them;
+  kept, exactly as the per-layer checkpoints would keep them. Layer ``i``'s output
+  waits for layer ``i - 1``'s host copies (``residuals.wait_for_host``), not for its
+  own (the op's fence, off here): each layer's copies overlap the next layer's
+  compute. The last layer's residuals stay on the device (``offload_last``);
 * backward: before layer ``i``'s pullback runs, layer ``i - 1``'s host residuals are
   tied to layer ``i``'s cotangent by an optimization barrier and moved to the device.
-  The copies back then run during layer ``i``'s backward pass, and at most two
-  layers' offloaded residuals are on the device at once.
+  The copies back then run during layer ``i``'s backward pass.
+
+Either way one more layer's offloaded residuals are on the device at a time, once,
+not per layer (the growth per layer is the loop's; measured on the H200:
+docs/notes/2026-12-03-layer-stack.md).
 
 The arithmetic is the per-layer loop's: the same pullbacks run on the same values, so
 gradients are bitwise those of ``for p in params: x = jax.checkpoint(layer, policy)(p, x, *args)``
@@ -25,11 +31,13 @@ gradients are bitwise those of ``for p in params: x = jax.checkpoint(layer, poli
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax._src import core
+from jax._src.interpreters import partial_eval as pe
 
 from jax_grouped_mlp._src.op import residuals
 
@@ -49,6 +57,7 @@ def layer_stack(
     *args: PyTree,
     policy: Callable | None = None,
     prefetch: bool = True,
+    offload_last: bool = False,
 ) -> PyTree:
     """``x`` after ``x = layer(params[i], x, *args)`` for each ``i``, each layer under
     ``jax.checkpoint(layer, policy=policy)``, differentiable in ``params``, ``x`` and
@@ -73,6 +82,11 @@ def layer_stack(
       policy: the ``jax.checkpoint`` policy, e.g. :func:`offload_policy`'s; None
         saves nothing (``jax.checkpoint``'s default).
       prefetch: overlap each layer's reload with the next layer's backward pass.
+      offload_last: offload the last layer's residuals too. By default (with
+        ``prefetch``) they stay on the device: the backward pass needs them first, so
+        a copy out and straight back would only add both copies to the step (about
+        5 ms at the expert-parallel share of Nano), and they would be back on the
+        device at the peak anyway.
 
     Returns:
       The carry after the last layer.
@@ -110,11 +124,14 @@ def layer_stack(
     # output waits for its own copies) is off for these layers.
     lagged = LAG_FENCE and policy is not None
     ckpt_fwd = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy)) if lagged else ckpt
+    ckpt_last = ckpt_fwd
+    if not offload_last and policy is not None:
+        ckpt_last = jax.checkpoint(layer, policy=KeepOnDevice(policy))
 
     def fwd(params, x, args):
         pullbacks = []
-        for p in params:
-            x, pullback = jax.vjp(ckpt_fwd, p, x, *args)
+        for i, p in enumerate(params):
+            x, pullback = jax.vjp(ckpt_last if i == len(params) - 1 else ckpt_fwd, p, x, *args)
             if lagged and pullbacks:
                 x = _wait(x, _host_leaves(pullbacks[-1]))
             pullbacks.append(pullback)
@@ -133,6 +150,18 @@ def layer_stack(
 
     stack.defvjp(fwd, bwd)
     return stack(params, x, tuple(args))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepOnDevice:
+    """``policy`` with every residual it offloads kept on the device instead (the last
+    layer of a stack). A distinct policy object, so JAX's caches keep it apart."""
+
+    policy: Callable
+
+    def __call__(self, *args, **kwargs):
+        out = self.policy(*args, **kwargs)
+        return True if isinstance(out, pe.Offloadable) else out
 
 
 def _wait(x: PyTree, host: list) -> PyTree:
