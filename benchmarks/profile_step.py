@@ -5,14 +5,15 @@
     PYTHONPATH=. python3 benchmarks/profile_step.py --step grad_accum [--micro-batches 4]
         [--candidates bf16/per_micro_batch,fp8_block/prepared_once]
     PYTHONPATH=. python3 benchmarks/profile_step.py --step stack --layers 8
-        [--candidates loop/d-d-d,scan/d-d-d]
+        [--candidates loop/d-d-d,scan/d-d-d,stack/o-d-d] [--timeline DIR]
 
 Runs the step of ``bench_mlp`` (same candidates, same operands, same router-made group
 sizes), or with ``--step grad_accum`` the scanned micro-batch step of
 ``bench_grad_accum`` (candidates ``RECIPE/per_micro_batch`` or ``RECIPE/prepared_once``,
 float32 master weights), or with ``--step stack`` the layer stack of ``bench_offload``
-(candidates ``LAYOUT/POLICY``: a Python loop or ``lax.scan`` of ``--layers`` checkpointed
-layers, the policy as a label like ``d-o-d``; ``--shape`` nano, ep_share or cpu, equal
+(candidates ``LAYOUT/POLICY``: a Python loop, ``lax.scan`` or ``layer_stack`` of ``--layers``
+checkpointed layers, the policy as a label like ``d-o-d``; ``--timeline DIR`` also writes
+every device event with its stream and start time, to see what overlaps what; ``--shape`` nano, ep_share or cpu, equal
 group sizes), ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
 ``ProfileData`` and sums the device events by kernel name: ms per step and launches
 per step, largest first, grouped into our CUDA kernels (``jgm`` / CuTe names), XLA's

@@ -186,8 +186,8 @@ def test_layouts_layer_counts_and_bars_inprocess(tmp_path):
 
 
 def test_scan_and_loop_layouts_give_the_same_gradients():
-    """The two layouts are the same model: bitwise-equal gradients under an offload policy
-    (XLA:CPU; the weights of the loop are the scan's slices)."""
+    """The layouts are the same model: bitwise-equal gradients under an offload policy
+    (XLA:CPU; the weights of the loop and the stack are the scan's slices)."""
     import jax
     import numpy as np
 
@@ -195,12 +195,13 @@ def test_scan_and_loop_layouts_give_the_same_gradients():
     for layout in bench_offload.LAYOUTS:
         loss_for, (params, x, sizes, probs) = bench_offload.make_stack(TINY, 2, "mxfp8", False, layout=layout)
         g_params, g_x = jax.jit(jax.grad(loss_for("d-o-d"), argnums=(0, 1)))(params, x, sizes, probs)
-        if layout == "loop":
+        if layout in ("loop", "stack"):
             g_params = tuple(np.stack([np.asarray(p[i]) for p in g_params]) for i in range(2))
         grads[layout] = [np.asarray(a, np.float32) for a in (*g_params, g_x)]
     assert all(np.abs(g).max() > 0 for g in grads["loop"])
-    for name, a, b in zip(("dw1", "dw2", "dx"), grads["loop"], grads["scan"]):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+    for other in ("scan", "stack"):
+        for name, a, b in zip(("dw1", "dw2", "dx"), grads["loop"], grads[other]):
+            np.testing.assert_array_equal(a, b, err_msg=f"{other} {name}")
 
 
 def test_policy_labels():
