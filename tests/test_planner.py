@@ -316,3 +316,22 @@ def test_recomputing_from_x_keeps_the_layer_input():
         fc1_input="recompute", activation_input="recompute", fc2_input="recompute").fits
     bf16 = _nano_plan(recipe="bf16")
     assert all(c.layer_input_bytes == 0 for c in bf16.candidates)
+
+
+def test_layer_stack_model():
+    """``layer_stack=True``: the copies hide behind the neighbouring layers (never slower
+    than one checkpoint per layer), the last layer offloads nothing, one more layer's
+    offloaded residuals are on the device; the hand-computed step for all-offload."""
+    loop, stack = _nano_plan(), _nano_plan(layer_stack=True)
+    assert stack.layer_stack and not loop.layer_stack
+    for a, b in zip(sorted(loop.candidates, key=lambda c: c.label()), sorted(stack.candidates, key=lambda c: c.label())):
+        assert b.step_time <= a.step_time + 1e-12, a.label()
+        offloaded = sum(stack.residual_bytes[n] for n in RESIDUAL_NAMES if a.placement[n] == "offload")
+        assert b.host_bytes == 7 * offloaded and a.host_bytes == 8 * offloaded
+        assert b.device_bytes == a.device_bytes + offloaded
+    c = stack.candidate(fc1_input="offload", activation_input="offload", fc2_input="offload")
+    lt, t = stack.layer_time, sum(stack.residual_bytes.values()) / 53e9
+    want = 8 * lt.total + 7 * (max(0.0, t - lt.forward) + max(0.0, t - lt.backward))
+    assert c.step_time == pytest.approx(want, rel=1e-12)
+    with pytest.raises(TypeError, match="layer_stack must be a bool"):
+        _nano_plan(layer_stack="yes")

@@ -42,6 +42,15 @@ automatic partitioning; in a scan the iteration does) and hides behind that laye
 the fraction a copy can hide behind. The copy back comes right before the layer's
 backward pass, which needs it first, and is not hidden (``jax.checkpoint``'s default
 ``prevent_cse=True`` ties it to the layer's cotangent with an optimization barrier).
+Under :func:`layer_stack` (``layer_stack=True``) a layer's copies out hide behind the
+next layer's forward and its copies back behind the next layer's backward (with its
+recompute), the last layer offloads nothing, and one more layer's offloaded residuals
+count against the device memory::
+
+    exposed   = max(0, transfer - overlap * forward)
+              + max(0, transfer - overlap * (backward + recompute))
+    step_time = L * (forward + backward + recompute) + (L - 1) * exposed
+
 Until 2026-12-02 the model let both hide behind compute and was 13-37 % optimistic
 on the H200; this one is within 16 % in both layouts for all 27 placements
 (docs/offload.md). Not modelled: the first/last layer's edge effects, the weights
@@ -267,6 +276,7 @@ class OffloadPlan:
     buffer_rows: int = 0  # rows the residuals are allocated at (the EP receive buffer)
     kept_anyway: frozenset = frozenset()  # residuals that are the layer's input
     exchange_time: float = 0.0  # seconds per layer of the expert-parallel exchange
+    layer_stack: bool = False  # the layers run under layer_stack
 
     @property
     def chosen(self) -> Candidate:
@@ -357,6 +367,7 @@ def predict(
     kept_anyway: frozenset[str] = frozenset(),
     exchange_time: float = 0.0,
     layer_input_bytes: int = 0,
+    layer_stack: bool = False,
 ) -> Candidate:
     """Device memory and step time of one placement (the module docstring's model).
 
@@ -369,6 +380,7 @@ def predict(
     keeps on the device when "fc1_input" or "activation_input" is recomputed from it;
     counted against the budget with the residuals (not when "fc1_input" is x itself,
     ``kept_anyway``, where the layer input stays outside the budget).
+    ``layer_stack``: the layers run under :func:`layer_stack` (the module docstring).
     """
     on = {p: [n for n in RESIDUAL_NAMES if placement[n] == p] for p in PLACEMENTS}
     kept = sum(residual_bytes[n] for n in on["device"] if n not in kept_anyway)
@@ -378,20 +390,27 @@ def predict(
     # To the host: within the layer's own forward pass (the op's host-copy fence in a
     # Python loop, the iteration in a scan). Back: before the layer's backward starts,
     # which needs it first; not hidden (measured on the H200, both layouts).
-    exposed = max(0.0, transfer - overlap * layer_time.forward) + transfer
     recompute = sum(layer_time.recompute[n] for n in on["recompute"])
-    device = num_layers * kept + not_kept
+    offloading = num_layers
+    exposed = max(0.0, transfer - overlap * layer_time.forward) + transfer
+    if layer_stack:
+        # layer_stack: a layer's copies out hide behind the next layer's forward, its
+        # copies back behind the next layer's backward; the last layer offloads nothing.
+        offloading = num_layers - 1
+        exposed = max(0.0, transfer - overlap * layer_time.forward) + max(
+            0.0, transfer - overlap * (layer_time.backward + recompute))
+    device = num_layers * kept + not_kept + (offloaded if layer_stack else 0)
     recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     inputs = num_layers * layer_input_bytes if recomputes_from_x and FC1_INPUT not in kept_anyway else 0
     return Candidate(
         placement=dict(placement),
         device_bytes=device,
         layer_input_bytes=inputs,
-        host_bytes=num_layers * offloaded,
-        transfer_bytes=2 * num_layers * offloaded,
-        exposed_transfer=num_layers * exposed,
+        host_bytes=offloading * offloaded,
+        transfer_bytes=2 * offloading * offloaded,
+        exposed_transfer=offloading * exposed,
         recompute=num_layers * recompute,
-        step_time=num_layers * (layer_time.total + exchange_time + recompute + exposed),
+        step_time=num_layers * (layer_time.total + exchange_time + recompute) + offloading * exposed,
         fits=device + inputs <= budget_bytes,
     )
 
@@ -412,6 +431,7 @@ def plan_offload(
     parallel: ExpertParallel | None = None,
     exchange_time: float = 0.0,
     fc1_input_is_layer_input: bool | None = None,
+    layer_stack: bool = False,
 ) -> OffloadPlan:
     """Choose where each residual of a stack of grouped-MLP layers lives.
 
@@ -453,6 +473,10 @@ def plan_offload(
         layers: bf16 saves ``x`` itself), else False (MXFP8 saves a quantized copy;
         ``moe_block`` permutes or exchanges the tokens first: pass False for a
         single-device MoE block with bf16).
+      layer_stack: the layers run under :func:`layer_stack` (its copies overlap the
+        neighbouring layers, its last layer offloads nothing, one more layer's
+        offloaded residuals are on the device); default: one ``jax.checkpoint`` per
+        layer in a Python loop or a scan.
 
     Returns:
       An :class:`OffloadPlan`: ``plan.placement`` (name -> placement), ``plan.policy``
@@ -485,6 +509,8 @@ def plan_offload(
         fc1_input_is_layer_input = recipe == "bf16" and parallel is None
     elif not isinstance(fc1_input_is_layer_input, bool):
         raise TypeError(f"fc1_input_is_layer_input must be a bool or None, got {fc1_input_is_layer_input!r}")
+    if not isinstance(layer_stack, bool):
+        raise TypeError(f"layer_stack must be a bool, got {layer_stack!r}")
     if fc1_input_is_layer_input and recipe != "bf16":
         raise ValueError("fc1_input_is_layer_input=True needs recipe='bf16' (MXFP8 keeps a quantized copy of x)")
     kept_anyway = frozenset({FC1_INPUT}) if fc1_input_is_layer_input else frozenset()
@@ -501,6 +527,7 @@ def plan_offload(
             kept_anyway=kept_anyway,
             exchange_time=exchange_time,
             layer_input_bytes=2 * buffer_rows * hidden,
+            layer_stack=layer_stack,
         )
         for combo in itertools.product(PLACEMENTS, repeat=len(RESIDUAL_NAMES))
     ]
@@ -530,6 +557,7 @@ def plan_offload(
         buffer_rows=buffer_rows,
         kept_anyway=kept_anyway,
         exchange_time=exchange_time,
+        layer_stack=layer_stack,
     )
 
 
