@@ -98,7 +98,7 @@ NAMED_POLICIES = {
     "all_recompute": ("recompute", "recompute", "recompute"),
 }
 POLICIES = NAMED_POLICIES | offload_bars.ALL27  # "d-o-r": fc1_input device, activation_input offload, ...
-LAYOUTS = ("loop", "scan", "stack")
+LAYOUTS = ("loop", "scan", "stack", "layer_scan")
 # Run order: what the bar and the temp-memory question need first, in case a run is cut short.
 RUN_ORDER = ["all_device", "all_offload", "all_recompute", "fc1_input_offload", "activation_input_offload",
              "fc2_input_offload", "default", "d-d-d", "o-o-o", "r-r-r"]  # fmt: skip
@@ -144,7 +144,9 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     ``layout="loop"``: ``params`` is a list of ``(w1, w2)`` per layer (separate arrays: no
     slicing of a stacked weight inside the step) and a Python loop over them;
     ``layout="scan"``: ``params`` is ``(w1 (L, G, H, F), w2 (L, G, F, H))`` and
-    ``jax.lax.scan`` runs the layer over them. Both layouts get the same values.
+    ``jax.lax.scan`` runs the layer over them; ``layout="stack"``: the loop's list run by
+    ``layer_stack``; ``layout="layer_scan"``: the scan's stacked weights run by
+    ``layer_scan``. Every layout gets the same values.
     ``prevent_cse`` is ``jax.checkpoint``'s: its default (True) puts every residual
     of a layer's backward, host copies included, in one optimization barrier with the
     layer's cotangent, so no reload can start before that layer's backward does.
@@ -154,6 +156,7 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
 
     from jax_grouped_mlp._src.op.mlp import grouped_mlp
     from jax_grouped_mlp._src.offload.policy import offload_policy
+    from jax_grouped_mlp._src.offload.scan_stack import layer_scan
     from jax_grouped_mlp._src.offload.stack import layer_stack
 
     if layout not in LAYOUTS:
@@ -181,6 +184,15 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
             def loss(params, x, sizes, probs):
                 for w1, w2 in params:
                     x = x + layer(x, w1, w2, sizes, probs)
+                return jnp.mean(x.astype(jnp.float32) ** 2)
+
+        elif layout == "layer_scan":
+
+            def one(p, x, sizes, probs):
+                return x + grouped_mlp(x, p[0], p[1], sizes, probs, recipe=recipe)
+
+            def loss(params, x, sizes, probs):
+                x = layer_scan(one, params, x, sizes, probs, policy=policy)
                 return jnp.mean(x.astype(jnp.float32) ** 2)
 
         elif layout == "stack":
@@ -318,7 +330,7 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
         n: {"placement": r.placement, "device_bytes": r.device_bytes, "host_bytes": r.host_bytes}
         for n, r in report.items()
     }
-    per = {"loop": layers, "scan": 1, "stack": layers}[layout]  # layers the traced bytes cover
+    per = {"loop": layers, "scan": 1, "stack": layers, "layer_scan": 1}[layout]  # layers the traced bytes cover
     dev = sum(report[n].device_bytes for n in RESIDUAL_NAMES if n in report)
     host = sum(report[n].host_bytes for n in RESIDUAL_NAMES if n in report)
     x = args[1]
@@ -330,6 +342,8 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
     }  # fmt: skip
     row["device_residual_bytes"] = dev // per * layers  # all layers of the step
     row["host_residual_bytes"] = host // per * layers
+    if layout == "layer_scan":  # the traced scan body (offloading) once, the last layer (on the device) once
+        row["device_residual_bytes"], row["host_residual_bytes"] = dev, host * (layers - 1)
 
     # 2. The compiled step: memory analysis, host placement in the HLO, heap trace at the peak.
     stats_before = _memory_stats(device)

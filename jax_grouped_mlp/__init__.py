@@ -3,8 +3,8 @@
 Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 
 * :func:`grouped_mlp` - the op; :func:`offload_policy` - where its residuals live;
-  :func:`layer_stack` - a loop of checkpointed layers that prefetches their
-  offloaded residuals in the backward pass;
+  :func:`layer_stack` / :func:`layer_scan` - a loop / a scan of checkpointed layers
+  that prefetches their offloaded residuals in the backward pass;
   :func:`prepare_weights` / :class:`PreparedWeights` - its weights cast and quantized
   once for many micro-batches;
 * :func:`quantize_mxfp8`, :func:`quantize_mxfp8_grouped`, :func:`dequantize`,
@@ -47,6 +47,7 @@ from jax_grouped_mlp._src.op.prepared import PreparedWeights, prepare_weights
 from jax_grouped_mlp._src.offload.placement import residual_placements
 from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
 from jax_grouped_mlp._src.offload.policy import offload_policy
+from jax_grouped_mlp._src.offload.scan_stack import layer_scan
 from jax_grouped_mlp._src.offload.stack import layer_stack
 from jax_grouped_mlp._src.moe.router_stats import RouterStats, update_score_bias
 from jax_grouped_mlp._src.moe.routing import Permutation, RoutingConfig, ScoreFunction, combine, permute, route
@@ -72,6 +73,7 @@ __all__ = [
     "dequantize_fp8_block",
     "export_disabled_checks",
     "grouped_mlp",
+    "layer_scan",
     "layer_stack",
     "measure_host_bandwidth",
     "measure_layer_time",

@@ -199,7 +199,7 @@ def test_scan_and_loop_layouts_give_the_same_gradients():
             g_params = tuple(np.stack([np.asarray(p[i]) for p in g_params]) for i in range(2))
         grads[layout] = [np.asarray(a, np.float32) for a in (*g_params, g_x)]
     assert all(np.abs(g).max() > 0 for g in grads["loop"])
-    for other in ("scan", "stack"):
+    for other in ("scan", "stack", "layer_scan"):
         for name, a, b in zip(("dw1", "dw2", "dx"), grads["loop"], grads[other]):
             np.testing.assert_array_equal(a, b, err_msg=f"{other} {name}")
 

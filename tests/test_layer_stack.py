@@ -261,3 +261,83 @@ def test_with_flax_nnx_modules(rng):
     assert leaves and all(np.abs(np.asarray(w, np.float32)).max() > 0 for w in leaves)
     for a, b in zip(jax.tree.leaves(got), leaves):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# ---------------------------------------------------------------------------------
+# layer_scan: the same for stacked parameters, as a jax.lax.scan.
+
+
+def _scan_loss(combos, x, w1, w2, probs, gs, prefetch=True, recipe="mxfp8"):
+    """Two layers per policy in ``combos``, each pair one ``layer_scan``."""
+    layer = functools.partial(_one, recipe=recipe)
+    for i, combo in enumerate(combos):
+        x = jgm.layer_scan(layer, (w1[2 * i : 2 * i + 2], w2[2 * i : 2 * i + 2]), x, gs, probs,
+                           policy=jgm.offload_policy(*combo), prefetch=prefetch)  # fmt: skip
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+
+def _check_scan(rng, combos, recipe="mxfp8"):
+    inputs = _make_inputs(rng, layers=6)
+    want = _grads(functools.partial(_loop_loss, recipe=recipe), inputs)
+    for i in range(0, len(combos), 3):
+        group = tuple(combos[i : i + 3])
+        got = _grads(functools.partial(_scan_loss, group, recipe=recipe), inputs)
+        for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
+            np.testing.assert_array_equal(a, b, err_msg=f"scan {group} {name}")
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6, err_msg=f"scan {group} dprobs")
+
+
+def test_layer_scan_gradients_bitwise_equal_to_the_loop(rng):
+    _check_scan(rng, COMBOS if FULL else PAIRWISE)
+
+
+@pytest.mark.gpu
+def test_layer_scan_gradients_bitwise_equal_to_the_loop_gpu(rng):
+    _check_scan(rng, COMBOS)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 5])
+def test_layer_scan_one_scan_over_all_layers_is_bitwise_the_loop(rng, layers):
+    inputs = _make_inputs(rng, layers=layers)
+    want = _grads(_loop_loss, inputs)
+
+    def loss(x, w1, w2, probs, gs):
+        y = jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=jgm.offload_policy())
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    for name, a, b in zip(("dx", "dw1", "dw2", "dprobs"), _grads(loss, inputs), want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    x, w1, w2, probs, gs = inputs
+    np.testing.assert_array_equal(
+        np.asarray(jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=jgm.offload_policy()), np.float32),
+        np.asarray(jax.lax.scan(lambda x, w: (_one(w, x, gs, probs), None), x, (w1, w2))[0], np.float32))
+
+
+def test_layer_scan_reads_each_layer_back_after_the_next_layers_cotangent(rng):
+    """In the CUDA program the forward scan writes five host copies a layer, and the
+    backward moves each layer's host residuals to the device twice as often as the
+    pullbacks need (the prefetch: before the last layer's pullback and in every reverse
+    iteration, at an index computed from the cotangent with ``(2 t) & 1``; the pullbacks'
+    own moves then find them on the device)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
+
+    def loss(w1):
+        y = jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=jgm.offload_policy())
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    text = jax.jit(jax.grad(loss)).trace(w1).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('"pinned_host"') == 5  # (one scan body)
+    # prefetch: 5 before the reverse scan + 5 in its body; the pullbacks' own: 5 in the
+    # body + 5 for layer 0 (the last layer keeps its residuals on the device)
+    assert text.count('_xla_buffer_placement = "device"') == 20
+    assert text.count("stablehlo.shift_left") == 2  # the two indices computed from cotangents
+
+
+def test_layer_scan_bad_arguments(rng):
+    x = jnp.zeros((4, 8), jnp.float32)
+    with pytest.raises(TypeError, match="layer must be callable"):
+        jgm.layer_scan(None, (jnp.zeros((2, 3)),), x)
+    with pytest.raises(ValueError, match="no arrays"):
+        jgm.layer_scan(_one, (), x)
+    with pytest.raises(ValueError, match="same leading"):
+        jgm.layer_scan(_one, (jnp.zeros((2, 3)), jnp.zeros((3, 3))), x)
