@@ -185,18 +185,20 @@ def test_args_get_summed_gradients(rng):
     def layer(w, x, scale, count):
         return jnp.tanh(x @ w) * scale + count.astype(x.dtype)
 
+    policy = jax.checkpoint_policies.nothing_saveable
+
     def via_stack(ws, x, scale):
-        return jnp.sum(jgm.layer_stack(layer, ws, x, scale, count) ** 2)
+        return jnp.sum(jgm.layer_stack(layer, ws, x, scale, count, policy=policy) ** 2)
 
     def via_loop(ws, x, scale):
         for w in ws:
-            x = layer(w, x, scale, count)
+            x = jax.checkpoint(layer, policy=policy)(w, x, scale, count)
         return jnp.sum(x**2)
 
     got = jax.grad(via_stack, argnums=(0, 1, 2))(ws, x, scale)
     want = jax.grad(via_loop, argnums=(0, 1, 2))(ws, x, scale)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(a, b)
 
 
 def test_bad_arguments_say_what_was_expected(rng):
@@ -341,3 +343,99 @@ def test_layer_scan_bad_arguments(rng):
         jgm.layer_scan(_one, (), x)
     with pytest.raises(ValueError, match="same leading"):
         jgm.layer_scan(_one, (jnp.zeros((2, 3)), jnp.zeros((3, 3))), x)
+
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the programs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else [v]:
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True,
+                   reason="known limitation (docs/offload.md): an enclosing jax.checkpoint sees the stack's "
+                          "tags already placed and JAX's linearization fails; layer_stack checkpoints each "
+                          "layer itself")  # fmt: skip
+def test_inside_an_outer_checkpoint(rng):
+    """An enclosing ``jax.checkpoint`` (or a layer_stack inside another's layer): pinned
+    as failing loudly (JAX's "Linearization failed"), never with wrong numbers. Treating
+    the placed tags as known there made remat round the FP8 host copies that the lagged
+    fence reads (``reduce_precision``), which gave NaN gradients."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
+    policy = jgm.offload_policy()
+
+    def outer(inner):
+        def loss(w1):
+            y = jax.checkpoint(lambda w1: inner(_params(w1, w2, 0, 3)))(w1)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        return np.asarray(jax.jit(jax.grad(loss))(w1), np.float32)
+
+    loop = jax.checkpoint(_one, policy=policy)
+
+    def plain(params):
+        y = x
+        for p in params:
+            y = loop(p, y, gs, probs)
+        return y
+
+    got = outer(lambda params: jgm.layer_stack(_one, params, x, gs, probs, policy=policy))
+    np.testing.assert_array_equal(got, outer(plain))
+
+
+def test_every_float_leaf_of_the_carry_waits(rng):
+    """A carry with an unused float leaf first: the copies are still waited for (every
+    float leaf waits; a fence on a dead leaf alone would be removed with it)."""
+    from test_offload_fence import _read_backs
+
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
+
+    def layer(p, carry, gs, probs):
+        return {"aux": carry["aux"] * 2, "x": _one(p, carry["x"], gs, probs)}
+
+    def loss(w1):
+        out = jgm.layer_stack(layer, _params(w1, w2, 0, 3), {"aux": jnp.float32(1), "x": x}, gs, probs,
+                              policy=jgm.offload_policy())  # fmt: skip
+        return jnp.sum(out["x"].astype(jnp.float32) ** 2)
+
+    text = jax.jit(jax.grad(loss)).trace(w1).lower(lowering_platforms=("cuda",)).as_text()
+    # layers 1 and 2 wait for 5 arrays through "x" ("aux" is unused: its wait goes with it)
+    assert _read_backs(text) == 2 * 5
+
+
+def test_no_wait_inside_a_scan_body(rng):
+    """layer_stack as the body of a scan: the iteration bounds the copies; no read-back."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
+
+    def loss(w1):
+        def body(y, w):
+            return jgm.layer_stack(_one, [(w[0][0], w[1][0]), (w[0][1], w[1][1])], y, gs, probs,
+                                   policy=jgm.offload_policy()), None  # fmt: skip
+
+        y, _ = jax.lax.scan(body, x, (w1.reshape(2, 2, *w1.shape[1:]), w2.reshape(2, 2, *w2.shape[1:])))
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w1).jaxpr
+    assert not [e for e in _eqns(jaxpr) if e.primitive is residuals.host_wait_p]
+
+
+def test_vmap_keeps_the_read_back_after_the_output(rng):
+    """Batched tags keep their ``after`` operand (a batched rebuild tag drops only its
+    rebuild inputs), so every read-back still waits for the output."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=2)
+    layer = jax.checkpoint(_one, policy=jgm.offload_policy())
+
+    def loss(w1, x):
+        y = x
+        for i in range(2):
+            y = layer((w1[i], w2[i]), y, gs, probs)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    xs = jnp.stack([x, x * 2])
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w1: jax.vmap(lambda x: loss(w1, x))(xs).sum()))(w1).jaxpr
+    offloads = [e for e in _eqns(jaxpr) if e.primitive is residuals.residual_p and e.params["mode"] == "offload"]
+    assert offloads and all(e.params["has_after"] for e in offloads)

@@ -72,8 +72,10 @@ def layer_stack(
     Args:
       layer: ``layer(p, x, *args) -> x``: one layer (e.g. attention and a
         :func:`grouped_mlp` expert block); its output has ``x``'s structure, shapes
-        and dtypes. Values it closes over are constants (not differentiated): pass
-        anything that needs a gradient through ``params``, ``x`` or ``args``.
+        and dtypes. It may close over concrete values and values of the enclosing
+        ``jax.jit``, not over values an enclosing ``jax.grad``/``jax.vmap`` traces
+        (JAX then raises ``UnexpectedTracerError``): pass those through ``params``,
+        ``x`` or ``args``.
       params: one parameter pytree per layer (a list; layers may differ in values,
         not in structure). An empty list returns ``x``.
       x: the carry (any pytree of arrays).
@@ -94,8 +96,10 @@ def layer_stack(
     Raises:
       TypeError: ``layer`` is not callable, or ``params`` is not a sequence.
 
-    Use it instead of a Python loop of ``jax.checkpoint`` layers; for
-    ``jax.lax.scan`` / ``nnx.scan`` stacks, XLA's own loop offloading applies
+    Use it instead of a Python loop of ``jax.checkpoint`` layers for reverse-mode
+    differentiation (``jax.grad``, ``jax.vjp``); forward mode (``jax.jvp``,
+    ``jax.jacfwd``) is not supported with a policy (it is a ``jax.custom_vjp``, like
+    :func:`grouped_mlp` itself). For stacked parameters see :func:`layer_scan`
     (docs/offload.md, "Layer stacks").
     """
     if not callable(layer):
@@ -112,7 +116,7 @@ def layer_stack(
             x = ckpt(p, x, *args)
         return x
 
-    if not prefetch:
+    if not prefetch or policy is None:  # (nothing to prefetch without a policy that offloads)
         return run(params, x, args)
 
     @jax.custom_vjp
@@ -121,14 +125,15 @@ def layer_stack(
 
     # The forward: each layer's host copies are waited for by the next layer's output
     # (LAG_FENCE), so they overlap that layer's compute; the op's own fence (the layer's
-    # output waits for its own copies) is off for these layers.
-    lagged = LAG_FENCE and policy is not None
-    ckpt_fwd = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy)) if lagged else ckpt
-    ckpt_last = ckpt_fwd
-    if not offload_last and policy is not None:
-        ckpt_last = jax.checkpoint(layer, policy=KeepOnDevice(policy))
+    # output waits for its own copies) is off for these layers. Not inside a scan/while
+    # body (decided when the forward is traced, inside the loop's rules): the iteration
+    # already bounds the copies, and a read-back there copies every residual twice.
+    keep_last = not offload_last and policy is not None
 
     def fwd(params, x, args):
+        lagged = LAG_FENCE and policy is not None and not residuals._in_loop_body()
+        ckpt_fwd = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy)) if lagged else ckpt
+        ckpt_last = jax.checkpoint(layer, policy=KeepOnDevice(policy)) if keep_last else ckpt_fwd
         pullbacks = []
         for i, p in enumerate(params):
             x, pullback = jax.vjp(ckpt_last if i == len(params) - 1 else ckpt_fwd, p, x, *args)
@@ -165,13 +170,12 @@ class KeepOnDevice:
 
 
 def _wait(x: PyTree, host: list) -> PyTree:
-    """``x`` with its first floating leaf made to wait for the host copies ``host``."""
+    """``x`` with every floating leaf made to wait for the host copies ``host`` (any of
+    them may be the one the next layer reads first; one element each is read back)."""
     leaves, tree = jax.tree_util.tree_flatten(x)
-    for i, leaf in enumerate(leaves):
-        if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size:
-            leaves[i] = residuals.wait_for_host(leaf, host)
-            return jax.tree_util.tree_unflatten(tree, leaves)
-    return x
+    leaves = [residuals.wait_for_host(leaf, host) if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size
+              else leaf for leaf in leaves]  # fmt: skip
+    return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 def _host_leaves(pullback) -> list:

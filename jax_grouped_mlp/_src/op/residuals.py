@@ -324,8 +324,9 @@ def _batch(args, dims, *, num_values, **params):
     if params["rebuild"] is not None:
         # A batched tag drops its rebuild (traced for the unbatched shapes): recomputing
         # it then replays what produced the value, as a plain checkpoint_name would.
-        args, dims = args[:num_values], dims[:num_values]
-        params = {**params, "rebuild": None, "has_after": False}
+        tail = slice(len(args) - 1, None) if params["has_after"] else slice(0, 0)  # ``after`` stays
+        args, dims = [*args[:num_values], *args[tail]], [*dims[:num_values], *dims[tail]]
+        params = {**params, "rebuild": None}
     out = residual_p.bind(*args, num_values=num_values, **params)
     out_dims = list(dims[:num_values])
     if params["mode"] == "offload":
@@ -405,14 +406,15 @@ pe.partial_eval_jaxpr_custom_rules[residual_p] = _partial_eval_custom
 
 @functools.cache
 def _loop_rule_codes() -> frozenset:
-    """The code of JAX's partial-evaluation, linearization and transposition rules for
-    ``scan`` and ``while`` (looked up in JAX's rule tables, so no private function is
+    """The code of JAX's partial-evaluation, linearization, transposition and JVP rules
+    for ``scan`` and ``while`` (the JVP rule traces a ``custom_vjp`` forward inside the
+    body, e.g. ``layer_stack``'s) (looked up in JAX's rule tables, so no private function is
     named)."""
     codes = set()
     for prim in (lax.scan_p, lax.while_p):
         for table in (pe.custom_partial_eval_rules, pe.partial_eval_jaxpr_custom_rules,
                       getattr(ad, "primitive_linearizations", {}), getattr(ad, "fancy_transposes", {}),
-                      ad.primitive_transposes):
+                      ad.primitive_transposes, ad.primitive_jvps):
             rule = table.get(prim)
             while isinstance(rule, functools.partial):
                 rule = rule.func
