@@ -186,22 +186,14 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
                     x = x + layer(x, w1, w2, sizes, probs)
                 return jnp.mean(x.astype(jnp.float32) ** 2)
 
-        elif layout == "layer_scan":
+        elif layout in ("stack", "layer_scan"):
+            run = layer_stack if layout == "stack" else layer_scan
 
             def one(p, x, sizes, probs):
                 return x + grouped_mlp(x, p[0], p[1], sizes, probs, recipe=recipe)
 
             def loss(params, x, sizes, probs):
-                x = layer_scan(one, params, x, sizes, probs, policy=policy)
-                return jnp.mean(x.astype(jnp.float32) ** 2)
-
-        elif layout == "stack":
-
-            def one(p, x, sizes, probs):
-                return x + grouped_mlp(x, p[0], p[1], sizes, probs, recipe=recipe)
-
-            def loss(params, x, sizes, probs):
-                x = layer_stack(one, params, x, sizes, probs, policy=policy)
+                x = run(one, params, x, sizes, probs, policy=policy)
                 return jnp.mean(x.astype(jnp.float32) ** 2)
 
         else:

@@ -52,31 +52,22 @@ def _grads(fn, inputs):
     return [np.asarray(g.astype(jnp.float32)) for g in out]
 
 
-def _check(rng, combos, recipe="mxfp8"):
+def _check(rng, combos, recipe="mxfp8", loss=None):
+    """Gradients of ``loss`` (default: ``_stack_loss``) against the all-device loop, three
+    policies per program."""
+    loss = _stack_loss if loss is None else loss
     inputs = _make_inputs(rng, layers=6)
     want = _grads(functools.partial(_loop_loss, recipe=recipe), inputs)
     assert all(np.isfinite(w).all() and np.abs(w).max() > 0 for w in want)  # a test that can fail
     for i in range(0, len(combos), 3):
         group = tuple(combos[i : i + 3])
-        got = _grads(functools.partial(_stack_loss, group, recipe=recipe), inputs)
+        got = _grads(functools.partial(loss, group, recipe=recipe), inputs)
         for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
-            np.testing.assert_array_equal(a, b, err_msg=f"stack {group} {name}")
+            np.testing.assert_array_equal(a, b, err_msg=f"{loss.__name__} {group} {name}")
         # probs, read by every layer: each stack sums its layers' gradients and the
         # stacks' sums are then added, where the loop adds layer by layer (the same
         # terms, grouped differently); one stack over all layers is bitwise (below).
-        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6, err_msg=f"stack {group} dprobs")
-
-
-def test_one_stack_over_all_layers_is_bitwise_the_loop(rng):
-    inputs = _make_inputs(rng, layers=6)
-    want = _grads(_loop_loss, inputs)
-
-    def loss(x, w1, w2, probs, gs):
-        y = jgm.layer_stack(_one, _params(w1, w2, 0, 6), x, gs, probs, policy=jgm.offload_policy())
-        return jnp.sum(y.astype(jnp.float32) ** 2)
-
-    for name, a, b in zip(("dx", "dw1", "dw2", "dprobs"), _grads(loss, inputs), want):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6, err_msg=f"{loss.__name__} {group} dprobs")
 
 
 def test_gradients_bitwise_equal_to_the_loop(rng):
@@ -279,14 +270,7 @@ def _scan_loss(combos, x, w1, w2, probs, gs, prefetch=True, recipe="mxfp8"):
 
 
 def _check_scan(rng, combos, recipe="mxfp8"):
-    inputs = _make_inputs(rng, layers=6)
-    want = _grads(functools.partial(_loop_loss, recipe=recipe), inputs)
-    for i in range(0, len(combos), 3):
-        group = tuple(combos[i : i + 3])
-        got = _grads(functools.partial(_scan_loss, group, recipe=recipe), inputs)
-        for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
-            np.testing.assert_array_equal(a, b, err_msg=f"scan {group} {name}")
-        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6, err_msg=f"scan {group} dprobs")
+    _check(rng, combos, recipe, loss=_scan_loss)
 
 
 def test_layer_scan_gradients_bitwise_equal_to_the_loop(rng):
