@@ -68,6 +68,7 @@ import functools
 import inspect
 import itertools
 import json
+import math
 import os
 import pathlib
 import shlex
@@ -84,6 +85,7 @@ import numpy as np
 from benchmarks import offload_bars
 from benchmarks.common import RESULTS, time_call, write_result
 from benchmarks.buffer_assignment import temp_peak_report
+from benchmarks.shapes import router_group_sizes
 from benchmarks.hlo_text import host_placement_report, lowered_placement_report, parse_hlo
 from benchmarks.xla_dump import dump_flags, find_dump, temp_peak_from_dump
 
@@ -128,16 +130,13 @@ def placement_of(label: str) -> tuple[str, ...]:
 
 
 def group_sizes(tokens: int, experts: int, ragged: bool, seed: int = 0) -> np.ndarray:
-    if not ragged:
-        sizes = np.full(experts, tokens // experts, np.int32)
-        sizes[: tokens % experts] += 1
-        return sizes
-    rng = np.random.default_rng(seed)
-    return rng.multinomial(tokens, rng.dirichlet(np.ones(experts))).astype(np.int32)
+    """Equal sizes, or with ``ragged`` a router-like Dirichlet(1) draw (the generator the
+    tests and the other benchmarks share)."""
+    return router_group_sizes(tokens, experts, 1.0 if ragged else math.inf, seed)
 
 
 def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 0, layout: str = "loop",
-               prevent_cse: bool = True):
+               prevent_cse: bool = True, param_dtype: str = "bfloat16"):
     """``loss_for(label)`` -> ``loss(params, x, sizes, probs)``, and the arguments.
 
     Every layer is ``x + jax.checkpoint(grouped_mlp, policy=...)(x, w1, w2, sizes, probs)``.
@@ -146,7 +145,9 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     ``layout="scan"``: ``params`` is ``(w1 (L, G, H, F), w2 (L, G, F, H))`` and
     ``jax.lax.scan`` runs the layer over them; ``layout="stack"``: the loop's list run by
     ``layer_stack``; ``layout="layer_scan"``: the scan's stacked weights run by
-    ``layer_scan``. Every layout gets the same values.
+    ``layer_scan``. Every layout gets the same values. ``param_dtype``: the weights'
+    dtype ("float32": master weights, which the op rounds to bf16 per use, and whose
+    bf16 copies become residuals of the backward pass).
     ``prevent_cse`` is ``jax.checkpoint``'s: its default (True) puts every residual
     of a layer's backward, host copies included, in one optimization barrier with the
     layer's cotangent, so no reload can start before that layer's backward does.
@@ -165,8 +166,8 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (m, h), jnp.bfloat16)
     probs = jax.random.uniform(keys[1], (m,), jnp.float32)
-    w1 = (jax.random.normal(keys[2], (layers, g, h, f), jnp.bfloat16) * h**-0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(keys[3], (layers, g, f, h), jnp.bfloat16) * f**-0.5).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(keys[2], (layers, g, h, f), jnp.bfloat16) * h**-0.5).astype(param_dtype)
+    w2 = (jax.random.normal(keys[3], (layers, g, f, h), jnp.bfloat16) * f**-0.5).astype(param_dtype)
     if layout in ("loop", "stack"):
         params = [(w1[i], w2[i]) for i in range(layers)]
         del w1, w2
@@ -174,7 +175,7 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
         params = (w1, w2)
     sizes = jnp.asarray(group_sizes(m, g, ragged, seed))
 
-    def loss_for(label):
+    def loss_for(label, layout=layout):
         p = POLICIES[label]
         policy = offload_policy() if p is None else offload_policy(*p)
         layer = jax.checkpoint(functools.partial(grouped_mlp, recipe=recipe), policy=policy, prevent_cse=prevent_cse)
@@ -317,7 +318,10 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
 
     # 1. What the traced gradient keeps where (per residual name): summed over the layers
     # of a loop, once for a scan's body (one layer); normalized here to per layer and per step.
-    report = residual_report(jax.grad(loss, argnums=(0, 1)), *args)
+    # (layer_scan's body keeps its copies on the device for one iteration: the plain
+    # scan's body shows what the policy puts where)
+    traced_loss = loss_for(label, "scan") if layout == "layer_scan" else loss
+    report = residual_report(jax.grad(traced_loss, argnums=(0, 1)), *args)
     row["traced"] = {
         n: {"placement": r.placement, "device_bytes": r.device_bytes, "host_bytes": r.host_bytes}
         for n, r in report.items()
@@ -334,8 +338,9 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
     }  # fmt: skip
     row["device_residual_bytes"] = dev // per * layers  # all layers of the step
     row["host_residual_bytes"] = host // per * layers
-    if layout == "layer_scan":  # the traced scan body (offloading) once, the last layer (on the device) once
-        row["device_residual_bytes"], row["host_residual_bytes"] = dev, host * (layers - 1)
+    if layout == "layer_scan":  # the last two layers keep what the policy offloads on the device
+        kept = min(layers, 2)
+        row["device_residual_bytes"], row["host_residual_bytes"] = dev * layers + host * kept, host * (layers - kept)
 
     # 2. The compiled step: memory analysis, host placement in the HLO, heap trace at the peak.
     stats_before = _memory_stats(device)
@@ -450,7 +455,8 @@ def worker(opts, labels: list[str]) -> tuple[dict, list[dict]]:
     rows = []
     for layout in opts.layout:
         for layers in opts.layers:
-            stack = make_stack(shape, layers, opts.recipe, opts.ragged, layout=layout, prevent_cse=opts.prevent_cse)
+            stack = make_stack(shape, layers, opts.recipe, opts.ragged, layout=layout, prevent_cse=opts.prevent_cse,
+                               param_dtype=opts.param_dtype)
             for label in labels:
                 tag = f"{layout} x{layers} {label}"
                 print(f"[{tag}] measuring...", file=sys.stderr, flush=True)
@@ -463,7 +469,8 @@ def worker(opts, labels: list[str]) -> tuple[dict, list[dict]]:
 
 def _child_argv(opts, label: str, out: str, layout: str, layers: int) -> list[str]:
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", label, "--worker-out", out]
-    argv += ["--layout", layout, "--layers", str(layers), "--recipe", opts.recipe, "--iters", str(opts.iters),
+    argv += ["--layout", layout, "--layers", str(layers), "--recipe", opts.recipe, "--param-dtype", opts.param_dtype,
+             "--iters", str(opts.iters),
              "--warmup", str(opts.warmup), "--samples", str(opts.samples), "--link-mb", str(opts.link_mb)]  # fmt: skip
     for k in ("tokens", "hidden", "ffn", "experts"):
         if getattr(opts, k) is not None:
@@ -789,7 +796,10 @@ def main(argv=None) -> dict:
     shapes.add_argument("--ep-share", action="store_true",
                         help="issue 17's shape, an expert-parallel device's share of Nano: 49152 x 2688 x 1856, "
                              "16 experts")
-    p.add_argument("--ragged", action="store_true", help="random unequal group sizes (default: equal)")
+    p.add_argument("--ragged", action="store_true",
+                   help="router-like group sizes, multinomial over Dirichlet(1) shares (default: equal)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the weights' dtype (float32: master weights, as the Flax modules keep them)")
     p.add_argument("--tokens", type=int, default=None, help="override the shape's rows (tokens x top-k)")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--ffn", type=int, default=None)
@@ -881,7 +891,8 @@ def main(argv=None) -> dict:
             "platform": desc.get("platform"),
             "jax": desc.get("jax"),
             "memory_kinds": desc.get("memory_kinds"),
-            "shape": shape | {"layers": opts.layers, "recipe": opts.recipe, "ragged": opts.ragged},
+            "shape": shape | {"layers": opts.layers, "recipe": opts.recipe, "ragged": opts.ragged,
+                              "param_dtype": opts.param_dtype},
             "layouts": opts.layout,
             "layer_counts": opts.layers,
             "policies": order,

@@ -1,21 +1,23 @@
 """``layer_scan``: :func:`layer_stack` for stacked parameters, as a ``jax.lax.scan``.
 
 In a scan of checkpointed layers (``jax.lax.scan`` / ``nnx.scan``), XLA's loop offloading
-writes each iteration's offloaded residuals into a stacked host buffer and reads them
-back in the backward scan's matching iteration, right where that iteration needs them:
-every copy back is exposed (measured on the H200, docs/offload.md "Layer stacks"). This
-runs the stack as one ``jax.custom_vjp`` instead:
+writes each iteration's offloaded residuals into a stacked host buffer inside that
+iteration, and reads them back in the backward scan's matching iteration, right where
+it needs them: the next layer waits for each copy out, and every copy back is exposed
+(measured on the H200: docs/offload.md "Layer stacks"). This runs the stack as one
+``jax.custom_vjp`` whose loops are software-pipelined by one layer:
 
-* forward: a scan over layers ``0 .. L-2`` whose body is ``jax.vjp`` of the checkpointed
-  layer; the pullback's arrays leave the body as the scan's outputs (host copies stacked
-  in host memory, other residuals on the device), except the layer's own parameters and
-  ``args``, which the backward reads again from the inputs. The last layer runs outside
-  the scan with its residuals kept on the device (the backward needs them first);
-* backward: the last layer's pullback, then a reverse scan over layers ``L-2 .. 1`` that
-  carries layer ``i``'s host residuals already on the device and, before running layer
-  ``i``'s pullback, reads layer ``i - 1``'s from the host buffer at an index computed
-  from layer ``i``'s cotangent (so the read starts only once that exists and overlaps
-  layer ``i``'s backward); then layer 0.
+* forward: layer 0, then a scan over layers ``1 .. L-2`` whose body is ``jax.vjp`` of
+  the layer with every residual on the device; the arrays the policy offloads (found by
+  tracing the layer under the policy) are carried to the next iteration, which writes
+  them to the host while it computes its own layer. The last layer runs outside the
+  scan; layer ``L-2``'s and ``L-1``'s residuals stay on the device (the backward needs
+  them first). The other residuals leave the body as the scan's outputs, and the
+  layer's own parameters and ``args`` are read again from the inputs;
+* backward: the last layer's pullback, then a reverse scan over layers ``L-2 .. 1``
+  that carries layer ``i``'s offloaded residuals already on the device and reads layer
+  ``i - 1``'s from the host buffer (at the loop counter's index: XLA issues an
+  asynchronous copy, which overlaps layer ``i``'s pullback); then layer 0.
 
 The arithmetic is that of the same layers in a loop of ``jax.checkpoint`` (the same
 pullbacks on the same values): tests/test_layer_stack.py compares bit for bit.
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core
 
 from jax_grouped_mlp._src.offload import stack
 from jax_grouped_mlp._src.op import residuals
@@ -40,12 +43,12 @@ PyTree = Any
 @dataclasses.dataclass
 class _Layout:
     """Where each array of a layer's pullback comes from in the backward pass, found
-    while tracing the forward scan's body: ``("param", j)`` the layer's parameter leaf
-    ``j``, ``("arg", j)`` the ``args`` leaf ``j``, ``("res", k)`` the scan's output ``k``."""
+    while tracing a layer's forward: ``("param", j)`` the layer's parameter leaf ``j``,
+    ``("arg", j)`` the ``args`` leaf ``j``, ``("off", k)`` the ``k``-th array the policy
+    offloads, ``("keep", k)`` the ``k``-th other array."""
 
     tree: Any = None
     sources: list = dataclasses.field(default_factory=list)
-    host: list = dataclasses.field(default_factory=list)  # per output k: a host copy?
 
 
 def layer_scan(
@@ -86,92 +89,118 @@ def layer_scan(
 
     if not prefetch or length == 0 or policy is None:
         return run(params, x, tuple(args))
-    ckpt_body = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy))  # no fence in the loop body
-    ckpt_last = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))
+    ckpt_keep = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))  # the last layer
+    ckpt_defer = jax.checkpoint(layer, policy=residuals.DeferredOffload(policy))  # what runs: no copies
+    ckpt_policy = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy))  # traced for its placement only
     layout = _Layout()
 
     @jax.custom_vjp
     def scanned(params, x, args):
         return run(params, x, args)
 
+    def one_layer(p, x, args):
+        """Layer ``p`` forward: its output, the pullback arrays the policy offloads (on
+        the device still) and the other arrays that are neither parameters nor args."""
+        y, pullback = jax.vjp(ckpt_defer, p, x, *args)
+        leaves, tree = jax.tree_util.tree_flatten(pullback)
+        offloads = _offloaded(ckpt_policy, p, x, args, leaves)
+        p_flat, args_flat = jax.tree.leaves(p), jax.tree.leaves(args)
+        layout.tree, layout.sources, off, keep = tree, [], [], []
+        for leaf, offloaded in zip(leaves, offloads):
+            source = _find(leaf, p_flat, "param") or _find(leaf, args_flat, "arg")
+            if source is None:
+                kept = off if offloaded else keep
+                source = ("off" if offloaded else "keep", len(kept))
+                kept.append(leaf)
+            layout.sources.append(source)
+        return y, off, keep
+
+    def layer_params(params, i):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), params)
+
     def fwd(params, x, args):
-        head = jax.tree.map(lambda a: a[:-1], params)
-        last = jax.tree.map(lambda a: a[-1], params)
-        args_flat = jax.tree.leaves(args)
+        saved: dict = {"params": params, "args": args}
+        if length > 1:
+            x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args)
+            if length > 2:
 
-        def body(x, p):
-            y, pullback = jax.vjp(ckpt_body, p, x, *args)
-            out, tree = jax.tree_util.tree_flatten(pullback)
-            p_flat = jax.tree.leaves(p)
-            layout.tree, layout.sources, layout.host, res = tree, [], [], []
-            for leaf in out:
-                source = _find(leaf, p_flat, "param") or _find(leaf, args_flat, "arg")
-                if source is None:
-                    source = ("res", len(res))
-                    res.append(leaf)
-                    layout.host.append(stack._on_host(leaf))
-                layout.sources.append(source)
-            return y, res
+                def body(carry, i):  # layer i (1 .. L-2); indexing the parameters copies none of them
+                    x, previous = carry
+                    x, off, keep = one_layer(layer_params(params, i), x, args)
+                    # The previous layer's copies out run while this layer computes.
+                    return (x, off), (residuals.to_host(previous), keep)
 
-        x, stacked = lax.scan(body, x, head)
-        y, last_pullback = jax.vjp(ckpt_last, last, x, *args)
-        return y, (stacked, params, args, last_pullback)
+                (x, off), (saved["host"], saved["keep"]) = lax.scan(body, (x, off), jnp.arange(1, length - 1))
+            saved["off"] = off  # layer L-2's: on the device (the backward needs them second)
+        y, saved["last"] = jax.vjp(ckpt_keep, layer_params(params, length - 1), x, *args)
+        return y, saved
 
     def bwd(saved, dy):
-        stacked, params, args, last_pullback = saved
+        params, args = saved["params"], saved["args"]
         args_flat = jax.tree.leaves(args)
-        n = length - 1  # layers in the forward scan
+        d_last, dy, *d_args = saved["last"](dy)
+        # The parameters' gradients, written layer by layer into one stacked buffer.
+        grads = _put(jax.tree.map(_zeros_like, params), d_last, length - 1)
+        if length == 1:
+            return grads, dy, tuple(d_args)
 
-        def host_of(i, cotangent):
-            """Layer ``i``'s host residuals, on the device, read once ``cotangent`` exists."""
-            index = i + _zero_from(cotangent)
-            return [residuals.to_device_p.bind(lax.dynamic_index_in_dim(s, index, keepdims=False),
-                                               memory_kind="device")[0]
-                    for s, h in zip(stacked, layout.host) if h]  # fmt: skip
-
-        def pullback_of(i, on_device):
-            p_flat = jax.tree.leaves(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), params))
-            moved = iter(on_device)
-            res = [next(moved) if h else lax.dynamic_index_in_dim(s, i, keepdims=False)
-                   for s, h in zip(stacked, layout.host)]  # fmt: skip
-            leaves = [{"param": p_flat, "arg": args_flat, "res": res}[kind][j] for kind, j in layout.sources]
+        def pullback_of(i, off, keep):
+            p_flat = jax.tree.leaves(layer_params(params, i))
+            leaves = [{"param": p_flat, "arg": args_flat, "off": off, "keep": keep}[kind][j]
+                      for kind, j in layout.sources]  # fmt: skip
             return jax.tree_util.tree_unflatten(layout.tree, leaves)
 
-        current = host_of(n - 1, dy) if n else []
-        d_last, dy, *d_args = last_pullback(dy)
+        def at(stacked, i):
+            return [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in stacked]
 
-        def step(carry, i):
-            dy, d_args, current = carry
-            following = host_of(i - 1, dy)
-            d_p, dy, *d_a = pullback_of(i, current)(dy)
-            return (dy, jax.tree.map(stack._add, d_args, d_a), following), d_p
+        current = saved["off"]
+        if length > 2:
 
-        parts = [d_last]
-        if n:
-            (dy, d_args, current), d_rest = lax.scan(step, (dy, d_args, current), jnp.arange(1, n), reverse=True)
-            d_0, dy, *d_a = pullback_of(0, current)(dy)
-            d_args = jax.tree.map(stack._add, d_args, d_a)
-            parts = [d_0, d_rest, d_last]
-        return _stack_grads(params, parts), dy, tuple(d_args)
+            def step(carry, i):  # layer i (L-2 .. 1); saved["keep"] holds layers 1..L-2, saved["host"] 0..L-3
+                dy, d_args, grads, current = carry
+                # Layer i - 1's copies back, at an index computed from the loop counter
+                # alone, so XLA can move them as one asynchronous copy.
+                following = residuals.to_device_p.bind(*at(saved["host"], i - 1), memory_kind="device")
+                d_p, dy, *d_a = pullback_of(i, current, at(saved["keep"], i - 1))(dy)
+                return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), list(following)), None
+
+            (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current),
+                                                       jnp.arange(1, length - 1), reverse=True)  # fmt: skip
+        d_0, dy, *d_a = pullback_of(0, current, saved["keep0"])(dy)
+        return _put(grads, d_0, 0), dy, tuple(jax.tree.map(stack._add, d_args, d_a))
 
     scanned.defvjp(fwd, bwd)
     return scanned(params, x, tuple(args))
 
 
-def _stack_grads(params, parts: list):
-    """The parameters' gradients stacked along the layer axis from ``parts``: [layer 0's,
-    layers 1..L-2's (stacked), the last layer's], or [the last layer's] alone. Integer
-    parameters' (float0) come back as float0 zeros of the stacked shape."""
+def _offloaded(ckpt_policy: Callable, p, x, args, leaves: list) -> list[bool]:
+    """For each array of the layer's pullback under ``DeferredOffload`` (``leaves``),
+    whether the policy's own checkpoint (``ckpt_policy``) keeps it as a host copy: the
+    two trace the same residuals in the same order, only placed differently (checked)."""
+    traced = jax.make_jaxpr(lambda p, x, *a: jax.tree.leaves(jax.vjp(ckpt_policy, p, x, *a)[1]))(p, x, *args)
+    avals = traced.out_avals
+    if len(avals) != len(leaves) or any(
+        (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)) for a, b in zip(avals, leaves)
+    ):
+        raise RuntimeError("layer_scan: the layer's residuals differ between its policy and the same policy "
+                           "with its host copies deferred; please report this with the layer")
+    return [getattr(a, "memory_space", None) == core.MemorySpace.Host for a in avals]
 
-    def one(p, *ds):
-        if ds[-1].dtype == jax.dtypes.float0:
-            return np.zeros(jnp.shape(p), jax.dtypes.float0)
-        if len(ds) == 1:
-            return ds[0][None]
-        first, rest, last = ds
-        return jnp.concatenate([first[None], rest, last[None]])
 
-    return jax.tree.map(one, params, *parts)
+def _zeros_like(p: jax.Array):
+    """The stacked gradient buffer of parameter ``p`` (float0 for integer parameters)."""
+    if jnp.issubdtype(jnp.result_type(p), jnp.inexact):
+        return jnp.zeros(jnp.shape(p), jnp.result_type(p))
+    return np.zeros(jnp.shape(p), jax.dtypes.float0)
+
+
+def _put(grads, layer_grads, i):
+    """``grads`` (stacked) with layer ``i``'s ``layer_grads`` written in place."""
+
+    def one(g, d):
+        return g if g.dtype == jax.dtypes.float0 else lax.dynamic_update_index_in_dim(g, d.astype(g.dtype), i, 0)
+
+    return jax.tree.map(one, grads, layer_grads)
 
 
 def _find(leaf, candidates: list, kind: str):
@@ -179,16 +208,3 @@ def _find(leaf, candidates: list, kind: str):
         if leaf is c:
             return (kind, j)
     return None
-
-
-def _zero_from(tree: PyTree) -> jax.Array:
-    """An int32 zero computed from the first element of ``tree``'s first float leaf
-    (``(2 t) & 1``, which XLA cannot prove to be zero): an index that exists only once
-    ``tree`` does. A constant for trees without one."""
-    for leaf in jax.tree.leaves(tree):
-        if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size:
-            first = leaf.reshape(-1)[0]
-            bits = lax.bitcast_convert_type(first, jnp.dtype(f"uint{jnp.finfo(leaf.dtype).bits}"))
-            t = bits.astype(jnp.int32)
-            return jnp.bitwise_and(jnp.left_shift(t, 1), 1)
-    return jnp.int32(0)

@@ -49,7 +49,8 @@ from jax._src.lib.mlir.dialects import hlo
 # waits for), "rebuild" (``rebuild(*extra)``; only in the backward pass).
 residual_p = core.Primitive("grouped_mlp_residual")
 residual_p.multiple_results = True
-# The reload of an offloaded residual (multiple arrays at once).
+# The reload of an offloaded residual (multiple arrays at once); with
+# ``memory_kind="pinned_host"`` the copy out (:func:`to_host`).
 to_device_p = core.Primitive("grouped_mlp_to_device")
 to_device_p.multiple_results = True
 # The op's output, usable only once the host copies of its residuals exist (modes
@@ -107,6 +108,18 @@ class FencedByCaller:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeferredOffload:
+    """A remat policy (``policy``) whose offloaded residuals stay on the device, passed
+    through exactly where the host copies would be (same residuals, same order as under
+    ``policy``): the caller (``layer_scan``) writes them to the host later itself."""
+
+    policy: Callable
+
+    def __call__(self, *args, **kwargs):
+        return self.policy(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class Rebuild:
     """How the backward pass recomputes a residual from other values (hashable:
     it is a parameter of the program). ``fn(*extra)`` returns the residual's arrays."""
@@ -151,14 +164,15 @@ def _host_aval(aval):
 
 
 def _abstract_eval(*avals, name, num_values, mode, rebuild, jaxpr, out_avals, memory_kind, read_back, has_after):
-    del name, rebuild, jaxpr, memory_kind, read_back, has_after
+    del name, rebuild, jaxpr, read_back, has_after
     if mode == "rebuild":
         return list(out_avals)
     if mode == "on_host":  # a host copy handed on as is (RELOAD_AFTER_COTANGENT)
         return [a.update(memory_space=core.MemorySpace.Device) for a in avals[:num_values]]
     values = list(avals[:num_values])
     if mode == "offload":
-        return values + [_host_aval(a) for a in values] + [_TOKEN_AVAL]
+        copies = values if memory_kind == "device" else [_host_aval(a) for a in values]  # (DeferredOffload)
+        return values + copies + [_TOKEN_AVAL]
     return values
 
 
@@ -166,7 +180,9 @@ residual_p.def_abstract_eval(_abstract_eval)
 # The rebuild program (a parameter in "rebuild" mode) holds only ordinary operations;
 # newer JAX would otherwise ask for a "to_lojax" rule because a parameter is a program.
 residual_p.is_high = lambda *avals, **params: False
-to_device_p.def_abstract_eval(lambda *avals, memory_kind: [a.update(memory_space=core.MemorySpace.Device) for a in avals])
+to_device_p.def_abstract_eval(lambda *avals, memory_kind: [
+    a.update(memory_space=core.MemorySpace.Host if memory_kind == "pinned_host" else core.MemorySpace.Device)
+    for a in avals])
 
 
 def _impl(*args, **params):
@@ -205,7 +221,7 @@ def _lowering(ctx, *args, name, num_values, mode, rebuild, jaxpr, out_avals, mem
         return mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *extra)
     values = list(args[:num_values])
     if mode == "offload":
-        if not annotate:
+        if not annotate or memory_kind == "device":  # (CPU; DeferredOffload: no copy)
             return values + values + [mlir.ir_constant(np.int32(0))]
         host = [_annotate(v, memory_kind) for v in values]
         token = mlir.ir_constant(np.int32(0))
@@ -359,23 +375,26 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
     if isinstance(case, pe.SaveableType):
         return eqn, None, [False] * n, [False] * n, []
     if isinstance(case, pe.Offloadable):
-        host = [core.Var(_host_aval(v.aval)) for v in eqn.outvars]
+        deferred = isinstance(saveable, DeferredOffload)
+        host = [core.Var(v.aval if deferred else _host_aval(v.aval)) for v in eqn.outvars]
         token = core.Var(_TOKEN_AVAL)
         # A loop's iteration already bounds its copies: no read-back there, and the
         # reload is the loop offloading's own.
         in_loop = _in_loop_body()
-        read_back = FENCE_HOST_COPIES and not in_loop and not isinstance(saveable, FencedByCaller)
-        if not (in_loop or RELOAD_AFTER_COTANGENT):
+        read_back = (FENCE_HOST_COPIES and not in_loop
+                     and not isinstance(saveable, (FencedByCaller, DeferredOffload)))  # fmt: skip
+        if not (in_loop or RELOAD_AFTER_COTANGENT or deferred):
             _warn_if_cse_allowed(params["name"])
         known = core.new_jaxpr_eqn(
             eqn.invars, [*eqn.outvars, *host, token], residual_p,
-            {**params, "mode": "offload", "memory_kind": case.dst, "read_back": read_back}, eqn.effects,
+            {**params, "mode": "offload", "memory_kind": "device" if deferred else case.dst,
+             "read_back": read_back}, eqn.effects,
             eqn.source_info,
         )  # fmt: skip
         if read_back:
             for v in eqn.outvars:
                 _remember_token(v, token)
-        if RELOAD_AFTER_COTANGENT and not in_loop:  # stays on the host until after_cotangent
+        if RELOAD_AFTER_COTANGENT and not in_loop and not deferred:  # stays on the host until after_cotangent
             reload = core.new_jaxpr_eqn(host, list(eqn.outvars), residual_p,
                                         {**params, "mode": "on_host", "rebuild": None, "has_after": False},
                                         frozenset(),
@@ -622,6 +641,14 @@ def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[li
     if not RELOAD_AFTER_COTANGENT or _in_loop_body():
         return arrays, cotangent
     return reload_after(arrays, cotangent)
+
+
+def to_host(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """Host copies of ``arrays`` (device->host copies on GPU/TPU, the values as they are
+    on the CPU, like the tags' own offload): what ``layer_scan`` writes one iteration
+    after the layer that made them."""
+    arrays = list(arrays)
+    return to_device_p.bind(*arrays, memory_kind="pinned_host") if arrays else []
 
 
 def reload_after(arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:
