@@ -436,3 +436,13 @@ def test_vmap_keeps_the_read_back_after_the_output(rng):
     jaxpr = jax.make_jaxpr(jax.grad(lambda w1: jax.vmap(lambda x: loss(w1, x))(xs).sum()))(w1).jaxpr
     offloads = [e for e in _eqns(jaxpr) if e.primitive is residuals.residual_p and e.params["mode"] == "offload"]
     assert offloads and all(e.params["has_after"] for e in offloads)
+
+
+def test_layer_scan_with_nothing_offloaded_is_the_plain_scan(rng):
+    """A policy that offloads nothing has nothing to pipeline: ``layer_scan`` is then
+    ``jax.lax.scan`` of the checkpointed layer (no custom_vjp around it)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
+    policy = jgm.offload_policy(*ALL_DEVICE)
+    jaxpr = jax.make_jaxpr(lambda w1: jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=policy))(w1).jaxpr
+    names = [e.primitive.name for e in jaxpr.eqns]  # the op inside is a custom_vjp; the stack is not
+    assert "scan" in names and not any("custom_vjp" in n for n in names)

@@ -51,6 +51,14 @@ count against the device memory::
               + max(0, transfer - overlap * (backward + recompute))
     step_time = L * (forward + backward + recompute) + (L - 1) * exposed
 
+Under :func:`layer_scan` (``layer_scan=True``) the last two layers keep their offloaded
+residuals on the device (two more layers' worth count against the device memory) and
+the other layers' copies, out and back, run in the loop's iterations beside the compute
+without overlapping it (XLA schedules host-memory slices in loop bodies so; measured
+on the H200, docs/offload.md)::
+
+    step_time = L * (forward + backward + recompute) + (L - 2) * 2 * transfer
+
 Until 2026-12-02 the model let both hide behind compute and was 13-37 % optimistic
 on the H200; this one is within 16 % in both layouts for all 27 placements
 (docs/offload.md). Not modelled: the first/last layer's edge effects, the weights
@@ -277,6 +285,7 @@ class OffloadPlan:
     kept_anyway: frozenset = frozenset()  # residuals that are the layer's input
     exchange_time: float = 0.0  # seconds per layer of the expert-parallel exchange
     layer_stack: bool = False  # the layers run under layer_stack
+    layer_scan: bool = False  # the layers run under layer_scan
 
     @property
     def chosen(self) -> Candidate:
@@ -368,6 +377,7 @@ def predict(
     exchange_time: float = 0.0,
     layer_input_bytes: int = 0,
     layer_stack: bool = False,
+    layer_scan: bool = False,
 ) -> Candidate:
     """Device memory and step time of one placement (the module docstring's model).
 
@@ -380,7 +390,8 @@ def predict(
     keeps on the device when "fc1_input" or "activation_input" is recomputed from it;
     counted against the budget with the residuals (not when "fc1_input" is x itself,
     ``kept_anyway``, where the layer input stays outside the budget).
-    ``layer_stack``: the layers run under :func:`layer_stack` (the module docstring).
+    ``layer_stack``: the layers run under :func:`layer_stack`; ``layer_scan``: under
+    :func:`layer_scan` (the module docstring).
     """
     on = {p: [n for n in RESIDUAL_NAMES if placement[n] == p] for p in PLACEMENTS}
     kept = sum(residual_bytes[n] for n in on["device"] if n not in kept_anyway)
@@ -399,7 +410,17 @@ def predict(
         offloading = num_layers - 1
         exposed = max(0.0, transfer - overlap * layer_time.forward) + max(
             0.0, transfer - overlap * (layer_time.backward + recompute))
-    device = num_layers * kept + not_kept + (offloaded if layer_stack else 0)
+    extra = 0
+    if layer_stack:
+        extra = offloaded
+    elif layer_scan:
+        # layer_scan: the last two layers keep what the policy offloads on the device;
+        # the others' copies run inside loop iterations, out and back, next to the
+        # compute and not overlapping it (XLA schedules them so; measured on the H200).
+        offloading = max(0, num_layers - 2)
+        exposed = 2 * transfer
+        extra = min(num_layers, 2) * offloaded
+    device = num_layers * kept + not_kept + extra
     recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     inputs = num_layers * layer_input_bytes if recomputes_from_x and FC1_INPUT not in kept_anyway else 0
     return Candidate(
@@ -432,6 +453,7 @@ def plan_offload(
     exchange_time: float = 0.0,
     fc1_input_is_layer_input: bool | None = None,
     layer_stack: bool = False,
+    layer_scan: bool = False,
 ) -> OffloadPlan:
     """Choose where each residual of a stack of grouped-MLP layers lives.
 
@@ -477,6 +499,9 @@ def plan_offload(
         neighbouring layers, its last layer offloads nothing, one more layer's
         offloaded residuals are on the device); default: one ``jax.checkpoint`` per
         layer in a Python loop or a scan.
+      layer_scan: the layers run under :func:`layer_scan` (the last two layers keep
+        their offloaded residuals on the device; the other layers' copies each way are
+        exposed, next to the compute inside the loop's iterations).
 
     Returns:
       An :class:`OffloadPlan`: ``plan.placement`` (name -> placement), ``plan.policy``
@@ -509,8 +534,11 @@ def plan_offload(
         fc1_input_is_layer_input = recipe == "bf16" and parallel is None
     elif not isinstance(fc1_input_is_layer_input, bool):
         raise TypeError(f"fc1_input_is_layer_input must be a bool or None, got {fc1_input_is_layer_input!r}")
-    if not isinstance(layer_stack, bool):
-        raise TypeError(f"layer_stack must be a bool, got {layer_stack!r}")
+    for name, flag in (("layer_stack", layer_stack), ("layer_scan", layer_scan)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if layer_stack and layer_scan:
+        raise ValueError("layer_stack and layer_scan are two layouts: pass at most one of them as True")
     if fc1_input_is_layer_input and recipe != "bf16":
         raise ValueError("fc1_input_is_layer_input=True needs recipe='bf16' (MXFP8 keeps a quantized copy of x)")
     kept_anyway = frozenset({FC1_INPUT}) if fc1_input_is_layer_input else frozenset()
@@ -528,6 +556,7 @@ def plan_offload(
             exchange_time=exchange_time,
             layer_input_bytes=2 * buffer_rows * hidden,
             layer_stack=layer_stack,
+            layer_scan=layer_scan,
         )
         for combo in itertools.product(PLACEMENTS, repeat=len(RESIDUAL_NAMES))
     ]
@@ -558,6 +587,7 @@ def plan_offload(
         kept_anyway=kept_anyway,
         exchange_time=exchange_time,
         layer_stack=layer_stack,
+        layer_scan=layer_scan,
     )
 
 

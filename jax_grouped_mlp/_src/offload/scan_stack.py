@@ -92,6 +92,8 @@ def layer_scan(
     ckpt_keep = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))  # the last layer
     ckpt_defer = jax.checkpoint(layer, policy=residuals.DeferredOffload(policy))  # what runs: no copies
     ckpt_policy = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy))  # traced for its placement only
+    if not any(_on_host(ckpt_policy, jax.tree.map(lambda a: a[0], params), x, tuple(args))):
+        return run(params, x, tuple(args))  # the policy offloads nothing: nothing to pipeline
     layout = _Layout()
 
     @jax.custom_vjp
@@ -173,12 +175,21 @@ def layer_scan(
     return scanned(params, x, tuple(args))
 
 
+def _on_host(ckpt_policy: Callable, p, x, args) -> list[bool]:
+    """For each array of the layer's pullback under its policy (``ckpt_policy``), whether
+    it is a host copy (traced, not run)."""
+    return [getattr(a, "memory_space", None) == core.MemorySpace.Host for a in _pullback_avals(ckpt_policy, p, x, args)]
+
+
+def _pullback_avals(ckpt: Callable, p, x, args) -> list:
+    return jax.make_jaxpr(lambda p, x, *a: jax.tree.leaves(jax.vjp(ckpt, p, x, *a)[1]))(p, x, *args).out_avals
+
+
 def _offloaded(ckpt_policy: Callable, p, x, args, leaves: list) -> list[bool]:
     """For each array of the layer's pullback under ``DeferredOffload`` (``leaves``),
     whether the policy's own checkpoint (``ckpt_policy``) keeps it as a host copy: the
     two trace the same residuals in the same order, only placed differently (checked)."""
-    traced = jax.make_jaxpr(lambda p, x, *a: jax.tree.leaves(jax.vjp(ckpt_policy, p, x, *a)[1]))(p, x, *args)
-    avals = traced.out_avals
+    avals = _pullback_avals(ckpt_policy, p, x, args)
     if len(avals) != len(leaves) or any(
         (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)) for a, b in zip(avals, leaves)
     ):
