@@ -335,3 +335,23 @@ def test_layer_stack_model():
     assert c.step_time == pytest.approx(want, rel=1e-12)
     with pytest.raises(TypeError, match="layer_stack must be a bool"):
         _nano_plan(layer_stack="yes")
+
+
+def test_layer_scan_model():
+    """``layer_scan=True``: the last two layers keep their offloaded residuals on the
+    device, the other layers' copies each way are exposed; the hand-computed step for
+    all-offload; one layer offloads nothing; at most one of the two layouts."""
+    loop, scan = _nano_plan(), _nano_plan(layer_scan=True)
+    assert scan.layer_scan and not scan.layer_stack
+    for a, b in zip(sorted(loop.candidates, key=lambda c: c.label()), sorted(scan.candidates, key=lambda c: c.label())):
+        offloaded = sum(scan.residual_bytes[n] for n in RESIDUAL_NAMES if a.placement[n] == "offload")
+        assert b.host_bytes == 6 * offloaded and b.device_bytes == a.device_bytes + 2 * offloaded, a.label()
+    c = scan.candidate(fc1_input="offload", activation_input="offload", fc2_input="offload")
+    t = sum(scan.residual_bytes.values()) / 53e9
+    assert c.step_time == pytest.approx(8 * scan.layer_time.total + 6 * 2 * t, rel=1e-12)
+    one = _nano_plan(layer_scan=True, num_layers=1)
+    assert all(c.host_bytes == 0 and c.exposed_transfer == 0 for c in one.candidates)
+    with pytest.raises(TypeError, match="layer_scan must be a bool"):
+        _nano_plan(layer_scan=1)
+    with pytest.raises(ValueError, match="at most one"):
+        _nano_plan(layer_stack=True, layer_scan=True)
