@@ -332,6 +332,74 @@ def test_layer_scan_copies_each_layer_out_and_back_one_iteration_apart(rng):
     assert set(back.outvars) <= set(body.outvars)  # only handed to the next one
 
 
+def _one_named(p, x, gs, probs):
+    """A layer with a residual of its own (``"mine"``), which JAX offloads itself when
+    the policy names it."""
+    h = jax.ad_checkpoint.checkpoint_name(x * 2, "mine")
+    return x + jgm.grouped_mlp(h, p[0], p[1], gs, probs)
+
+
+def _plain_loop(layer, policy, x, w1, w2, *args):
+    layer = jax.checkpoint(layer, policy=policy)
+    for i in range(w1.shape[0]):
+        x = layer((w1[i], w2[i]), x, *args)
+    return x
+
+
+def _assert_scan_is_the_loop(rng, layer, policy, args_of, dx_exact=True):
+    """``layer_scan`` of ``layer`` over 4 layers (the pipelined scan runs) against the
+    plain loop under the same policy: the weights' gradients bit for bit, ``dx`` too
+    unless ``dx_exact`` is False (``x`` also among ``args``: its gradient then adds the
+    layers' terms in another order, within a bfloat16 rounding of the largest)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
+
+    def loss(stacked, x, w1, w2):
+        if stacked:
+            y = jgm.layer_scan(layer, (w1, w2), x, *args_of(x, gs, probs), policy=policy)
+        else:
+            y = _plain_loop(layer, policy, x, w1, w2, *args_of(x, gs, probs))
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    want = jax.jit(jax.grad(functools.partial(loss, False), argnums=(0, 1, 2)))(x, w1, w2)
+    got = jax.jit(jax.grad(functools.partial(loss, True), argnums=(0, 1, 2)))(x, w1, w2)
+    assert all(np.abs(np.asarray(w, np.float32)).max() > 0 for w in want)
+    for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if name == "dx" and not dx_exact:
+            np.testing.assert_allclose(a, b, rtol=0, atol=2**-7 * np.abs(b).max(), err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("jax_policy", [False, True])
+def test_layer_scan_leaves_jax_own_offloads_alone(rng, jax_policy):
+    """Arrays JAX's own offloading puts on the host (a name the policy offloads that
+    the op does not tag, or a ``save_and_offload_only_these_names`` policy) are not
+    written to the host a second time: the scan's carry would change type (this failed
+    at three layers or more)."""
+    if jax_policy:
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["mine"],
+            offload_src="device", offload_dst="pinned_host")  # fmt: skip
+    else:
+        policy = jgm.offload_policy("device", "offload", "device", extra_offloadable=["mine"])
+    _assert_scan_is_the_loop(rng, _one_named, policy, lambda x, gs, probs: (gs, probs))
+
+
+@pytest.mark.parametrize("placements", [("offload",) * 3, ("recompute", "offload", "recompute")])
+def test_layer_scan_with_x_among_args(rng, placements):
+    """``x`` passed again in ``args`` (the first layer's input, read by every layer):
+    layer 0 sees one array as both, the scanned layers do not, and each layer's
+    pullback must be rebuilt from its own arrays (this raised an IndexError at three
+    layers or more)."""
+
+    def layer(p, x, x0, gs, probs):  # x * x0: its pullback keeps both
+        return x + jgm.grouped_mlp(x * x0, p[0], p[1], gs, probs)
+
+    _assert_scan_is_the_loop(rng, layer, jgm.offload_policy(*placements), lambda x, gs, probs: (x, gs, probs),
+                             dx_exact=False)  # fmt: skip
+
+
 def test_layer_scan_bad_arguments(rng):
     x = jnp.zeros((4, 8), jnp.float32)
     with pytest.raises(TypeError, match="layer must be callable"):

@@ -92,24 +92,27 @@ def layer_scan(
     ckpt_keep = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))  # the last layer
     ckpt_defer = jax.checkpoint(layer, policy=residuals.DeferredOffload(policy))  # what runs: no copies
     ckpt_policy = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy))  # traced for its placement only
-    if not any(_on_host(ckpt_policy, jax.tree.map(lambda a: a[0], params), x, tuple(args))):
-        return run(params, x, tuple(args))  # the policy offloads nothing: nothing to pipeline
-    layout = _Layout()
+    p0 = jax.tree.map(lambda a: a[0], params)
+    if not any(_offloaded(ckpt_policy, p0, x, tuple(args), _pullback_avals(ckpt_defer, p0, x, tuple(args)))):
+        return run(params, x, tuple(args))  # nothing offloaded (or only by JAX itself): nothing to pipeline
+    first, inner = _Layout(), _Layout()  # layer 0's, and the scanned layers'
 
     @jax.custom_vjp
     def scanned(params, x, args):
         return run(params, x, args)
 
-    def one_layer(p, x, args):
+    def one_layer(p, x, args, layout):
         """Layer ``p`` forward: its output, the pullback arrays the policy offloads (on
-        the device still) and the other arrays that are neither parameters nor args."""
+        the device still) and the other arrays that are neither parameters nor args
+        (recorded in ``layout``). An array that is ``x`` counts as neither, even when
+        ``args`` holds it too: layer 0 and the scanned layers then carry the same arrays."""
         y, pullback = jax.vjp(ckpt_defer, p, x, *args)
         leaves, tree = jax.tree_util.tree_flatten(pullback)
         offloads = _offloaded(ckpt_policy, p, x, args, leaves)
-        p_flat, args_flat = jax.tree.leaves(p), jax.tree.leaves(args)
+        p_flat, args_flat, x_flat = jax.tree.leaves(p), jax.tree.leaves(args), jax.tree.leaves(x)
         layout.tree, layout.sources, off, keep = tree, [], [], []
         for leaf, offloaded in zip(leaves, offloads):
-            source = _find(leaf, p_flat, "param") or _find(leaf, args_flat, "arg")
+            source = None if _find(leaf, x_flat, "x") else _find(leaf, p_flat, "param") or _find(leaf, args_flat, "arg")
             if source is None:
                 kept = off if offloaded else keep
                 source = ("off" if offloaded else "keep", len(kept))
@@ -123,12 +126,12 @@ def layer_scan(
     def fwd(params, x, args):
         saved: dict = {"params": params, "args": args}
         if length > 1:
-            x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args)
+            x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args, first)
             if length > 2:
 
                 def body(carry, i):  # layer i (1 .. L-2); indexing the parameters copies none of them
                     x, previous = carry
-                    x, off, keep = one_layer(layer_params(params, i), x, args)
+                    x, off, keep = one_layer(layer_params(params, i), x, args, inner)
                     # The previous layer's copies out run while this layer computes.
                     return (x, off), (residuals.to_host(previous), keep)
 
@@ -146,7 +149,7 @@ def layer_scan(
         if length == 1:
             return grads, dy, tuple(d_args)
 
-        def pullback_of(i, off, keep):
+        def pullback_of(i, off, keep, layout):
             p_flat = jax.tree.leaves(layer_params(params, i))
             leaves = [{"param": p_flat, "arg": args_flat, "off": off, "keep": keep}[kind][j]
                       for kind, j in layout.sources]  # fmt: skip
@@ -163,22 +166,16 @@ def layer_scan(
                 # Layer i - 1's copies back, at an index computed from the loop counter
                 # alone, so XLA can move them as one asynchronous copy.
                 following = residuals.to_device_p.bind(*at(saved["host"], i - 1), memory_kind="device")
-                d_p, dy, *d_a = pullback_of(i, current, at(saved["keep"], i - 1))(dy)
+                d_p, dy, *d_a = pullback_of(i, current, at(saved["keep"], i - 1), inner)(dy)
                 return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), list(following)), None
 
             (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current),
                                                        jnp.arange(1, length - 1), reverse=True)  # fmt: skip
-        d_0, dy, *d_a = pullback_of(0, current, saved["keep0"])(dy)
+        d_0, dy, *d_a = pullback_of(0, current, saved["keep0"], first)(dy)
         return _put(grads, d_0, 0), dy, tuple(jax.tree.map(stack._add, d_args, d_a))
 
     scanned.defvjp(fwd, bwd)
     return scanned(params, x, tuple(args))
-
-
-def _on_host(ckpt_policy: Callable, p, x, args) -> list[bool]:
-    """For each array of the layer's pullback under its policy (``ckpt_policy``), whether
-    it is a host copy (traced, not run)."""
-    return [getattr(a, "memory_space", None) == core.MemorySpace.Host for a in _pullback_avals(ckpt_policy, p, x, args)]
 
 
 def _pullback_avals(ckpt: Callable, p, x, args) -> list:
@@ -187,15 +184,23 @@ def _pullback_avals(ckpt: Callable, p, x, args) -> list:
 
 def _offloaded(ckpt_policy: Callable, p, x, args, leaves: list) -> list[bool]:
     """For each array of the layer's pullback under ``DeferredOffload`` (``leaves``),
-    whether the policy's own checkpoint (``ckpt_policy``) keeps it as a host copy: the
-    two trace the same residuals in the same order, only placed differently (checked)."""
+    (arrays or their avals) whether ``layer_scan`` writes it to the host: the policy's own checkpoint
+    (``ckpt_policy``) keeps it as a host copy, and ``DeferredOffload`` left it on the
+    device (arrays JAX's own offloading already put on the host, e.g. names a
+    ``save_and_offload_only_these_names`` policy offloads, stay as they are). The two
+    trace the same residuals in the same order, only placed differently (checked)."""
     avals = _pullback_avals(ckpt_policy, p, x, args)
     if len(avals) != len(leaves) or any(
         (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)) for a, b in zip(avals, leaves)
     ):
         raise RuntimeError("layer_scan: the layer's residuals differ between its policy and the same policy "
                            "with its host copies deferred; please report this with the layer")
-    return [getattr(a, "memory_space", None) == core.MemorySpace.Host for a in avals]
+    return [_is_host(a) and not _is_host(b if isinstance(b, core.AbstractValue) else jax.typeof(b))
+            for a, b in zip(avals, leaves)]
+
+
+def _is_host(aval) -> bool:
+    return getattr(aval, "memory_space", None) == core.MemorySpace.Host
 
 
 def _zeros_like(p: jax.Array):
