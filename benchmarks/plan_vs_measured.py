@@ -48,7 +48,7 @@ def compare(run: dict) -> list[dict]:
                 tokens=shape["tokens"], hidden=shape["hidden"], ffn=shape["ffn"], num_experts=shape["experts"],
                 num_layers=n, budget_bytes=math.inf, host_bandwidth=bandwidth,
                 layer_time=base["step_time_s"] / layers, recipe=shape.get("recipe", "mxfp8"),
-                layer_stack=layout == "stack", layer_scan=layout == "layer_scan",
+                layout={"stack": "layer_stack"}.get(layout, layout),
             )  # fmt: skip
 
         lo = min(run["layer_counts"])

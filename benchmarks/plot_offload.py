@@ -3,7 +3,7 @@
 Results with layouts (``rows`` carrying ``layout``): one column per layout. Top: each
 policy at the largest layer count as a dot at (step time, device memory: the device
 peak where measured, else compiled temp), and a red tick at the same height at its
-step bar, ``1.15 * max(all-device step, transfer time)``, joined to the dot by a thin
+step bar, ``1.15 * max(compute step, transfer time)``, joined to the dot by a thin
 line: a dot left of its tick meets the bar. Bottom: the per-layer growth of compiled
 temp (and of the device peak) per policy as bars, the memory bar as a black tick and
 the bar plus the layer input as a grey one. Older results (one stack): step time per
@@ -105,7 +105,7 @@ def plot_layouts(result: dict, path: pathlib.Path, verbose: bool = True) -> None
             ax.annotate(r["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         if not timed:
             ax.text(0.5, 0.5, "no timing (--no-time)", ha="center", va="center", transform=ax.transAxes)
-        ax.set_xlabel("step time, ms (median); red |: 1.15 x max(all-device step, transfer time)")
+        ax.set_xlabel("step time, ms (median); red |: 1.15 x max(compute step, transfer time)")
         ax.set_ylabel(("device peak" if peak else "compiled temp") + ", MB")
         ax.set_title(f"{layout}, {top} layers: green meets the step bar, red does not", fontsize=9)
 

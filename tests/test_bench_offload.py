@@ -215,6 +215,29 @@ def test_policy_labels():
         bench_offload.main(["--layers", "4,0"])
 
 
+def test_step_bar_compares_with_the_policy_without_its_copies():
+    """A policy that recomputes pays for the recompute with or without copies: its step
+    bar's compute is the same placement with the offloads kept on the device, and the
+    all-device step only where that placement was not measured."""
+    from benchmarks import offload_bars
+
+    def row(label, step, host):
+        placement = dict(zip(("fc1_input", "activation_input", "fc2_input"), offload_bars.ALL27[label]))
+        return {"label": label, "placement": placement, "step_time_s": step, "host_residual_bytes": host}
+
+    rows = [row("d-d-d", 0.050, 0), row("d-r-d", 0.060, 0), row("d-r-o", 0.066, 1e9),
+            row("o-d-r", 0.070, 1e9), row("o-o-o", 0.200, 4e9)]  # fmt: skip
+    link = {"d2h_bytes_per_s": 100e9, "h2d_bytes_per_s": 100e9}
+    offload_bars.step_bars(rows, link)
+    by = {r["label"]: r for r in rows}
+    assert by["d-r-o"]["compute_ref"] == "d-r-d" and by["d-r-o"]["compute_s"] == 0.060
+    assert by["d-r-o"]["meets_step_bar"] is True  # 66 <= 1.15 x 60 ms, not <= 1.15 x 50
+    assert by["o-d-r"]["compute_ref"] == "d-d-d"  # d-d-r not measured: the all-device step
+    assert by["o-d-r"]["meets_step_bar"] is False
+    assert by["o-o-o"]["transfer_s"] == pytest.approx(0.08)
+    assert by["o-o-o"]["step_bar_s"] == pytest.approx(1.15 * 0.08)
+
+
 def test_peak_growth_excludes_the_weights_and_gradients():
     """The device peak holds the step's arguments and outputs (weights and their
     gradients, which grow with the layers under every policy): the peak growth compared

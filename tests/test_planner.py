@@ -108,12 +108,19 @@ def test_cost_model_arithmetic():
     assert b == {n: 4096 for n in RESIDUAL_NAMES}
     c = plan.candidate(fc1_input="offload", activation_input="device", fc2_input="recompute")
     transfer = 4096 / 1000.0
-    # To the host: hidden behind half the forward; back: never hidden.
-    exposed = max(0, transfer - 0.5 * 1.0) + transfer
+    # To the host: hidden behind half the forward. Back, in a Python loop: behind half
+    # of the recompute and of the half of the backward before "fc1_input" is read; in
+    # a scan: not hidden.
+    exposed = max(0, transfer - 0.5 * 1.0) + max(0, transfer - 0.5 * (0.05 + 0.5 * 2.0))
     assert c.device_bytes == 3 * 4096 + 2 * 4096
     assert c.host_bytes == 3 * 4096 and c.transfer_bytes == 2 * 3 * 4096
     assert c.step_time == pytest.approx(3 * (3.0 + 0.05 + exposed))
     assert c.recompute == pytest.approx(3 * 0.05)
+    scan = plan_offload(**{**dict(tokens=64, hidden=32, ffn=32, num_experts=2, num_layers=3, budget_bytes=1e12,
+                                  host_bandwidth=1000.0, layer_time=lt, recipe="bf16", overlap=0.5,
+                                  fc1_input_is_layer_input=False)}, layout="scan")  # fmt: skip
+    c = scan.candidate(fc1_input="offload", activation_input="device", fc2_input="recompute")
+    assert c.step_time == pytest.approx(3 * (3.0 + 0.05 + max(0, transfer - 0.5 * 1.0) + transfer))
 
 
 def test_report_prints_a_table():
@@ -319,11 +326,11 @@ def test_recomputing_from_x_keeps_the_layer_input():
 
 
 def test_layer_stack_model():
-    """``layer_stack=True``: the copies hide behind the neighbouring layers (never slower
+    """``layout="layer_stack"``: the copies hide behind the neighbouring layers (never slower
     than one checkpoint per layer), the last layer offloads nothing, one more layer's
     offloaded residuals are on the device; the hand-computed step for all-offload."""
-    loop, stack = _nano_plan(), _nano_plan(layer_stack=True)
-    assert stack.layer_stack and not loop.layer_stack
+    loop, stack = _nano_plan(), _nano_plan(layout="layer_stack")
+    assert stack.layout == "layer_stack" and loop.layout == "loop"
     for a, b in zip(sorted(loop.candidates, key=lambda c: c.label()), sorted(stack.candidates, key=lambda c: c.label())):
         assert b.step_time <= a.step_time + 1e-12, a.label()
         offloaded = sum(stack.residual_bytes[n] for n in RESIDUAL_NAMES if a.placement[n] == "offload")
@@ -333,25 +340,54 @@ def test_layer_stack_model():
     lt, t = stack.layer_time, sum(stack.residual_bytes.values()) / 53e9
     want = 8 * lt.total + 7 * (max(0.0, t - lt.forward) + max(0.0, t - lt.backward))
     assert c.step_time == pytest.approx(want, rel=1e-12)
-    with pytest.raises(TypeError, match="layer_stack must be a bool"):
-        _nano_plan(layer_stack="yes")
+    for bad in ("stack", True, None):
+        with pytest.raises(ValueError, match="layout must be one of"):
+            _nano_plan(layout=bad)
 
 
 def test_layer_scan_model():
-    """``layer_scan=True``: the last two layers keep their offloaded residuals on the
-    device, the other layers' copies each way are exposed; the hand-computed step for
-    all-offload; one layer offloads nothing; at most one of the two layouts."""
-    loop, scan = _nano_plan(), _nano_plan(layer_scan=True)
-    assert scan.layer_scan and not scan.layer_stack
+    """``layout="layer_scan"``: the last two layers keep their offloaded residuals on
+    the device, the other layers' copies each way are exposed; the hand-computed step
+    for all-offload; one layer offloads nothing."""
+    loop, scan = _nano_plan(), _nano_plan(layout="layer_scan")
+    assert scan.layout == "layer_scan"
     for a, b in zip(sorted(loop.candidates, key=lambda c: c.label()), sorted(scan.candidates, key=lambda c: c.label())):
         offloaded = sum(scan.residual_bytes[n] for n in RESIDUAL_NAMES if a.placement[n] == "offload")
         assert b.host_bytes == 6 * offloaded and b.device_bytes == a.device_bytes + 2 * offloaded, a.label()
     c = scan.candidate(fc1_input="offload", activation_input="offload", fc2_input="offload")
     t = sum(scan.residual_bytes.values()) / 53e9
     assert c.step_time == pytest.approx(8 * scan.layer_time.total + 6 * 2 * t, rel=1e-12)
-    one = _nano_plan(layer_scan=True, num_layers=1)
+    one = _nano_plan(layout="layer_scan", num_layers=1)
     assert all(c.host_bytes == 0 and c.exposed_transfer == 0 for c in one.candidates)
-    with pytest.raises(TypeError, match="layer_scan must be a bool"):
-        _nano_plan(layer_scan=1)
-    with pytest.raises(ValueError, match="at most one"):
-        _nano_plan(layer_stack=True, layer_scan=True)
+
+
+def test_loop_reloads_hide_behind_the_backward_before_their_first_read():
+    """``layout="loop"``: a layer's copies back start with its backward and run in the
+    order it reads them, each hidden behind the backward before its first read
+    ("activation_input" none, "fc2_input" a quarter, "fc1_input" half); in a scan
+    each is exposed whole. Hand-computed for one residual offloaded and for all."""
+    loop, scan = _nano_plan(), _nano_plan(layout="scan")
+    lt, bw, per = loop.layer_time, 53e9, loop.residual_bytes
+
+    def step(plan, **placement):
+        full = {n: "device" for n in RESIDUAL_NAMES} | placement
+        return plan.candidate(**full).step_time
+
+    def out(t):  # copies to the host: behind the layer's own forward
+        return max(0.0, t - lt.forward)
+
+    t1 = per["fc1_input"] / bw
+    assert step(loop, fc1_input="offload") == pytest.approx(8 * (lt.total + out(t1) + max(0.0, t1 - 0.5 * lt.backward)))
+    assert step(scan, fc1_input="offload") == pytest.approx(8 * (lt.total + out(t1) + t1))
+    ta = per["activation_input"] / bw
+    assert step(loop, activation_input="offload") == pytest.approx(step(scan, activation_input="offload"))
+    t = [per[n] / bw for n in ("activation_input", "fc2_input", "fc1_input")]
+    wait = max(t[0], t[0] + t[1] - 0.25 * lt.backward, sum(t) - 0.5 * lt.backward)
+    every = dict.fromkeys(RESIDUAL_NAMES, "offload")
+    assert step(loop, **every) == pytest.approx(8 * (lt.total + out(sum(t)) + wait))
+    assert step(loop, **every) <= step(scan, **every)
+    # A recompute runs first in the backward: it hides the copies back too.
+    rec = lt.recompute["fc2_input"]
+    assert step(loop, fc1_input="offload", fc2_input="recompute") == pytest.approx(
+        8 * (lt.total + rec + out(t1) + max(0.0, t1 - rec - 0.5 * lt.backward)))
+    del ta

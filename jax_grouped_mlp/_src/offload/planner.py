@@ -29,7 +29,7 @@ Step time (forward + backward of the stack)::
 
     transfer  = sum(bytes[r] for r "offload") / host_bandwidth       # each way
     exposed   = max(0, transfer - overlap * forward)                 # device -> host
-              + transfer                                             # host -> device
+              + wait                                                 # host -> device
     step_time = L * (forward + backward + sum(recompute[r] for r "recompute") + exposed)
 
 ``forward``/``backward`` are one layer's compute with everything on the device, and
@@ -39,10 +39,21 @@ GEMM, ``2*M*H*F`` flops; "fc1_input": quantize x), all from a :class:`LayerTime`
 The copy of each layer's residuals to the host finishes within that layer's forward
 pass (in a Python loop the op's host-copy fence makes it, on CUDA GPUs and not under
 automatic partitioning; in a scan the iteration does) and hides behind that layer's forward compute, of which ``overlap`` (0..1) is
-the fraction a copy can hide behind. The copy back comes right before the layer's
-backward pass, which needs it first, and is not hidden (``jax.checkpoint``'s default
-``prevent_cse=True`` ties it to the layer's cotangent with an optimization barrier).
-Under :func:`layer_stack` (``layer_stack=True``) a layer's copies out hide behind the
+the fraction a copy can hide behind. The copies back start with the layer's backward
+pass (``jax.checkpoint``'s default ``prevent_cse=True`` ties them to the layer's
+cotangent with an optimization barrier). In a Python loop (``layout="loop"``) they
+run one after the other in the order the backward reads them, each hidden behind the
+backward's compute before its first read (:data:`BACKWARD_BEFORE_USE`: none for
+"activation_input", a quarter of the backward for "fc2_input", half for "fc1_input";
+the recompute runs first)::
+
+    wait = max over offloaded r, in that order, of
+           (sum of transfer up to r) - overlap * (recompute + BACKWARD_BEFORE_USE[r] * backward)
+
+In a ``jax.lax.scan`` (``layout="scan"``) each copy back comes whole before the
+iteration's backward (XLA's loop offloading reads it at the iteration's start):
+``wait = transfer``.
+Under :func:`layer_stack` (``layout="layer_stack"``) a layer's copies out hide behind the
 next layer's forward and its copies back behind the next layer's backward (with its
 recompute), the last layer offloads nothing, and one more layer's offloaded residuals
 count against the device memory::
@@ -51,7 +62,7 @@ count against the device memory::
               + max(0, transfer - overlap * (backward + recompute))
     step_time = L * (forward + backward + recompute) + (L - 1) * exposed
 
-Under :func:`layer_scan` (``layer_scan=True``) the last two layers keep their offloaded
+Under :func:`layer_scan` (``layout="layer_scan"``) the last two layers keep their offloaded
 residuals on the device (two more layers' worth count against the device memory) and
 the other layers' copies, out and back, run in the loop's iterations beside the compute
 without overlapping it (XLA schedules host-memory slices in loop bodies so; measured
@@ -60,8 +71,9 @@ on the H200, docs/offload.md)::
     step_time = L * (forward + backward + recompute) + (L - 2) * 2 * transfer
 
 Until 2026-12-02 the model let both hide behind compute and was 13-37 % optimistic
-on the H200; this one is within 16 % in both layouts for all 27 placements
-(docs/offload.md). Not modelled: the first/last layer's edge effects, the weights
+on the H200; until 2026-12-03 it treated a loop's copies back like a scan's (38-41 %
+pessimistic for an offloaded "fc1_input" once the op's fence read its copies back
+after the layer's output); measured against it now in docs/offload.md. Not modelled: the first/last layer's edge effects, the weights
 (outside the budget), and recompute work that itself hides transfers (conservative).
 Measured on the H200 (8 checkpointed layers, all 27
 placements): in a ``jax.lax.scan`` the compiled temp memory grows per layer by the kept
@@ -95,6 +107,32 @@ RECIPES = ("mxfp8", "bf16")
 H200_GEMM_FLOPS = {"mxfp8": 700e12, "bf16": 500e12}
 H200_MEMORY_BANDWIDTH = 4.0e12
 H200_HOST_BANDWIDTH = 53e9  # pinned host <-> device, each way, measured
+
+
+# The fraction of a layer's backward pass (its GEMMs, in the op's order) that runs
+# before each residual is first read: "activation_input" feeds the first kernel (the
+# FC2 dgrad with dSReLU fused), "fc2_input" the FC2 weight gradient and "fc1_input" the
+# FC1 weight gradient, which XLA schedules after one and two of the four GEMMs at the
+# earliest (fitted on the H200: Python loop, expert-parallel Nano share, docs/offload.md).
+# How the checkpointed layers run (``plan_offload(layout=...)``): a Python loop, a
+# ``jax.lax.scan``, :func:`layer_stack`, :func:`layer_scan`.
+LAYOUTS = ("loop", "scan", "layer_stack", "layer_scan")
+
+BACKWARD_BEFORE_USE = {ACTIVATION_INPUT: 0.0, FC2_INPUT: 0.25, FC1_INPUT: 0.5}
+
+
+def _reload_wait(offloaded: list[str], residual_bytes: Mapping[str, int], host_bandwidth: float,
+                 backward: float, recompute: float, overlap: float) -> float:  # fmt: skip
+    """How long a layer's backward waits for its own copies back (a Python loop of
+    checkpointed layers): they start with the layer's backward, tied to its cotangent,
+    and run one after the other in the order the backward needs them; each hides
+    behind the compute before its first use (the recompute, which runs first, and
+    :data:`BACKWARD_BEFORE_USE` of the backward)."""
+    wait, arrived = 0.0, 0.0
+    for name in sorted(offloaded, key=BACKWARD_BEFORE_USE.__getitem__):
+        arrived += residual_bytes[name] / host_bandwidth
+        wait = max(wait, arrived - overlap * (recompute + BACKWARD_BEFORE_USE[name] * backward))
+    return wait
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -284,8 +322,7 @@ class OffloadPlan:
     buffer_rows: int = 0  # rows the residuals are allocated at (the EP receive buffer)
     kept_anyway: frozenset = frozenset()  # residuals that are the layer's input
     exchange_time: float = 0.0  # seconds per layer of the expert-parallel exchange
-    layer_stack: bool = False  # the layers run under layer_stack
-    layer_scan: bool = False  # the layers run under layer_scan
+    layout: str = "loop"  # how the layers run: one of LAYOUTS
 
     @property
     def chosen(self) -> Candidate:
@@ -376,8 +413,7 @@ def predict(
     kept_anyway: frozenset[str] = frozenset(),
     exchange_time: float = 0.0,
     layer_input_bytes: int = 0,
-    layer_stack: bool = False,
-    layer_scan: bool = False,
+    layout: str = "loop",
 ) -> Candidate:
     """Device memory and step time of one placement (the module docstring's model).
 
@@ -390,8 +426,7 @@ def predict(
     keeps on the device when "fc1_input" or "activation_input" is recomputed from it;
     counted against the budget with the residuals (not when "fc1_input" is x itself,
     ``kept_anyway``, where the layer input stays outside the budget).
-    ``layer_stack``: the layers run under :func:`layer_stack`; ``layer_scan``: under
-    :func:`layer_scan` (the module docstring).
+    ``layout``: how the layers run, one of :data:`LAYOUTS` (the module docstring).
     """
     on = {p: [n for n in RESIDUAL_NAMES if placement[n] == p] for p in PLACEMENTS}
     kept = sum(residual_bytes[n] for n in on["device"] if n not in kept_anyway)
@@ -399,21 +434,27 @@ def predict(
     offloaded = sum(residual_bytes[n] for n in on["offload"])
     transfer = offloaded / host_bandwidth
     # To the host: within the layer's own forward pass (the op's host-copy fence in a
-    # Python loop, the iteration in a scan). Back: before the layer's backward starts,
-    # which needs it first; not hidden (measured on the H200, both layouts).
+    # Python loop, the iteration in a scan). Back: from the start of the layer's
+    # backward; in a loop each hides behind the backward before its first read, in a
+    # scan none does (measured on the H200).
     recompute = sum(layer_time.recompute[n] for n in on["recompute"])
     offloading = num_layers
-    exposed = max(0.0, transfer - overlap * layer_time.forward) + transfer
-    if layer_stack:
+    if layout == "loop":
+        wait = _reload_wait([n for n in RESIDUAL_NAMES if n in on["offload"]], residual_bytes, host_bandwidth,
+                            layer_time.backward, recompute, overlap)  # fmt: skip
+    else:
+        wait = transfer
+    exposed = max(0.0, transfer - overlap * layer_time.forward) + wait
+    if layout == "layer_stack":
         # layer_stack: a layer's copies out hide behind the next layer's forward, its
         # copies back behind the next layer's backward; the last layer offloads nothing.
         offloading = num_layers - 1
         exposed = max(0.0, transfer - overlap * layer_time.forward) + max(
             0.0, transfer - overlap * (layer_time.backward + recompute))
     extra = 0
-    if layer_stack:
+    if layout == "layer_stack":
         extra = offloaded
-    elif layer_scan:
+    elif layout == "layer_scan":
         # layer_scan: the last two layers keep what the policy offloads on the device;
         # the others' copies run inside loop iterations, out and back, next to the
         # compute and not overlapping it (XLA schedules them so; measured on the H200).
@@ -452,8 +493,7 @@ def plan_offload(
     parallel: ExpertParallel | None = None,
     exchange_time: float = 0.0,
     fc1_input_is_layer_input: bool | None = None,
-    layer_stack: bool = False,
-    layer_scan: bool = False,
+    layout: str = "loop",
 ) -> OffloadPlan:
     """Choose where each residual of a stack of grouped-MLP layers lives.
 
@@ -476,7 +516,8 @@ def plan_offload(
       recipe: "mxfp8" or "bf16", as given to :func:`grouped_mlp`.
       overlap: fraction (0..1) of a layer's forward compute that its copies to the host
         can hide behind; 1 on a GPU with copy engines, near 0 where copies take the
-        compute's cores (CPU). The copies back are never hidden (the module docstring).
+        compute's cores (CPU). Also the fraction of the backward before a residual's
+        first read that its copy back hides behind in a Python loop (the module docstring).
       tie_tolerance: step times within this relative distance of the best count as
         equal; among those the least host traffic wins.
       parallel: the layers' :class:`ExpertParallel` when they run as ``moe_block``
@@ -495,12 +536,14 @@ def plan_offload(
         layers: bf16 saves ``x`` itself), else False (MXFP8 saves a quantized copy;
         ``moe_block`` permutes or exchanges the tokens first: pass False for a
         single-device MoE block with bf16).
-      layer_stack: the layers run under :func:`layer_stack` (its copies overlap the
-        neighbouring layers, its last layer offloads nothing, one more layer's
-        offloaded residuals are on the device); default: one ``jax.checkpoint`` per
-        layer in a Python loop or a scan.
-      layer_scan: the layers run under :func:`layer_scan` (the last two layers keep
-        their offloaded residuals on the device; the other layers' copies each way are
+      layout: how the layers run. "loop" (default): a Python loop of
+        ``jax.checkpoint`` layers (a layer's copies back hide behind the part of its
+        own backward before each is read); "scan": ``jax.lax.scan`` / ``nnx.scan`` of
+        a checkpointed layer (each copy back exposed); "layer_stack": under
+        :func:`layer_stack` (its copies overlap the neighbouring layers, its last layer
+        offloads nothing, one more layer's offloaded residuals are on the device);
+        "layer_scan": under :func:`layer_scan` (the last two layers keep their
+        offloaded residuals on the device; the other layers' copies each way are
         exposed, next to the compute inside the loop's iterations).
 
     Returns:
@@ -534,11 +577,8 @@ def plan_offload(
         fc1_input_is_layer_input = recipe == "bf16" and parallel is None
     elif not isinstance(fc1_input_is_layer_input, bool):
         raise TypeError(f"fc1_input_is_layer_input must be a bool or None, got {fc1_input_is_layer_input!r}")
-    for name, flag in (("layer_stack", layer_stack), ("layer_scan", layer_scan)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if layer_stack and layer_scan:
-        raise ValueError("layer_stack and layer_scan are two layouts: pass at most one of them as True")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got layout={layout!r}")
     if fc1_input_is_layer_input and recipe != "bf16":
         raise ValueError("fc1_input_is_layer_input=True needs recipe='bf16' (MXFP8 keeps a quantized copy of x)")
     kept_anyway = frozenset({FC1_INPUT}) if fc1_input_is_layer_input else frozenset()
@@ -555,8 +595,7 @@ def plan_offload(
             kept_anyway=kept_anyway,
             exchange_time=exchange_time,
             layer_input_bytes=2 * buffer_rows * hidden,
-            layer_stack=layer_stack,
-            layer_scan=layer_scan,
+            layout=layout,
         )
         for combo in itertools.product(PLACEMENTS, repeat=len(RESIDUAL_NAMES))
     ]
@@ -586,8 +625,7 @@ def plan_offload(
         buffer_rows=buffer_rows,
         kept_anyway=kept_anyway,
         exchange_time=exchange_time,
-        layer_stack=layer_stack,
-        layer_scan=layer_scan,
+        layout=layout,
     )
 
 

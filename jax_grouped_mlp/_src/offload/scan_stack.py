@@ -16,8 +16,8 @@ it needs them: the next layer waits for each copy out, and every copy back is ex
   layer's own parameters and ``args`` are read again from the inputs;
 * backward: the last layer's pullback, then a reverse scan over layers ``L-2 .. 1``
   that carries layer ``i``'s offloaded residuals already on the device and reads layer
-  ``i - 1``'s from the host buffer (at the loop counter's index: XLA issues an
-  asynchronous copy, which overlaps layer ``i``'s pullback); then layer 0.
+  ``i - 1``'s from the host buffer (the scan's input slice at the loop counter: XLA
+  issues an asynchronous copy beside layer ``i``'s pullback); then layer 0.
 
 The arithmetic is that of the same layers in a loop of ``jax.checkpoint`` (the same
 pullbacks on the same values): tests/test_layer_stack.py compares bit for bit.
@@ -155,22 +155,20 @@ def layer_scan(
                       for kind, j in layout.sources]  # fmt: skip
             return jax.tree_util.tree_unflatten(layout.tree, leaves)
 
-        def at(stacked, i):
-            return [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in stacked]
-
         current = saved["off"]
         if length > 2:
 
-            def step(carry, i):  # layer i (L-2 .. 1); saved["keep"] holds layers 1..L-2, saved["host"] 0..L-3
+            def step(carry, xs):  # layer i (L-2 .. 1)
                 dy, d_args, grads, current = carry
-                # Layer i - 1's copies back, at an index computed from the loop counter
-                # alone, so XLA can move them as one asynchronous copy.
-                following = residuals.to_device_p.bind(*at(saved["host"], i - 1), memory_kind="device")
-                d_p, dy, *d_a = pullback_of(i, current, at(saved["keep"], i - 1), inner)(dy)
+                i, before, keep = xs  # layer i - 1's host copies, layer i's other arrays
+                # Layer i - 1's copies back, read as the scan's own input slices (at the
+                # loop counter): XLA issues them as asynchronous host dynamic-slices.
+                following = residuals.to_device_p.bind(*before, memory_kind="device")
+                d_p, dy, *d_a = pullback_of(i, current, keep, inner)(dy)
                 return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), list(following)), None
 
-            (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current),
-                                                       jnp.arange(1, length - 1), reverse=True)  # fmt: skip
+            xs = (jnp.arange(1, length - 1), saved["host"], saved["keep"])  # host: layers 0..L-3, keep: 1..L-2
+            (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current), xs, reverse=True)
         d_0, dy, *d_a = pullback_of(0, current, saved["keep0"], first)(dy)
         return _put(grads, d_0, 0), dy, tuple(jax.tree.map(stack._add, d_args, d_a))
 
