@@ -44,9 +44,9 @@ of the device peak between the smallest and largest layer count against
 ``kept_on_device + 0.10 * offloaded`` residual bytes per layer, and the step time
 against ``1.15 * max(compute step, transfer time)`` (compute: the policy with its
 offloads kept on the device, recomputes still recomputed), the transfer time from the
-host link bandwidth measured in the worker process (pinned-host <-> device copies of
-``--link-mb`` MB and half that each way, the rate from the difference so the fixed
-cost of a copy drops out; ``--link-gbps`` where there is no ``pinned_host``).
+host link bandwidth measured in the worker process (a pinned-host <-> device copy of
+``--link-mb`` MB each way, large so that the fixed cost of one copy hardly counts;
+``--link-gbps`` where there is no ``pinned_host``).
 JSON goes to ``benchmarks/results/offload_<platform>.json``; ``--plot`` draws it
 (``benchmarks/plot_offload.py``).
 
@@ -816,8 +816,8 @@ def main(argv=None) -> dict:
                    help="skip the timing (--samples 0): compiled memory, one step for the device peak")
     p.add_argument("--link-gbps", type=float, default=53.0,
                    help="host link bandwidth each way, GB/s, where it cannot be measured")
-    p.add_argument("--link-mb", type=float, default=512.0,
-                   help="MB copied each way (and half that) to measure the host link (0: use --link-gbps)")
+    p.add_argument("--link-mb", type=float, default=2048.0,
+                   help="MB copied each way to measure the host link (0: use --link-gbps)")
     p.add_argument("--inprocess", action="store_true",
                    help="everything in this process (compiled memory only: the device peak is then cumulative)")
     p.add_argument("--runtime-check", action="store_true",

@@ -43,15 +43,16 @@ ALL_DEVICE = ("device", "device", "device")
 
 
 def measure_link(nbytes: int, reps: int = 5) -> dict | None:
-    """Device <-> pinned-host copy bandwidth, bytes per second, from copies of ``nbytes``
-    and of half that (median of ``reps`` copies each way and size, after one warm-up):
-    the bytes the larger copy adds over the time it adds, so the fixed cost of a copy
-    (dispatch, allocating the destination, waiting for it) drops out. On the H200 that
-    cost made a single 256 MB copy read 47 GB/s while a stack of offloading layers ran
-    its copies at ~53 (faster than the "link time" said). Falls back to the larger copy's
-    own rate where the difference is not positive (a noisy host). None when the device
-    has no ``pinned_host`` memory kind; ``{"error": ...}`` when the copies fail. Run it
-    after any device-peak measurement: it allocates ``2 * nbytes`` on the device."""
+    """Device <-> pinned-host copy bandwidth, bytes per second: ``nbytes`` over the
+    median time of ``reps`` copies each way (after one warm-up). Copies of half that
+    size are timed too, for ``slope_bytes_per_s`` (the bytes the larger copy adds over
+    the time it adds: the rate without the fixed cost of one copy), a diagnostic only:
+    on the H200 it read 53-63 GB/s from run to run, too noisy for a bar. The fixed cost
+    (dispatch, allocating the destination, waiting) made one 256 MB copy read 47 GB/s
+    where a stack of offloading layers ran its copies at ~53, hence a large default
+    (``bench_offload.py --link-mb 2048``). None when the device has no ``pinned_host``
+    memory kind; ``{"error": ...}`` when the copies fail. Run it after any device-peak
+    measurement: it allocates ``2 * nbytes`` on the device."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -88,17 +89,16 @@ def measure_link(nbytes: int, reps: int = 5) -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
     small, large = (4 * n for n in sizes)
 
-    def rate(k: str) -> float:
+    def slope(k: str) -> float | None:
         dt = medians[k][1] - medians[k][0]
-        return (large - small) / dt if dt > 0 else large / medians[k][1]
+        return (large - small) / dt if dt > 0 else None
 
     return {
         "bytes": large,
         "reps": reps,
-        "method": "slope: (N - N/2) bytes / (t(N) - t(N/2))",
-        "d2h_bytes_per_s": rate("d2h"),
-        "h2d_bytes_per_s": rate("h2d"),
-        "single_copy_bytes_per_s": {k: large / medians[k][1] for k in medians},
+        "d2h_bytes_per_s": large / medians["d2h"][1],
+        "h2d_bytes_per_s": large / medians["h2d"][1],
+        "slope_bytes_per_s": {"d2h": slope("d2h"), "h2d": slope("h2d")},
         "platform": d.platform,
     }
 
@@ -114,6 +114,7 @@ def link_bandwidth(measurements: list[dict | None], link_gbps: float) -> dict:
             "h2d_bytes_per_s": statistics.median(m["h2d_bytes_per_s"] for m in ok),
             "measurements": len(ok),
             "bytes": ok[0]["bytes"],
+            "slope_bytes_per_s": [m.get("slope_bytes_per_s") for m in ok],
         }
     errors = [m["error"] for m in measurements if m and "error" in m]
     return {"source": "--link-gbps", "d2h_bytes_per_s": link_gbps * 1e9, "h2d_bytes_per_s": link_gbps * 1e9,

@@ -28,14 +28,15 @@ ORDER = ("fc1_input", "activation_input", "fc2_input")
 SHORT = {"device": "d", "offload": "o", "recompute": "r"}
 
 
-def compare(run: dict) -> list[dict]:
-    """One row per (layout, placement) found in ``run`` at its largest layer count."""
+def compare(run: dict, host_bandwidth: float | None = None) -> list[dict]:
+    """One row per (layout, placement) found in ``run`` at its largest layer count;
+    ``host_bandwidth`` (bytes/s each way) in place of the link the run measured."""
     import jax_grouped_mlp as jgm
 
     rows = {(r["layout"], r["layers"], r["label"]): r for r in run["rows"] if "error" not in r}
     growth = {(e["layout"], e["label"]): e for e in run.get("growth", [])}
     link = run["link"]
-    bandwidth = (link["d2h_bytes_per_s"] + link["h2d_bytes_per_s"]) / 2
+    bandwidth = host_bandwidth or (link["d2h_bytes_per_s"] + link["h2d_bytes_per_s"]) / 2
     layers = max(run["layer_counts"])
     shape = run["shape"]
     out = []
@@ -74,9 +75,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=pathlib.Path, help="a bench_offload JSON with step times and growth")
     ap.add_argument("--out", type=pathlib.Path, default=None)
+    ap.add_argument("--host-bandwidth", type=float, default=None,
+                    help="bytes/s each way to plan with instead of the link the run measured (e.g. 53e9)")
     args = ap.parse_args()
     run = json.loads(args.run.read_text())
-    rows = compare(run)
+    rows = compare(run, args.host_bandwidth)
     if not rows:
         sys.exit(f"{args.run}: no timed all-device row at the largest layer count; nothing to compare")
     print(f"{'layout':<7}{'policy':<8}{'step pred ms':>13}{'meas ms':>9}{'err':>7}{'MB/layer pred':>15}{'meas':>8}")
@@ -91,7 +94,8 @@ def main() -> None:
               f"median |err| {errs[len(errs) // 2]:.0%}, max {errs[-1]:.0%}")
     if args.out:
         write_result(args.out, command=command_line("benchmarks/plan_vs_measured.py", sys.argv[1:]), rows=rows, device=run["device"],
-                     extra={"measured_run": str(args.run), "measured_run_commit": run.get("library_commit")})
+                     extra={"measured_run": str(args.run), "measured_run_commit": run.get("library_commit"),
+                            "host_bandwidth": args.host_bandwidth or "the run's measured link"})
 
 
 if __name__ == "__main__":
