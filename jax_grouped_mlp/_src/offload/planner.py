@@ -358,7 +358,7 @@ class OffloadPlan:
         lt = self.layer_time
         lines = [
             f"offload plan: M={s.tokens} H={s.hidden} F={s.ffn} G={s.num_experts} "
-            f"recipe={self.recipe} layers={self.num_layers}"
+            f"recipe={self.recipe} layers={self.num_layers} layout={self.layout}"
             + (f" (residuals at {self.buffer_rows} rows: the expert-parallel receive buffer)"
                if self.buffer_rows and self.buffer_rows != s.tokens else "")
             + (f", exchange {_fmt_time(self.exchange_time)}/layer" if self.exchange_time else ""),
