@@ -379,7 +379,6 @@ def test_loop_reloads_hide_behind_the_backward_before_their_first_read():
     t1 = per["fc1_input"] / bw
     assert step(loop, fc1_input="offload") == pytest.approx(8 * (lt.total + out(t1) + max(0.0, t1 - 0.5 * lt.backward)))
     assert step(scan, fc1_input="offload") == pytest.approx(8 * (lt.total + out(t1) + t1))
-    ta = per["activation_input"] / bw
     assert step(loop, activation_input="offload") == pytest.approx(step(scan, activation_input="offload"))
     t = [per[n] / bw for n in ("activation_input", "fc2_input", "fc1_input")]
     wait = max(t[0], t[0] + t[1] - 0.25 * lt.backward, sum(t) - 0.5 * lt.backward)
@@ -390,4 +389,3 @@ def test_loop_reloads_hide_behind_the_backward_before_their_first_read():
     rec = lt.recompute["fc2_input"]
     assert step(loop, fc1_input="offload", fc2_input="recompute") == pytest.approx(
         8 * (lt.total + rec + out(t1) + max(0.0, t1 - rec - 0.5 * lt.backward)))
-    del ta
