@@ -43,16 +43,14 @@ ALL_DEVICE = ("device", "device", "device")
 
 
 def measure_link(nbytes: int, reps: int = 5) -> dict | None:
-    """Device <-> pinned-host copy bandwidth, bytes per second: ``nbytes`` over the
-    median time of ``reps`` copies each way (after one warm-up). Copies of half that
-    size are timed too, for ``slope_bytes_per_s`` (the bytes the larger copy adds over
-    the time it adds: the rate without the fixed cost of one copy), a diagnostic only:
-    on the H200 it read 53-63 GB/s from run to run, too noisy for a bar. The fixed cost
-    (dispatch, allocating the destination, waiting) made one 256 MB copy read 47 GB/s
-    where a stack of offloading layers ran its copies at ~53, hence a large default
-    (``bench_offload.py --link-mb 2048``). None when the device has no ``pinned_host``
-    memory kind; ``{"error": ...}`` when the copies fail. Run it after any device-peak
-    measurement: it allocates ``2 * nbytes`` on the device."""
+    """Device <-> pinned-host copy bandwidth of ``nbytes`` (median of ``reps`` copies each
+    way, after one warm-up), bytes per second; None when the device has no ``pinned_host``
+    memory kind, ``{"error": ...}`` when the copies fail. Take ``nbytes`` large: the fixed
+    cost of a copy (dispatch, allocating the destination, the wait) made one 256 MB copy
+    read 47 GB/s on the H200 where a stack of offloading layers copies at ~53
+    (``bench_offload.py --link-mb`` defaults to 2048). The rate from the difference of
+    two copy sizes removes that cost but read 53-63 GB/s from run to run there. Run it
+    after any device-peak measurement: it allocates ``2 * nbytes`` on the device."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -60,45 +58,34 @@ def measure_link(nbytes: int, reps: int = 5) -> dict | None:
     d = jax.devices()[0]
     if "pinned_host" not in {m.kind for m in d.addressable_memories()}:
         return None
+    n = max(int(nbytes) // 4, 1)
     on_host = SingleDeviceSharding(d, memory_kind="pinned_host")
     on_device = SingleDeviceSharding(d, memory_kind="device")
-    sizes = (max(int(nbytes) // 8, 1), max(int(nbytes) // 4, 1))  # float32 elements: N/2 and N bytes
-    medians: dict[str, list[float]] = {"d2h": [], "h2d": []}
     try:
-        for n in sizes:
-            a = jax.block_until_ready(jnp.arange(n, dtype=jnp.float32))
-            times: dict[str, list[float]] = {"d2h": [], "h2d": []}
-            h = b = None
-            for i in range(reps + 1):
-                del h
-                t0 = time.perf_counter()
-                h = jax.block_until_ready(jax.device_put(a, on_host))
-                t1 = time.perf_counter()
-                del b
-                b = jax.block_until_ready(jax.device_put(h, on_device))
-                t2 = time.perf_counter()
-                if i:  # the first copies each way are the warm-up
-                    times["d2h"].append(t1 - t0)
-                    times["h2d"].append(t2 - t1)
-            if str(h.sharding.memory_kind) != "pinned_host":
-                return None
-            for k in medians:
-                medians[k].append(statistics.median(times[k]))
-            del a, h, b
+        a = jax.block_until_ready(jnp.arange(n, dtype=jnp.float32))
+        times: dict[str, list[float]] = {"d2h": [], "h2d": []}
+        h = b = None
+        for i in range(reps + 1):
+            del h
+            t0 = time.perf_counter()
+            h = jax.block_until_ready(jax.device_put(a, on_host))
+            t1 = time.perf_counter()
+            del b
+            b = jax.block_until_ready(jax.device_put(h, on_device))
+            t2 = time.perf_counter()
+            if i:  # the first copies each way are the warm-up
+                times["d2h"].append(t1 - t0)
+                times["h2d"].append(t2 - t1)
+        if str(h.sharding.memory_kind) != "pinned_host":
+            return None
     except Exception as e:  # a platform that lists the kind but cannot copy to it
         return {"error": f"{type(e).__name__}: {e}"}
-    small, large = (4 * n for n in sizes)
-
-    def slope(k: str) -> float | None:
-        dt = medians[k][1] - medians[k][0]
-        return (large - small) / dt if dt > 0 else None
-
+    nb = 4 * n
     return {
-        "bytes": large,
+        "bytes": nb,
         "reps": reps,
-        "d2h_bytes_per_s": large / medians["d2h"][1],
-        "h2d_bytes_per_s": large / medians["h2d"][1],
-        "slope_bytes_per_s": {"d2h": slope("d2h"), "h2d": slope("h2d")},
+        "d2h_bytes_per_s": nb / statistics.median(times["d2h"]),
+        "h2d_bytes_per_s": nb / statistics.median(times["h2d"]),
         "platform": d.platform,
     }
 
@@ -114,7 +101,6 @@ def link_bandwidth(measurements: list[dict | None], link_gbps: float) -> dict:
             "h2d_bytes_per_s": statistics.median(m["h2d_bytes_per_s"] for m in ok),
             "measurements": len(ok),
             "bytes": ok[0]["bytes"],
-            "slope_bytes_per_s": [m.get("slope_bytes_per_s") for m in ok],
         }
     errors = [m["error"] for m in measurements if m and "error" in m]
     return {"source": "--link-gbps", "d2h_bytes_per_s": link_gbps * 1e9, "h2d_bytes_per_s": link_gbps * 1e9,

@@ -109,15 +109,15 @@ H200_MEMORY_BANDWIDTH = 4.0e12
 H200_HOST_BANDWIDTH = 53e9  # pinned host <-> device, each way, measured
 
 
+# How the checkpointed layers run (``plan_offload(layout=...)``): a Python loop, a
+# ``jax.lax.scan``, :func:`layer_stack`, :func:`layer_scan`.
+LAYOUTS = ("loop", "scan", "layer_stack", "layer_scan")
+
 # The fraction of a layer's backward pass (its GEMMs, in the op's order) that runs
 # before each residual is first read: "activation_input" feeds the first kernel (the
 # FC2 dgrad with dSReLU fused), "fc2_input" the FC2 weight gradient and "fc1_input" the
 # FC1 weight gradient, which XLA schedules after one and two of the four GEMMs at the
 # earliest (fitted on the H200: Python loop, expert-parallel Nano share, docs/offload.md).
-# How the checkpointed layers run (``plan_offload(layout=...)``): a Python loop, a
-# ``jax.lax.scan``, :func:`layer_stack`, :func:`layer_scan`.
-LAYOUTS = ("loop", "scan", "layer_stack", "layer_scan")
-
 BACKWARD_BEFORE_USE = {ACTIVATION_INPUT: 0.0, FC2_INPUT: 0.25, FC1_INPUT: 0.5}
 
 
@@ -438,29 +438,24 @@ def predict(
     # backward; in a loop each hides behind the backward before its first read, in a
     # scan none does (measured on the H200).
     recompute = sum(layer_time.recompute[n] for n in on["recompute"])
-    offloading = num_layers
+    out = max(0.0, transfer - overlap * layer_time.forward)  # the copies to the host
+    offloading, extra = num_layers, 0
     if layout == "loop":
-        wait = _reload_wait([n for n in RESIDUAL_NAMES if n in on["offload"]], residual_bytes, host_bandwidth,
-                            layer_time.backward, recompute, overlap)  # fmt: skip
-    else:
-        wait = transfer
-    exposed = max(0.0, transfer - overlap * layer_time.forward) + wait
-    if layout == "layer_stack":
-        # layer_stack: a layer's copies out hide behind the next layer's forward, its
-        # copies back behind the next layer's backward; the last layer offloads nothing.
-        offloading = num_layers - 1
-        exposed = max(0.0, transfer - overlap * layer_time.forward) + max(
-            0.0, transfer - overlap * (layer_time.backward + recompute))
-    extra = 0
-    if layout == "layer_stack":
-        extra = offloaded
-    elif layout == "layer_scan":
-        # layer_scan: the last two layers keep what the policy offloads on the device;
-        # the others' copies run inside loop iterations, out and back, next to the
-        # compute and not overlapping it (XLA schedules them so; measured on the H200).
-        offloading = max(0, num_layers - 2)
+        on_host = [n for n in RESIDUAL_NAMES if n in on["offload"]]
+        exposed = out + _reload_wait(on_host, residual_bytes, host_bandwidth, layer_time.backward, recompute, overlap)
+    elif layout == "scan":
+        exposed = out + transfer
+    elif layout == "layer_stack":
+        # A layer's copies out hide behind the next layer's forward, its copies back
+        # behind the next layer's backward; the last layer offloads nothing.
+        offloading, extra = num_layers - 1, offloaded
+        exposed = out + max(0.0, transfer - overlap * (layer_time.backward + recompute))
+    else:  # layer_scan
+        # The last two layers keep what the policy offloads on the device; the others'
+        # copies run inside loop iterations, out and back, next to the compute and not
+        # overlapping it (XLA schedules them so; measured on the H200).
+        offloading, extra = max(0, num_layers - 2), min(num_layers, 2) * offloaded
         exposed = 2 * transfer
-        extra = min(num_layers, 2) * offloaded
     device = num_layers * kept + not_kept + extra
     recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     inputs = num_layers * layer_input_bytes if recomputes_from_x and FC1_INPUT not in kept_anyway else 0
