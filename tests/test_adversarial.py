@@ -24,7 +24,11 @@ from mlp_reference import group_slices, mlp_f64, rel_err
 
 M, H, F, G = 64, 20, 36, 3  # H and F: not multiples of 8 or 32
 I32 = 2**31 - 1
-BANDS = {"bf16": 0.02, "mxfp8": 0.1}  # rel. error vs float64; a misplaced row costs O(1)
+# Rel. error vs float64; a misplaced row costs O(1) (a group's rows swapped: ~0.6). At
+# these tiny shapes (K = 20 and 36, three weight pairs, all rows often in one group) the
+# mxfp8 error has a long tail over fresh draws: median 0.062, 0.082 the worst of 300
+# draws, and 0.110 was seen once in CI; 0.15 keeps a wide margin on both sides.
+BANDS = {"bf16": 0.02, "mxfp8": 0.15}
 ISSUE_CASES = {  # issue #16's two cases over 64 rows, and what they must compute
     "wrap_to_10_rows": ([I32, I32, 10], [(0, 64), (64, 64), (64, 64)]),
     "wrap_to_no_rows": ([40, I32, I32], [(0, 40), (40, 64), (64, 64)]),
