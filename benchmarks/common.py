@@ -44,8 +44,20 @@ def routed_group_sizes(m: int, g: int, skew: float, seed: int = 0) -> np.ndarray
     return rng.multinomial(m, p / p.sum()).astype(np.int32)
 
 
+def gemm_shape(name: str) -> tuple[int, int, int, int]:
+    """``(G, rows per group, K, N)`` of a :data:`GEMM_SHAPES` name, or of a spec
+    ``GxROWSxKxN`` (e.g. ``8x8192x16384x4096``: moe8 with a longer K)."""
+    if name in GEMM_SHAPES:
+        return GEMM_SHAPES[name]
+    parts = name.split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"shape must be one of {sorted(GEMM_SHAPES)} or GxROWSxKxN, got {name!r}")
+    g, rows, k, n = (int(p) for p in parts)
+    return g, rows, k, n
+
+
 def gemm_problem(name: str, skew: float = 0.0, alpha: float | None = None):
-    """The GEMM benchmark shape ``name`` with fresh random bf16 operands:
+    """The GEMM benchmark shape ``name`` (:func:`gemm_shape`) with fresh random bf16 operands:
     ``(header, a [M, K], w [G, K, N], group_sizes)``, the header being the result's
     ``{"shape": ..., "flops": 2 M N K}``; group sizes from :func:`routed_group_sizes`
     (equal by default), or, with ``alpha``, as a router makes them
@@ -55,7 +67,7 @@ def gemm_problem(name: str, skew: float = 0.0, alpha: float | None = None):
 
     from shapes import router_group_sizes
 
-    g, rows, k, n = GEMM_SHAPES[name]
+    g, rows, k, n = gemm_shape(name)
     m = g * rows
     ka, kb = jax.random.split(jax.random.key(hash(name) % 2**31))
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)

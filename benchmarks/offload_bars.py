@@ -205,7 +205,7 @@ def print_growth(entries: list[dict]) -> None:
     print("+x: the bar plus the layer input x the checkpoint keeps under every policy; d peak: growth of the device "
           "peak less the step's arguments and outputs (weights, gradients); it needs one "
           "process per policy (not --inprocess) and a device that reports memory_stats\n")
-    print(f"{'layout':<7}{'policy':<26}{'kept':>8}{'offl':>8}{'x':>8}{'d temp':>9}{'d peak':>9}{'bar':>8}"
+    print(f"{'layout':<11}{'policy':<26}{'kept':>8}{'offl':>8}{'x':>8}{'d temp':>9}{'d peak':>9}{'bar':>8}"
           f"{'bar+x':>8}  {'meets bar':<10}{'meets bar+x':<12}")  # fmt: skip
     for e in entries:
         g = e["peak_growth_per_layer"] if e["peak_growth_per_layer"] is not None else e["temp_growth_per_layer"]
@@ -213,7 +213,7 @@ def print_growth(entries: list[dict]) -> None:
         bar, barx = e["bar_bytes_per_layer"], e["bar_with_layer_input_bytes_per_layer"]
         meets = None if g is None else g <= bar
         meetsx = None if g is None else g <= barx
-        print(f"{e['layout']:<7}{e['label']:<26}{_f(e['kept_on_device_bytes_per_layer']):>8}"
+        print(f"{e['layout']:<11}{e['label']:<26}{_f(e['kept_on_device_bytes_per_layer']):>8}"
               f"{_f(e['offloaded_bytes_per_layer']):>8}{_f(e['layer_input_bytes']):>8}"
               f"{_f(e['temp_growth_per_layer'], spec='+.1f'):>9}{_f(e['peak_growth_per_layer'], spec='+.1f'):>9}"
               f"{_f(bar):>8}{_f(barx):>8}  {_yn(meets) + ' (' + which + ')' if g is not None else '-':<10}"
@@ -228,10 +228,10 @@ def print_step(rows: list[dict], link: dict) -> None:
           "with its offloads kept on the device (recomputes still recomputed), else all-device; transfer = offloaded bytes "
           f"per step / {link['d2h_bytes_per_s'] / 1e9:.1f} GB/s (device->host) + / "
           f"{link['h2d_bytes_per_s'] / 1e9:.1f} GB/s (host->device), {link['source']}\n")
-    print(f"{'layout':<7}{'L':>3} {'policy':<26}{'host MB':>9}{'xfer ms':>9}{'comp ms':>9}{'step ms':>9}"
+    print(f"{'layout':<11}{'L':>3} {'policy':<26}{'host MB':>9}{'xfer ms':>9}{'comp ms':>9}{'step ms':>9}"
           f"{'bar ms':>9}  meets bar")  # fmt: skip
     for r in ok:
-        print(f"{r['layout']:<7}{r['layers']:>3} {r['label']:<26}{_f(r['host_residual_bytes']):>9}"
+        print(f"{r['layout']:<11}{r['layers']:>3} {r['label']:<26}{_f(r['host_residual_bytes']):>9}"
               f"{_f(r['transfer_s'], 1e-3, '.2f'):>9}{_f(r['compute_s'], 1e-3, '.2f'):>9}"
               f"{_f(r.get('step_time_s'), 1e-3, '.2f'):>9}{_f(r['step_bar_s'], 1e-3, '.2f'):>9}  "
               f"{_yn(r['meets_step_bar'])}")  # fmt: skip

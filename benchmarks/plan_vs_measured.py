@@ -82,10 +82,10 @@ def main() -> None:
     rows = compare(run, args.host_bandwidth)
     if not rows:
         sys.exit(f"{args.run}: no timed all-device row at the largest layer count; nothing to compare")
-    print(f"{'layout':<7}{'policy':<8}{'step pred ms':>13}{'meas ms':>9}{'err':>7}{'MB/layer pred':>15}{'meas':>8}")
+    print(f"{'layout':<11}{'policy':<8}{'step pred ms':>13}{'meas ms':>9}{'err':>7}{'MB/layer pred':>15}{'meas':>8}")
     for r in rows:
         g = r["temp_growth_per_layer_meas"]
-        print(f"{r['layout']:<7}{r['label']:<8}{r['step_pred_s'] * 1e3:>13.1f}{r['step_meas_s'] * 1e3:>9.1f}"
+        print(f"{r['layout']:<11}{r['label']:<8}{r['step_pred_s'] * 1e3:>13.1f}{r['step_meas_s'] * 1e3:>9.1f}"
               f"{r['step_rel_err']:>+7.0%}{r['device_bytes_per_layer_pred'] / 1e6:>15.0f}"
               f"{'-' if g is None else f'{g / 1e6:+.0f}':>8}")  # fmt: skip
     for layout in sorted({r["layout"] for r in rows}):

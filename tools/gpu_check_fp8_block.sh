@@ -19,7 +19,7 @@ timeout ${TEST_S:-240} python3 -m pytest -q -n 0 tests/test_grouped_gemm_fp8_blo
 stamp tests
 
 timeout ${BENCH_S:-150} python3 benchmarks/bench_fp8_block_gemm.py --out "$OUT/fp8_block_gemm_h200.json" \
-  ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -6 "$OUT/bench.log"
+  --rounds ${ROUNDS:-3} ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -12 "$OUT/bench.log"
 stamp bench
 
 # One buffer per allocation, so memcheck sees the real bounds of every array.

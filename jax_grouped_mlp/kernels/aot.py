@@ -203,7 +203,7 @@ def _kernel(v: registry.Variant):
     if isinstance(v, registry.Fp8BlockGemmVariant):
         from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_sm90 import Fp8BlockGemmConfig, GroupedGemmFp8BlockSm90
 
-        cfg = Fp8BlockGemmConfig(tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m, pingpong=v.pingpong)
+        cfg = Fp8BlockGemmConfig(tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m)
         return cfg, GroupedGemmFp8BlockSm90(cfg), _grouped_gemm_fp8_block_args()
     if isinstance(v, registry.QwGemmVariant):
         from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig, GroupedGemmQwSm90

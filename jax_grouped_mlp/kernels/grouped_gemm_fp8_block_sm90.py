@@ -47,14 +47,14 @@ CTA-uniform byte of ``sb``. They are loaded right after the block's wgmmas are i
 and arrive while those run. Row indices are clamped to ``M - 1``: a tile's rows past M
 (zero-filled by TMA, never stored) read a valid scale.
 
-Two mainloops (``Fp8BlockGemmConfig.pingpong``). The plain one: per K block a warp
-group issues its wgmmas, then waits for them (``wait_group(0)``) before promoting, so
-one warp group's promotion overlaps only the other's wgmmas, and the wgmmas' drain and
-the scale loads are on its critical path. The ping-pong one (``_pp``): two temporary
-accumulators; block ``k + 1``'s wgmmas are issued into one before block ``k``'s, in the
-other, is waited for (``wait_group(1)``) and promoted, so a warp group's promotion and
-scale loads overlap its own next wgmmas too (192 accumulator registers a thread).
-Both give the same bits: each block is reduced and promoted alike, in the same order.
+Per K block a warp group issues its wgmmas, then waits for them (``wait_group(0)``)
+before promoting: one warp group's promotion overlaps the other's wgmmas, not its own.
+A ping-pong pair of temporary accumulators (block ``k + 1`` issued before block ``k`` is
+promoted, so the promotion and the scale loads also overlap the warp group's own
+wgmmas) was built and measured on the H200 in session 21: bitwise the same output and
+no faster (0.98-1.04x, docs/notes/2026-12-04-fp8-gemm-pingpong.md); ncu puts the
+tensor pipe at 73 % busy with the stalls spread over barrier, wait, dispatch and scale
+loads, so the wait before promoting is not what limits it.
 
 Shape contract (checked by the binding and the handler): K % 16 == 0 and N % 8 == 0
 (TMA's 16-byte strides); K and N need *not* be multiples of 128: TMA zero-fills the
@@ -87,8 +87,6 @@ class Fp8BlockGemmConfig:
 
     tile_n: output columns per CTA tile (128: one B scale per tile and K block; each
       accumulator takes 64 registers per thread).
-    pingpong: two temporary accumulators, block ``k + 1`` issued before block ``k`` is
-      promoted (module docstring; name suffix ``_pp``).
     stages: shared-memory pipeline depth (0: as many as fit). Each stage is one
       128-wide K block: 128 x 128 bytes of A and tile_n x 128 of B.
     panel_m, epi_stages: as :class:`~jax_grouped_mlp.kernels.grouped_gemm_sm90.GroupedGemmConfig`.
@@ -99,7 +97,6 @@ class Fp8BlockGemmConfig:
     stages: int = 0
     panel_m: int = 8
     epi_stages: int = 2
-    pingpong: bool = False
 
     tile_m = 128
     tile_k = SCALE_BLOCK
@@ -131,8 +128,7 @@ class Fp8BlockGemmConfig:
     def name(self) -> str:
         s = f"grouped_gemm_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
-        s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
-        return s + ("_pp" if self.pingpong else "")
+        return s + (f"_e{self.epi_stages}" if self.epi_stages != 2 else "")
 
 
 class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
@@ -199,8 +195,7 @@ class Fp8BlockMainloop(TraceTimeObject):
     Per K block (one pipeline stage): wgmma fence, the stage's 4 wgmmas into a temporary
     accumulator (the first with ACCUMULATE off), commit; the block's scales from global
     memory; wait for the wgmmas; hand the slot back to the producer;
-    ``acc += temp * (sa[row] * sb)``. With ``pingpong`` the next block is issued into a
-    second temporary before this one is waited for. Tail tiles (rows past the groups)
+    ``acc += temp * (sa[row] * sb)``. Tail tiles (rows past the groups)
     skip it and leave a zero accumulator.
     """
 
@@ -213,15 +208,13 @@ class Fp8BlockMainloop(TraceTimeObject):
         self.sB = sB
         self.mSA = mSA
         self.mSB = mSB
-        self.pingpong = kernel.config.pingpong
 
     def setup(self, ctid):
-        """Consumer thread ``ctid``'s operand fragments, the temporary accumulator(s) and the
+        """Consumer thread ``ctid``'s operand fragments, the temporary accumulator and the
         accumulator rows; returns the float32 main accumulator."""
         k = self.kernel
         self.tCrA, self.tCrB, self.acc = k._mma_fragments(self.tiled_mma, self.sA, self.sB, ctid)
         self.temp = cute.make_rmem_tensor(self.acc.layout, k.acc_dtype)
-        self.temp2 = cute.make_rmem_tensor(self.acc.layout, k.acc_dtype) if self.pingpong else None
         # The tile rows of this thread's accumulator elements: its first row (run time)
         # plus a per-element offset that is the same for every thread (trace time, read off
         # thread 0's partition of the identity tensor). For the 64 x N wgmma fragment the
@@ -241,9 +234,8 @@ class Fp8BlockMainloop(TraceTimeObject):
             self.row_slot.append(offsets.index(off))
         self.row_offsets = tuple(offsets)
         self.row_base = c_thr[0][0]  # this thread's first accumulator row in the tile
-        # Scales of the block(s) in flight (per row slot), kept in registers.
+        # The scales of the block in flight (per row slot), in registers.
         self.sc = cute.make_rmem_tensor((len(offsets),), cutlass.Float32)
-        self.sc2 = cute.make_rmem_tensor((len(offsets),), cutlass.Float32) if self.pingpong else None
         return self.acc
 
     def _issue(self, tiled_mma: cute.TiledMma, temp: cute.Tensor, stage) -> cute.TiledMma:
@@ -286,57 +278,14 @@ class Fp8BlockMainloop(TraceTimeObject):
             last_row = work.m - 1
             rows = [cutlass.min(first + off, last_row) for off in self.row_offsets]
             g = sched.seg
-            if cutlass.const_expr(self.pingpong):
-                temp2, sc, sc2 = self.temp2, self.sc, self.sc2
-                # Invariant at the loop top: an even block is in flight in temp (scales in sc).
+            sc = self.sc
+            for kb in range(k_tiles):
                 pipe.consumer_wait(read)
                 tiled_mma = self._issue(tiled_mma, temp, read.index)
-                self._load_scales(sc, rows, g, n_tile, 0)
+                self._load_scales(sc, rows, g, n_tile, kb)  # while the wgmmas run
+                cute.nvgpu.warpgroup.wait_group(0)
+                pipe.consumer_release(release)
+                release.advance()
                 read.advance()
-                for p in range((k_tiles - 1) // 2):
-                    pipe.consumer_wait(read)
-                    tiled_mma = self._issue(tiled_mma, temp2, read.index)
-                    self._load_scales(sc2, rows, g, n_tile, 2 * p + 1)
-                    read.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    pipe.consumer_release(release)
-                    release.advance()
-                    self._promote(temp, sc)
-                    pipe.consumer_wait(read)
-                    tiled_mma = self._issue(tiled_mma, temp, read.index)
-                    self._load_scales(sc, rows, g, n_tile, 2 * p + 2)
-                    read.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    pipe.consumer_release(release)
-                    release.advance()
-                    self._promote(temp2, sc2)
-                if (k_tiles - 1) % 2 == 1:  # an odd last block, into temp2
-                    pipe.consumer_wait(read)
-                    tiled_mma = self._issue(tiled_mma, temp2, read.index)
-                    self._load_scales(sc2, rows, g, n_tile, k_tiles - 1)
-                    read.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    pipe.consumer_release(release)
-                    release.advance()
-                    self._promote(temp, sc)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    pipe.consumer_release(release)
-                    release.advance()
-                    self._promote(temp2, sc2)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    pipe.consumer_release(release)
-                    release.advance()
-                    self._promote(temp, sc)
-            else:
-                sc = self.sc
-                for kb in range(k_tiles):
-                    pipe.consumer_wait(read)
-                    tiled_mma = self._issue(tiled_mma, temp, read.index)
-                    self._load_scales(sc, rows, g, n_tile, kb)  # while the wgmmas run
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    pipe.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                    self._promote(temp, sc)
+                self._promote(temp, sc)
         return read, release

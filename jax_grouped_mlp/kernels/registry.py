@@ -248,14 +248,12 @@ class Fp8BlockGemmVariant:
     ``jgm_grouped_gemm_fp8_block``): FP8 E4M3 ``lhs [M, K]`` (E8M0 scales per 1 x 128
     block along K) times FP8 E4M3 ``rhs [G, N, K]`` (one E8M0 scale per 128 x 128 block),
     FP8 wgmma promoted into float32 every 128 of K, bf16 output. 128-row tiles of
-    ``tile_n`` output columns, one 128-wide K block per pipeline stage; ``pingpong``: two
-    temporary accumulators, the next block issued before this one is promoted (``_pp``).
+    ``tile_n`` output columns, one 128-wide K block per pipeline stage.
     """
 
     tile_n: int
     stages: int
     panel_m: int = 8
-    pingpong: bool = False
 
     tile_m: ClassVar[int] = 128
     tile_k: ClassVar[int] = 128
@@ -272,8 +270,7 @@ class Fp8BlockGemmVariant:
     @property
     def name(self) -> str:
         s = f"grouped_gemm_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.stages}"
-        s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
-        return s + ("_pp" if self.pingpong else "")
+        return s + (f"_p{self.panel_m}" if self.panel_m != 8 else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +361,6 @@ VARIANTS: tuple[Variant, ...] = (
     DequantizeVariant(),
     # jgm_grouped_gemm_fp8_block (the default: the first)
     Fp8BlockGemmVariant(tile_n=128, stages=6),
-    Fp8BlockGemmVariant(tile_n=128, stages=6, pingpong=True),
     # jgm_quantize_fp8_block_pair, jgm_quantize_fp8_block
     QuantizeFp8BlockVariant("pair"),
     QuantizeFp8BlockVariant("pair_bf16"),
