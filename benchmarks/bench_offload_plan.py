@@ -133,7 +133,10 @@ def main(argv=None) -> dict:
     per_layer = sum(shape.residual_bytes(args.recipe).values())
     budget_layers = args.budget_layers if args.budget_layers is not None else args.layers / 2
     print(f"device {jax.devices()[0].device_kind} ({platform}); measuring the planner's inputs...")
-    host_bw = measure_host_bandwidth(min(256 << 20, max(1 << 20, per_layer)), repeats=args.repeats)
+    # The GPU: one large copy, the rate the planner's model was checked against (small
+    # copies read low); elsewhere a layer's residuals at most (quick).
+    nbytes = 1 << 30 if platform == "gpu" else min(256 << 20, max(1 << 20, per_layer))
+    host_bw = measure_host_bandwidth(nbytes, repeats=args.repeats)
     layer_time = measure_layer_time(
         tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn, num_experts=shape.num_experts,
         recipe=args.recipe, repeats=args.repeats,

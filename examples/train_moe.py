@@ -277,7 +277,7 @@ def main(argv=None) -> dict:
     print(f"planning on {jax.devices()[0].device_kind} ({platform})...", flush=True)
     plan = jgm.plan_offload(
         **shape, num_layers=args.layers, budget_bytes=budget, recipe=args.recipe,
-        host_bandwidth=jgm.measure_host_bandwidth(1 << 22, repeats=3),
+        host_bandwidth=jgm.measure_host_bandwidth(1 << 30 if platform == "gpu" else 1 << 22, repeats=3),
         layer_time=args.layer_time if args.layer_time is not None
         else jgm.measure_layer_time(**shape, recipe=args.recipe, repeats=3),
         overlap=1.0 if platform == "gpu" else 0.0,

@@ -356,7 +356,7 @@ def test_flax_and_moe_block_accept_the_recipe(rng):
     y = mlp(x, jnp.asarray([40, 24], jnp.int32))
     assert y.shape == (64, 128) and np.isfinite(np.asarray(y, np.float32)).all() and mlp.recipe == "fp8_block"
     # moe_block: the same as its experts run by hand through grouped_mlp (top-1 routing).
-    w1, w2 = mlp.w1.value.astype(jnp.bfloat16), mlp.w2.value.astype(jnp.bfloat16)
+    w1, w2 = mlp.w1[...].astype(jnp.bfloat16), mlp.w2[...].astype(jnp.bfloat16)
     router = jnp.asarray(rng.standard_normal((128, 2)), jnp.float32)
     out = jgm.moe_block(x, router, w1, w2, routing=jgm.RoutingConfig(top_k=1), recipe="fp8_block")
     expert = np.argmax(np.asarray(x, np.float32) @ np.asarray(router), axis=1)
