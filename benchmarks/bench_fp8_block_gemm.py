@@ -11,7 +11,8 @@ K = 2688 is 21 x 128; N = 1856 is 14.5 x 128: the kernel takes it as 15 column t
 never stored), so 3.4% of the MMA work is padding. Nothing is padded in memory.
 
 What is timed: the GEMM only. ``fp8_block``: ``gemm_ffi.grouped_gemm_fp8_block``, every
-compiled variant (``fp8_block`` is the default, the first; each other variant is a row
+compiled variant (``fp8_block`` is the default for the shape,
+``gemm_ffi.fp8_block_default_variant``; each other variant is a row
 ``fp8_block:<name>``; with ``--rounds R`` all candidates are timed in R interleaved
 rounds and each entry is the median, since this machine drifts by 10 % within a
 process), on operands quantized beforehand (x along K in 1 x 128 blocks; w in 128 x 128 tiles,
@@ -51,7 +52,9 @@ def bench(name: str, skew: float, iters: int, rounds: int = 1) -> dict:
     bf16 = jax.jit(gemm_ffi.grouped_gemm_bf16_cuda)
     flops = header["flops"]
     row = dict(header)
-    variants = gemm_ffi.grouped_gemm_fp8_block_variants()
+    compiled = gemm_ffi.grouped_gemm_fp8_block_variants()
+    default = gemm_ffi.fp8_block_default_variant(int(w.shape[2]), compiled)
+    variants = [default] + [v for v in compiled if v != default]
     keys = ["fp8_block"] + [f"fp8_block:{v}" for v in variants[1:]]
     calls = {k: functools.partial(fp8, variant=v) for k, v in zip(keys, variants)}
     calls["bf16"] = bf16

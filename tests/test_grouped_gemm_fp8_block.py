@@ -59,11 +59,12 @@ def test_shapes_off_128_are_in_the_contract():
 
 
 def test_registry_entry():
-    (v,) = registry.variants(registry.Family.GROUPED_GEMM_FP8_BLOCK)
+    v, wide = registry.variants(registry.Family.GROUPED_GEMM_FP8_BLOCK)
     assert v.name == "grouped_gemm_sm90_fp8block_m128n128k128_s6"
     assert (v.tile_m, v.tile_n, v.tile_k, v.rhs_k_major) == (128, 128, 128, True)
+    assert wide.name == "grouped_gemm_sm90_fp8block_m128n256k128_s4" and wide.tile_n == 256
     with pytest.raises(ValueError, match="tile_n"):
-        registry.Fp8BlockGemmVariant(tile_n=256, stages=4)
+        registry.Fp8BlockGemmVariant(tile_n=192, stages=4)
 
 
 def test_transpose_tiles_is_quantizing_the_transpose():
@@ -76,3 +77,14 @@ def test_transpose_tiles_is_quantizing_the_transpose():
     np.testing.assert_array_equal(np.asarray(t.scale).view(np.uint8), np.asarray(q.scale).view(np.uint8))
     with pytest.raises(ValueError, match="two axes"):
         fp8_block.transpose_tiles(fp8_block.quantize_fp8_block(w, axis=2))
+
+
+def test_default_variant_is_the_widest_tile_that_divides_n():
+    names = tuple(v.name for v in registry.variants(registry.Family.GROUPED_GEMM_FP8_BLOCK))
+    narrow, wide = names
+    assert gemm_ffi.fp8_block_default_variant(4096, names) == wide
+    assert gemm_ffi.fp8_block_default_variant(1536, names) == wide
+    assert gemm_ffi.fp8_block_default_variant(1856, names) == narrow  # Nano FC1: 14.5 x 128
+    assert gemm_ffi.fp8_block_default_variant(2688, names) == narrow  # 21 x 128, 10.5 x 256
+    assert gemm_ffi.fp8_block_default_variant(264, names) == narrow  # neither divides: the first
+    assert gemm_ffi.fp8_block_default_variant(64, ()) is None

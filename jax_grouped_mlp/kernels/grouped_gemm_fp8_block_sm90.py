@@ -69,6 +69,8 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Uint32
 
 from jax_grouped_mlp.kernels import ptx
@@ -85,8 +87,11 @@ SCALE_BLOCK = 128  # K (and N, for B) per scale: one pipeline stage
 class Fp8BlockGemmConfig:
     """Compile-time knobs of :class:`GroupedGemmFp8BlockSm90`.
 
-    tile_n: output columns per CTA tile (128: one B scale per tile and K block; each
-      accumulator takes 64 registers per thread).
+    tile_n: output columns per CTA tile: 128 (one B scale block per tile and K block) or
+      256 (two column halves sharing the A stage, each multiplied into the one 64-register
+      temporary accumulator and promoted in turn; the main accumulator takes 128
+      registers a thread). A 256-wide tile writes a third less to shared memory per MMA
+      (TMA) and reads A from global memory half as often; a half wholly past N is skipped.
     stages: shared-memory pipeline depth (0: as many as fit). Each stage is one
       128-wide K block: 128 x 128 bytes of A and tile_n x 128 of B.
     panel_m, epi_stages: as :class:`~jax_grouped_mlp.kernels.grouped_gemm_sm90.GroupedGemmConfig`.
@@ -102,8 +107,8 @@ class Fp8BlockGemmConfig:
     tile_k = SCALE_BLOCK
 
     def __post_init__(self):
-        if self.tile_n != SCALE_BLOCK:
-            raise ValueError(f"tile_n must be {SCALE_BLOCK} (one B scale block per tile), got {self.tile_n=}")
+        if self.tile_n not in (SCALE_BLOCK, 2 * SCALE_BLOCK):
+            raise ValueError(f"tile_n must be {SCALE_BLOCK} or {2 * SCALE_BLOCK} (one or two B scale blocks), got {self.tile_n=}")
         if self.epi_stages < 2:
             raise ValueError(f"epi_stages must be >= 2, got {self.epi_stages=}")
         if self.panel_m < 1:
@@ -137,6 +142,19 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
 
     def __init__(self, config: Fp8BlockGemmConfig):
         super().__init__(config)
+        self.halves = config.tile_n // SCALE_BLOCK
+
+    def _mma_and_operand_layouts(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor):
+        """The base class's, plus ``tiled_mma_half``: the wgmma over one 128-column half
+        (the whole tile when ``tile_n`` is 128)."""
+        layouts = super()._mma_and_operand_layouts(a, b, out)
+        self.tiled_mma_half = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
+            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, SCALE_BLOCK),
+        )
+        return layouts
 
     @cute.jit
     def __call__(
@@ -151,7 +169,7 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
         stream: cuda.CUstream,
     ):
         tma, smem_layouts = self._prepare(a, b, out)
-        self.kernel_fp8(*tma, out, sa, sb, group_sizes, self.tiled_mma, *smem_layouts).launch(
+        self.kernel_fp8(*tma, out, sa, sb, group_sizes, self.tiled_mma, self.tiled_mma_half, *smem_layouts).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
             min_blocks_per_mp=1,
@@ -171,7 +189,8 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
         mSA: cute.Tensor,  # (M, KB) uint8
         mSB: cute.Tensor,  # (G, NB, KB) uint8
         group_sizes: cute.Tensor,
-        tiled_mma: cute.TiledMma,
+        tiled_mma: cute.TiledMma,  # (64, tile_n) per warp group: the accumulator and the epilogue
+        tiled_mma_half: cute.TiledMma,  # (64, 128): one B scale block of columns, what is issued
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
@@ -183,7 +202,7 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
-                Fp8BlockMainloop(self, tiled_mma, pipe, sA, sB, mSA, mSB),
+                Fp8BlockMainloop(self, tiled_mma, tiled_mma_half, pipe, sA, sB, mSA, mSB),
                 StoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, mOut), cta.warp_idx),
                 work, cta.tidx - 128,
             )
@@ -192,58 +211,84 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
 class Fp8BlockMainloop(TraceTimeObject):
     """FP8 wgmma with per-128-K promotion into the float32 accumulator (module docstring).
 
-    Per K block (one pipeline stage): wgmma fence, the stage's 4 wgmmas into a temporary
-    accumulator (the first with ACCUMULATE off), commit; the block's scales from global
-    memory; wait for the wgmmas; hand the slot back to the producer;
-    ``acc += temp * (sa[row] * sb)``. Tail tiles (rows past the groups)
-    skip it and leave a zero accumulator.
+    Per K block (one pipeline stage) and 128-column half of the tile: wgmma fence, the
+    stage's 4 wgmmas into the temporary accumulator (the first with ACCUMULATE off),
+    commit; the scales from global memory (A's once per block); wait for the wgmmas;
+    ``acc[half] += temp * (sa[row] * sb[half])``; after the last half the slot goes back
+    to the producer. Tail tiles (rows past the groups) skip it and leave a zero
+    accumulator.
     """
 
-    def __init__(self, kernel: GroupedGemmFp8BlockSm90, tiled_mma: cute.TiledMma, pipe, sA: cute.Tensor,
-                 sB: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor):
+    def __init__(self, kernel: GroupedGemmFp8BlockSm90, tiled_mma: cute.TiledMma, tiled_mma_half: cute.TiledMma,
+                 pipe, sA: cute.Tensor, sB: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor):
         self.kernel = kernel
-        self.tiled_mma = tiled_mma
+        self.tiled_mma = tiled_mma  # the epilogue reads the accumulator through it
+        self.tiled_mma_half = tiled_mma_half
         self.pipe = pipe
         self.sA = sA
         self.sB = sB
         self.mSA = mSA
         self.mSB = mSB
+        self.halves = kernel.halves
 
     def setup(self, ctid):
-        """Consumer thread ``ctid``'s operand fragments, the temporary accumulator and the
-        accumulator rows; returns the float32 main accumulator."""
+        """Consumer thread ``ctid``'s operand fragments (B per half), the temporary
+        accumulator, which main-accumulator element each temporary element of each half
+        adds into, and the accumulator rows; returns the float32 main accumulator."""
         k = self.kernel
-        self.tCrA, self.tCrB, self.acc = k._mma_fragments(self.tiled_mma, self.sA, self.sB, ctid)
-        self.temp = cute.make_rmem_tensor(self.acc.layout, k.acc_dtype)
-        # The tile rows of this thread's accumulator elements: its first row (run time)
-        # plus a per-element offset that is the same for every thread (trace time, read off
-        # thread 0's partition of the identity tensor). For the 64 x N wgmma fragment the
-        # offsets are 0 and 8.
-        ident = cute.make_identity_tensor((k.tile_m, k.tile_n))
-        c_thr = self.tiled_mma.get_slice(ctid).partition_C(ident)
-        c_0 = self.tiled_mma.get_slice(0).partition_C(ident)
-        r00 = c_0[0][0]
-        offsets = []
-        self.row_slot = []  # element i -> index into ``offsets``
+        half, full = self.tiled_mma_half, self.tiled_mma
+        thr = half.get_slice(ctid)
+        self.tCrA = half.make_fragment_A(thr.partition_A(self.sA))
+        # sB (tile_n, 128, stages) -> halves of 128 rows (whole 8-row swizzle atoms).
+        sB_halves = cute.flat_divide(self.sB, (SCALE_BLOCK, SCALE_BLOCK))  # (128, 128, halves, 1, stages)
+        self.tCrB = [half.make_fragment_B(thr.partition_B(sB_halves[None, None, h, 0, None]))
+                     for h in range(self.halves)]
+        self.acc = cute.make_rmem_tensor(full.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((k.tile_m, k.tile_n))).shape, k.acc_dtype)
+        half_c = half.get_slice(0).partition_C(cute.make_identity_tensor((k.tile_m, SCALE_BLOCK)))
+        self.temp = cute.make_rmem_tensor(half_c.shape, k.acc_dtype)
+        # Element maps, read off thread 0's partitions of the identity tensors (every
+        # thread's elements sit at its own base plus the same offsets): temp element i of
+        # half h adds into acc element dst[h][i], the one at the same row, column + 128 h.
+        full_c = full.get_slice(0).partition_C(cute.make_identity_tensor((k.tile_m, k.tile_n)))
+        where = {}
         for i in range(cute.size(self.acc)):
-            off = c_0[i][0] - r00
-            if not isinstance(off, int):
-                raise TypeError(f"the accumulator's row offsets must be static, got {off!r} for element {i}")
+            where[(full_c[i][0], full_c[i][1])] = i
+        self.dst = []
+        for h in range(self.halves):
+            m = []
+            for i in range(cute.size(self.temp)):
+                r, c = half_c[i][0], half_c[i][1]
+                if not (isinstance(r, int) and isinstance(c, int)) or (r, c + SCALE_BLOCK * h) not in where:
+                    raise TypeError(f"no static accumulator element for temp element {i} of half {h}: {(r, c)}")
+                m.append(where[(r, c + SCALE_BLOCK * h)])
+            self.dst.append(m)
+        if sorted(i for m in self.dst for i in m) != list(range(cute.size(self.acc))):
+            raise TypeError("the halves' temporary elements do not cover the accumulator exactly once")
+        # The tile rows of this thread's accumulator elements: its first row (run time)
+        # plus a per-element offset that is the same for every thread. For the 64 x N
+        # wgmma fragment the offsets are 0 and 8.
+        r00 = half_c[0][0]
+        offsets = []
+        self.row_slot = []  # temp element i -> index into ``offsets``
+        for i in range(cute.size(self.temp)):
+            off = half_c[i][0] - r00
             if off not in offsets:
                 offsets.append(off)
             self.row_slot.append(offsets.index(off))
         self.row_offsets = tuple(offsets)
-        self.row_base = c_thr[0][0]  # this thread's first accumulator row in the tile
-        # The scales of the block in flight (per row slot), in registers.
+        self.row_base = thr.partition_C(cute.make_identity_tensor((k.tile_m, SCALE_BLOCK)))[0][0]
+        # A's scales of the block in flight (per row slot), in registers.
         self.sc = cute.make_rmem_tensor((len(offsets),), cutlass.Float32)
         return self.acc
 
-    def _issue(self, tiled_mma: cute.TiledMma, temp: cute.Tensor, stage) -> cute.TiledMma:
-        """Block ``stage``'s wgmmas into ``temp`` (the first overwrites it), committed.
+    def _issue(self, tiled_mma: cute.TiledMma, temp: cute.Tensor, tCrB: cute.Tensor, stage) -> cute.TiledMma:
+        """Block ``stage``'s wgmmas (A times ``tCrB``) into ``temp`` (the first overwrites it),
+        committed.
 
         Returns ``tiled_mma``, whose ACCUMULATE field this sets: the caller rebinds its
         local to it, so the DSL carries the changed value out of loops and branches."""
-        tCrA, tCrB = self.tCrA, self.tCrB
+        tCrA = self.tCrA
         cute.nvgpu.warpgroup.fence()  # temp was read by its last promotion
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         for kk in range(cute.size(tCrA, mode=[2])):
@@ -253,22 +298,23 @@ class Fp8BlockMainloop(TraceTimeObject):
         cute.nvgpu.warpgroup.commit_group()
         return tiled_mma
 
-    def _load_scales(self, sc: cute.Tensor, rows: list, g, n_tile, kb) -> None:
-        """``sa[row] * sb`` of K block ``kb`` for each of this thread's row slots, into ``sc``."""
-        sb = ptx.e8m0_value(Uint32(self.mSB[g, n_tile, kb]))
+    def _load_scales(self, sc: cute.Tensor, rows: list, kb) -> None:
+        """A's scales of K block ``kb`` for each of this thread's row slots, into ``sc``."""
         for j, r in enumerate(rows):
-            sc[j] = ptx.e8m0_value(Uint32(self.mSA[r, kb])) * sb
+            sc[j] = ptx.e8m0_value(Uint32(self.mSA[r, kb]))
 
-    def _promote(self, temp: cute.Tensor, sc: cute.Tensor) -> None:
-        """``acc += temp * scale`` per element (its row slot's scale)."""
-        acc = self.acc
-        for i in range(cute.size(acc)):
-            acc[i] = acc[i] + temp[i] * sc[self.row_slot[i]]
+    def _promote(self, temp: cute.Tensor, sc: cute.Tensor, sb, h: int) -> None:
+        """``acc[half h] += temp * (sa[row] * sb)`` per element (its row slot's scale)."""
+        acc, dst = self.acc, self.dst[h]
+        scales = [sc[j] * sb for j in range(len(self.row_offsets))]
+        for i in range(cute.size(temp)):
+            acc[dst[i]] = acc[dst[i]] + temp[i] * scales[self.row_slot[i]]
 
     @cute.jit
     def tile(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork):
         """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
-        tiled_mma, pipe, acc, temp = self.tiled_mma, self.pipe, self.acc, self.temp
+        tiled_mma, pipe, acc, temp, sc = self.tiled_mma_half, self.pipe, self.acc, self.temp, self.sc
+        mSB = self.mSB
         k_tiles = work.k_tiles
         acc.fill(0.0)
         if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
@@ -278,14 +324,27 @@ class Fp8BlockMainloop(TraceTimeObject):
             last_row = work.m - 1
             rows = [cutlass.min(first + off, last_row) for off in self.row_offsets]
             g = sched.seg
-            sc = self.sc
+            nb0 = n_tile * self.halves
+            last_nb = mSB.shape[1] - 1
             for kb in range(k_tiles):
                 pipe.consumer_wait(read)
-                tiled_mma = self._issue(tiled_mma, temp, read.index)
-                self._load_scales(sc, rows, g, n_tile, kb)  # while the wgmmas run
+                tiled_mma = self._issue(tiled_mma, temp, self.tCrB[0], read.index)
+                self._load_scales(sc, rows, kb)  # while the wgmmas run
+                sb = ptx.e8m0_value(Uint32(mSB[g, nb0, kb]))
                 cute.nvgpu.warpgroup.wait_group(0)
-                pipe.consumer_release(release)
+                if cutlass.const_expr(self.halves == 1):
+                    pipe.consumer_release(release)  # (before promoting: the slot is read)
+                    self._promote(temp, sc, sb, 0)
+                else:
+                    self._promote(temp, sc, sb, 0)
+                    if nb0 + 1 <= last_nb:
+                        tiled_mma = self._issue(tiled_mma, temp, self.tCrB[1], read.index)
+                        sb = ptx.e8m0_value(Uint32(mSB[g, nb0 + 1, kb]))
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        pipe.consumer_release(release)
+                        self._promote(temp, sc, sb, 1)
+                    else:  # the second half lies wholly past N: nothing to multiply
+                        pipe.consumer_release(release)
                 release.advance()
                 read.advance()
-                self._promote(temp, sc)
         return read, release

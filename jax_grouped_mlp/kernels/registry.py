@@ -261,7 +261,7 @@ class Fp8BlockGemmVariant:
     family: ClassVar[Family] = Family.GROUPED_GEMM_FP8_BLOCK
 
     def __post_init__(self) -> None:
-        _check(self.tile_n == 128, self, "tile_n (one B scale block per tile: 128)")
+        _check(self.tile_n in (128, 256), self, "tile_n (one or two B scale blocks per tile: 128 or 256)")
 
     @property
     def tile_tokens(self) -> int:
@@ -361,6 +361,7 @@ VARIANTS: tuple[Variant, ...] = (
     DequantizeVariant(),
     # jgm_grouped_gemm_fp8_block (the default: the first)
     Fp8BlockGemmVariant(tile_n=128, stages=6),
+    Fp8BlockGemmVariant(tile_n=256, stages=4),
     # jgm_quantize_fp8_block_pair, jgm_quantize_fp8_block
     QuantizeFp8BlockVariant("pair"),
     QuantizeFp8BlockVariant("pair_bf16"),
