@@ -362,10 +362,12 @@ def test_layer_scan_model():
 
 
 def test_loop_reloads_hide_behind_the_backward_before_their_first_read():
-    """``layout="loop"``: a layer's copies back start with its backward and run in the
-    order it reads them, each hidden behind the backward before its first read
-    ("activation_input" none, "fc2_input" a quarter, "fc1_input" half); in a scan
-    each is exposed whole. Hand-computed for one residual offloaded and for all."""
+    """``layout="loop"``: a layer's copies run one after the other in the order the layer
+    stored its residuals (fc1_input, activation_input, fc2_input); a copy out hides only
+    behind the forward left once its residual exists (all of it for fc1_input, half for
+    the other two), a copy back only behind the backward before its first read
+    ("activation_input" none, "fc2_input" a quarter, "fc1_input" half); in a scan each
+    copy back is exposed whole. Hand-computed for one residual offloaded and for all."""
     loop, scan = _nano_plan(), _nano_plan(layout="scan")
     lt, bw, per = loop.layer_time, 53e9, loop.residual_bytes
 
@@ -379,11 +381,15 @@ def test_loop_reloads_hide_behind_the_backward_before_their_first_read():
     t1 = per["fc1_input"] / bw
     assert step(loop, fc1_input="offload") == pytest.approx(8 * (lt.total + out(t1) + max(0.0, t1 - 0.5 * lt.backward)))
     assert step(scan, fc1_input="offload") == pytest.approx(8 * (lt.total + out(t1) + t1))
-    assert step(loop, activation_input="offload") == pytest.approx(step(scan, activation_input="offload"))
-    t = [per[n] / bw for n in ("activation_input", "fc2_input", "fc1_input")]
-    wait = max(t[0], t[0] + t[1] - 0.25 * lt.backward, sum(t) - 0.5 * lt.backward)
+    ta = per["activation_input"] / bw
+    assert step(loop, activation_input="offload") == pytest.approx(
+        8 * (lt.total + max(0.0, ta - 0.5 * lt.forward) + ta))
+    assert step(scan, activation_input="offload") == pytest.approx(8 * (lt.total + out(ta) + ta))
+    t = [per[n] / bw for n in ("fc1_input", "activation_input", "fc2_input")]  # stored in this order
+    wait = max(t[0] - 0.5 * lt.backward, t[0] + t[1], sum(t) - 0.25 * lt.backward)
+    out_all = max(sum(t) - lt.forward, t[1] + t[2] - 0.5 * lt.forward, 0.0)
     every = dict.fromkeys(RESIDUAL_NAMES, "offload")
-    assert step(loop, **every) == pytest.approx(8 * (lt.total + out(sum(t)) + wait))
+    assert step(loop, **every) == pytest.approx(8 * (lt.total + out_all + wait))
     assert step(loop, **every) <= step(scan, **every)
     # A recompute runs first in the backward: it hides the copies back too.
     rec = lt.recompute["fc2_input"]

@@ -41,14 +41,20 @@ pass (in a Python loop the op's host-copy fence makes it, on CUDA GPUs and not u
 automatic partitioning; in a scan the iteration does) and hides behind that layer's forward compute, of which ``overlap`` (0..1) is
 the fraction a copy can hide behind. The copies back start with the layer's backward
 pass (``jax.checkpoint``'s default ``prevent_cse=True`` ties them to the layer's
-cotangent with an optimization barrier). In a Python loop (``layout="loop"``) they
-run one after the other in the order the backward reads them, each hidden behind the
-backward's compute before its first read (:data:`BACKWARD_BEFORE_USE`: none for
+cotangent with an optimization barrier). In a Python loop (``layout="loop"``) both
+directions are modelled residual by residual: the copies run one after the other in
+the order the layer stored them (``RESIDUAL_NAMES``), a copy out hides only behind the
+forward left once its residual exists (:data:`FORWARD_AFTER_READY`: all of it for
+"fc1_input", the FC2 half for the other two), a copy back only behind the backward's
+compute before its first read (:data:`BACKWARD_BEFORE_USE`: none for
 "activation_input", a quarter of the backward for "fc2_input", half for "fc1_input";
 the recompute runs first)::
 
-    wait = max over offloaded r, in that order, of
-           (sum of transfer up to r) - overlap * (recompute + BACKWARD_BEFORE_USE[r] * backward)
+    out  = max over offloaded r of (sum of transfer of r and those stored after it)
+                                   - overlap * FORWARD_AFTER_READY[r] * forward
+    wait = max over offloaded r of (sum of transfer up to r, in RESIDUAL_NAMES order)
+                                   - overlap * (recompute + BACKWARD_BEFORE_USE[r] * backward)
+    exposed = out + wait                                  (instead of the line above)
 
 In a ``jax.lax.scan`` (``layout="scan"``) each copy back comes whole before the
 iteration's backward (XLA's loop offloading reads it at the iteration's start):
@@ -120,18 +126,41 @@ LAYOUTS = ("loop", "scan", "layer_stack", "layer_scan")
 # earliest (fitted on the H200: Python loop, expert-parallel Nano share, docs/offload.md).
 BACKWARD_BEFORE_USE = {ACTIVATION_INPUT: 0.0, FC2_INPUT: 0.25, FC1_INPUT: 0.5}
 
+# The mirror image for the copies out: the fraction of a layer's forward pass (two
+# GEMMs of equal flops) left after each residual exists. "fc1_input" (x quantized)
+# exists before FC1, "activation_input" (FC1's output) and "fc2_input" (srelu's output
+# quantized, written by FC1's epilogue) only once FC1 is done, so in a Python loop,
+# where the op's fence makes the layer's copies out finish within its own forward, their
+# copies can hide behind FC2 alone.
+FORWARD_AFTER_READY = {FC1_INPUT: 1.0, ACTIVATION_INPUT: 0.5, FC2_INPUT: 0.5}
+
 
 def _reload_wait(offloaded: list[str], residual_bytes: Mapping[str, int], host_bandwidth: float,
                  backward: float, recompute: float, overlap: float) -> float:  # fmt: skip
     """How long a layer's backward waits for its own copies back (a Python loop of
     checkpointed layers): they start with the layer's backward, tied to its cotangent,
-    and run one after the other in the order the backward needs them; each hides
-    behind the compute before its first use (the recompute, which runs first, and
-    :data:`BACKWARD_BEFORE_USE` of the backward)."""
+    and run one after the other in the order the layer stored them (``RESIDUAL_NAMES``:
+    "fc1_input", "activation_input", "fc2_input"), not the order the backward reads
+    them; each hides behind the compute before its first read (the recompute, which
+    runs first, and :data:`BACKWARD_BEFORE_USE` of the backward)."""
     wait, arrived = 0.0, 0.0
-    for name in sorted(offloaded, key=BACKWARD_BEFORE_USE.__getitem__):
+    for name in sorted(offloaded, key=RESIDUAL_NAMES.index):
         arrived += residual_bytes[name] / host_bandwidth
         wait = max(wait, arrived - overlap * (recompute + BACKWARD_BEFORE_USE[name] * backward))
+    return wait
+
+
+def _copy_out_wait(offloaded: list[str], residual_bytes: Mapping[str, int], host_bandwidth: float,
+                   forward: float, overlap: float) -> float:  # fmt: skip
+    """How long a layer's forward waits, at its end, for its own copies to the host (a
+    Python loop: the op's fence makes them finish within the layer). They run one after
+    the other in the order the residuals appear; the copies of the residuals that appear
+    at or after ``r`` can hide only behind the forward left after ``r``
+    (:data:`FORWARD_AFTER_READY`)."""
+    wait, pending = 0.0, 0.0
+    for name in sorted(offloaded, key=FORWARD_AFTER_READY.__getitem__):
+        pending += residual_bytes[name] / host_bandwidth
+        wait = max(wait, pending - overlap * FORWARD_AFTER_READY[name] * forward)
     return wait
 
 
@@ -442,6 +471,7 @@ def predict(
     offloading, extra = num_layers, 0
     if layout == "loop":
         on_host = [n for n in RESIDUAL_NAMES if n in on["offload"]]
+        out = _copy_out_wait(on_host, residual_bytes, host_bandwidth, layer_time.forward, overlap)
         exposed = out + _reload_wait(on_host, residual_bytes, host_bandwidth, layer_time.backward, recompute, overlap)
     elif layout == "scan":
         exposed = out + transfer
