@@ -79,12 +79,14 @@ def test_transpose_tiles_is_quantizing_the_transpose():
         fp8_block.transpose_tiles(fp8_block.quantize_fp8_block(w, axis=2))
 
 
-def test_default_variant_is_the_widest_tile_that_divides_n():
+def test_default_variant_is_the_widest_tile_that_skips_no_half():
     names = tuple(v.name for v in registry.variants(registry.Family.GROUPED_GEMM_FP8_BLOCK))
     narrow, wide = names
     assert gemm_ffi.fp8_block_default_variant(4096, names) == wide
     assert gemm_ffi.fp8_block_default_variant(1536, names) == wide
     assert gemm_ffi.fp8_block_default_variant(1856, names) == narrow  # Nano FC1: 14.5 x 128
     assert gemm_ffi.fp8_block_default_variant(2688, names) == narrow  # 21 x 128, 10.5 x 256
-    assert gemm_ffi.fp8_block_default_variant(264, names) == narrow  # neither divides: the first
+    assert gemm_ffi.fp8_block_default_variant(264, names) == narrow  # 3 blocks of 128: a skipped half
+    assert gemm_ffi.fp8_block_default_variant(200, names) == wide  # 2 blocks of 128: one full-width tile
+    assert gemm_ffi.fp8_block_default_variant(4096, names + ("not_a_kernel",)) == wide
     assert gemm_ffi.fp8_block_default_variant(64, ()) is None

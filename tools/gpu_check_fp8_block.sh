@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the draft FP8 block-scaled grouped GEMM (docs/notes/2026-12-02-fp8-block-kernel.md):
+# One device call for the FP8 block-scaled grouped GEMM (docs/notes/2026-12-02-fp8-block-kernel.md):
 # its GPU tests, the benchmark next to the bf16 kernel, compute-sanitizer memcheck and
 # racecheck on the small case. Builds nothing: carry the extension
 #   run(command="bash tools/gpu_check_fp8_block.sh",

@@ -24,7 +24,8 @@ NaN), applied in float32 as ``(sa * sb) * partial``.
 Why promotion (DeepSeek-V3; CUTLASS's "blockwise scaled" Hopper GEMM): the FP8 wgmma
 accumulates in an internal format narrower than float32 (about 14 bits kept, per the
 DeepSeek-V3 report), and the scales change every 128 of K anyway. So each 128-wide K
-block (one pipeline stage: 4 wgmmas of K = 32) is multiplied into a *temporary*
+block (one pipeline stage: 4 wgmmas of K = 32 per 128-column half of the tile) is
+multiplied into a *temporary*
 accumulator that the first wgmma of the block overwrites (ACCUMULATE off), and then
 added into the float32 main accumulator with one FFMA per element:
 ``acc += temp * (sa[row] * sb)``. The FP8 products are exact; what the internal
@@ -43,12 +44,13 @@ differs (:class:`Fp8BlockMainloop`).
 Scales are not staged through shared memory: each consumer thread holds two output
 rows, so per K block it needs two bytes of ``sa`` (rows ``r`` and ``r + 8``; a row's
 KB bytes share one 32-byte sector, so after the first block they hit L1) and one
-CTA-uniform byte of ``sb``. They are loaded right after the block's wgmmas are issued
+CTA-uniform byte of ``sb`` per 128-column half. They are loaded right after the
+block's (half's) wgmmas are issued
 and arrive while those run. Row indices are clamped to ``M - 1``: a tile's rows past M
 (zero-filled by TMA, never stored) read a valid scale.
 
-Per K block a warp group issues its wgmmas, then waits for them (``wait_group(0)``)
-before promoting: one warp group's promotion overlaps the other's wgmmas, not its own.
+Per K block (and half) a warp group issues its wgmmas, then waits for them
+(``wait_group(0)``) before promoting: one warp group's promotion overlaps the other's wgmmas, not its own.
 A ping-pong pair of temporary accumulators (block ``k + 1`` issued before block ``k`` is
 promoted, so the promotion and the scale loads also overlap the warp group's own
 wgmmas) was built and measured on the H200 in session 21: bitwise the same output and
@@ -90,7 +92,7 @@ class Fp8BlockGemmConfig:
     tile_n: output columns per CTA tile: 128 (one B scale block per tile and K block) or
       256 (two column halves sharing the A stage, each multiplied into the one 64-register
       temporary accumulator and promoted in turn; the main accumulator takes 128
-      registers a thread). A 256-wide tile writes a third less to shared memory per MMA
+      registers a thread). A 256-wide tile writes a quarter less to shared memory per MMA
       (TMA) and reads A from global memory half as often; a half wholly past N is skipped.
     stages: shared-memory pipeline depth (0: as many as fit). Each stage is one
       128-wide K block: 128 x 128 bytes of A and tile_n x 128 of B.

@@ -359,7 +359,7 @@ VARIANTS: tuple[Variant, ...] = (
     FakeQuantizeVariant("rowcol"),
     FakeQuantizeVariant("row_colq"),
     DequantizeVariant(),
-    # jgm_grouped_gemm_fp8_block (the default: the first)
+    # jgm_grouped_gemm_fp8_block (the op picks by N: gemm_ffi.fp8_block_default_variant)
     Fp8BlockGemmVariant(tile_n=128, stages=6),
     Fp8BlockGemmVariant(tile_n=256, stages=4),
     # jgm_quantize_fp8_block_pair, jgm_quantize_fp8_block

@@ -545,14 +545,17 @@ def grouped_gemm_fp8_block_variants() -> tuple[str, ...]:
 
 
 def fp8_block_default_variant(n: int, names: tuple[str, ...]) -> str | None:
-    """The FP8 block-scaled GEMM for ``N`` output columns: the widest tile whose width
-    divides ``N``, else the first of ``names`` (the 128-wide tile).
+    """The FP8 block-scaled GEMM for ``N`` output columns: the widest tile that covers N
+    with no more 128-column blocks than N needs (``cdiv(N, 128)`` a multiple of its
+    width / 128: no tile with a skipped half), else the first of ``names``.
 
     A 256-wide tile (two 128-column halves sharing the A stage) was 4 % faster at
     8 x (8192 x 4096 -> 4096) and 4 % slower at Nano FC1 (N = 1856, whose last tile
     has its second half skipped) on the H200 (``benchmarks/results/fp8_block_gemm_n256_h200.json``).
     """
-    fits = [v for v in names if n % registry.variant(v).tile_n == 0]
+    known = [v for v in names if v in registry.names(registry.Family.GROUPED_GEMM_FP8_BLOCK)]
+    blocks = -(-n // 128)
+    fits = [v for v in known if blocks % (registry.variant(v).tile_n // 128) == 0]
     if fits:
         return max(fits, key=lambda v: registry.variant(v).tile_n)
     return names[0] if names else None
@@ -592,7 +595,7 @@ def grouped_gemm_fp8_block(
       group_sizes: ``[G]`` integers on the device; clamped to ``M``; rows at or past
         their (clamped) sum are zero.
       variant: a name of :func:`grouped_gemm_fp8_block_variants` (default:
-        :func:`fp8_block_default_variant`, the 256-wide tile when it divides N).
+        :func:`fp8_block_default_variant`, the 256-wide tile when no tile would skip a half).
 
     Shape contract: static sizes, ``K % 16 == 0`` and ``N % 8 == 0`` (TMA's 16-byte row
     strides), fewer than 2^31 elements per operand. K and N need not be multiples of 128:
