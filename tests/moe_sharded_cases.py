@@ -363,8 +363,11 @@ def test_flax_moe_block_shared_expert_and_aux_loss_expert_parallel():
     sharded = MoEBlock(8, 32, 48, **kw, rngs=nnx.Rngs(0), parallel=ExpertParallel(mesh_of(2, 2), "expert", ("data",)))
 
     def run(m, v):
-        y = m(v)
-        inter = nnx.pop(m, nnx.Intermediate)
+        if hasattr(nnx, "capture"):  # flax >= 0.12 (sowing outside it is deprecated)
+            y, inter = nnx.capture(m, nnx.Intermediate)(v)
+        else:
+            y = m(v)
+            inter = nnx.pop(m, nnx.Intermediate)
         return y, inter["aux_loss"].get_value(), inter["router_stats"].get_value().expert_load
 
     y1, aux1, load1 = nnx.jit(run)(single, x)

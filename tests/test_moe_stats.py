@@ -325,8 +325,7 @@ def test_flax_moe_block_sows_stats_and_shared_expert(rng):
     assert block.shared_w2.get_metadata("out_sharding") == ("mlp", "embed")
     x = jnp.asarray(rng.standard_normal((2, 10, 32)), jnp.bfloat16)
     block.score_bias[...] = jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32)
-    y = block(x)
-    inter = nnx.pop(block, nnx.Intermediate)
+    y, inter = _call_and_collect(block, x)
     stats, aux = inter["router_stats"].get_value(), inter["aux_loss"].get_value()
     want_y, want = moe_block(
         x, block.router[...], block.experts.w1[...], block.experts.w2[...], routing=config,
@@ -337,7 +336,7 @@ def test_flax_moe_block_sows_stats_and_shared_expert(rng):
     np.testing.assert_array_equal(np.asarray(stats.expert_load), np.asarray(want.expert_load))
     np.testing.assert_allclose(float(aux), 0.01 * float(want.load_balancing_loss) + 1e-3 * float(want.z_loss),
                                rtol=1e-6)
-    assert not nnx.state(block, nnx.Intermediate)  # popped
+    assert not nnx.state(block, nnx.Intermediate)  # captured or popped: nothing left on the block
     # Bias update from the sown load, as a training loop does it.
     before = np.asarray(block.score_bias[...])
     block.update_score_bias(stats.expert_load, 0.001)
@@ -348,9 +347,33 @@ def test_flax_moe_block_sows_stats_and_shared_expert(rng):
     plain = MoEBlock(8, 32, 64, routing=config, recipe="bf16", rngs=nnx.Rngs(0))
     plain(x)
     assert not nnx.state(plain, nnx.Intermediate)
-    if hasattr(nnx, "capture"):  # flax >= 0.12: the non-deprecated way to collect them
-        _, captured = nnx.capture(block, nnx.Intermediate)(x)
-        assert "aux_loss" in captured and "router_stats" in captured
+    _, nothing = _call_and_collect(plain, x)
+    assert not nnx.to_flat_state(nothing)
+
+
+def _call_and_collect(fn, *args):
+    """``(output, sown Intermediates)`` of ``fn(*args)`` (``fn`` a module, or a function
+    of the module and more): ``nnx.capture`` where flax has it (>= 0.12, where sowing
+    outside it is deprecated), else a plain call and ``nnx.pop`` (flax 0.11)."""
+    if hasattr(nnx, "capture"):
+        return nnx.capture(fn, nnx.Intermediate)(*args)
+    out = fn(*args)
+    return out, nnx.pop(fn if isinstance(fn, nnx.Module) else args[0], nnx.Intermediate)
+
+
+@pytest.mark.skipif(not hasattr(nnx, "capture"), reason="flax < 0.12: sowing outside nnx.capture is the only way")
+def test_sowing_outside_capture_still_works(rng):
+    """The flax 0.11 way (call, then ``nnx.pop``) gives the same values on newer flax,
+    with flax's deprecation warning."""
+    block = MoEBlock(8, 32, 64, routing=RoutingConfig(2), recipe="bf16", load_balancing_coef=0.01,
+                     rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+    _, captured = nnx.capture(block, nnx.Intermediate)(x)
+    with pytest.warns(DeprecationWarning, match="sow"):
+        block(x)
+    popped = nnx.pop(block, nnx.Intermediate)
+    np.testing.assert_array_equal(np.asarray(popped["aux_loss"].get_value()),
+                                  np.asarray(captured["aux_loss"].get_value()))
 
 
 def test_flax_aux_loss_trains_the_router_towards_balance(rng):
@@ -366,8 +389,7 @@ def test_flax_aux_loss_trains_the_router_towards_balance(rng):
     @nnx.jit
     def step(block, opt):
         def loss_fn(block):
-            y = nnx.remat(lambda m, v: m(v), policy=policy)(block, x)
-            inter = nnx.pop(block, nnx.Intermediate)  # as docs/moe.md sums a model's blocks
+            y, inter = _call_and_collect(nnx.remat(lambda m, v: m(v), policy=policy), block, x)
             aux = sum(v.get_value() for path, v in nnx.to_flat_state(inter) if path[-1] == "aux_loss")
             return 0.0 * jnp.mean(y.astype(jnp.float32)) + aux
 
