@@ -384,6 +384,9 @@ def test_loop_reloads_hide_behind_the_backward_before_their_first_read():
     ta = per["activation_input"] / bw
     assert step(loop, activation_input="offload") == pytest.approx(
         8 * (lt.total + max(0.0, ta - 0.5 * lt.forward) + ta))
+    tc = per["fc2_input"] / bw
+    assert step(loop, fc2_input="offload") == pytest.approx(
+        8 * (lt.total + max(0.0, tc - 0.5 * lt.forward) + max(0.0, tc - 0.25 * lt.backward)))
     assert step(scan, activation_input="offload") == pytest.approx(8 * (lt.total + out(ta) + ta))
     t = [per[n] / bw for n in ("fc1_input", "activation_input", "fc2_input")]  # stored in this order
     wait = max(t[0] - 0.5 * lt.backward, t[0] + t[1], sum(t) - 0.25 * lt.backward)
