@@ -158,7 +158,7 @@ def _copy_out_wait(offloaded: list[str], residual_bytes: Mapping[str, int], host
     at or after ``r`` can hide only behind the forward left after ``r``
     (:data:`FORWARD_AFTER_READY`)."""
     wait, pending = 0.0, 0.0
-    for name in sorted(offloaded, key=FORWARD_AFTER_READY.__getitem__):
+    for name in reversed(sorted(offloaded, key=RESIDUAL_NAMES.index)):  # the last stored first
         pending += residual_bytes[name] / host_bandwidth
         wait = max(wait, pending - overlap * FORWARD_AFTER_READY[name] * forward)
     return wait
@@ -467,12 +467,12 @@ def predict(
     # backward; in a loop each hides behind the backward before its first read, in a
     # scan none does (measured on the H200).
     recompute = sum(layer_time.recompute[n] for n in on["recompute"])
-    out = max(0.0, transfer - overlap * layer_time.forward)  # the copies to the host
+    out = max(0.0, transfer - overlap * layer_time.forward)  # the copies to the host (scan, layer_stack)
     offloading, extra = num_layers, 0
     if layout == "loop":
         on_host = [n for n in RESIDUAL_NAMES if n in on["offload"]]
-        out = _copy_out_wait(on_host, residual_bytes, host_bandwidth, layer_time.forward, overlap)
-        exposed = out + _reload_wait(on_host, residual_bytes, host_bandwidth, layer_time.backward, recompute, overlap)
+        exposed = (_copy_out_wait(on_host, residual_bytes, host_bandwidth, layer_time.forward, overlap)
+                   + _reload_wait(on_host, residual_bytes, host_bandwidth, layer_time.backward, recompute, overlap))
     elif layout == "scan":
         exposed = out + transfer
     elif layout == "layer_stack":
