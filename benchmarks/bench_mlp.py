@@ -55,6 +55,15 @@ def _weight_passes(**kw):
     return lambda *a: grouped_mlp_with(choices, *a, recipe="mxfp8", **kw)
 
 
+def _fp8_block_fp8_wgrad(*a):
+    """``fp8_block`` with ``KernelChoices(fp8_block_wgrad=True)``: the weight gradients on
+    the FP8 weight-gradient kernel (off by default: docs/notes/2026-12-04-fp8-wgrad.md)."""
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
+    from jax_grouped_mlp._src.op.mlp import grouped_mlp_with
+
+    return grouped_mlp_with(KernelChoices(fp8_block_wgrad=True), *a, recipe="fp8_block")
+
+
 def _candidates() -> dict:
     c = {
         "grouped_mlp_mxfp8": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
@@ -62,6 +71,7 @@ def _candidates() -> dict:
         "grouped_mlp_mxfp8_weight_passes_unfused_fc1": _weight_passes(fuse_fc1_epilogue=False),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
         "grouped_mlp_fp8_block": lambda *a: jgm.grouped_mlp(*a, recipe="fp8_block"),
+        "grouped_mlp_fp8_block_fp8_wgrad": _fp8_block_fp8_wgrad,
         "ragged_dot_bf16": ragged_dot_mlp,
     }
     try:  # optional peer

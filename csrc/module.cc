@@ -53,6 +53,8 @@ PYBIND11_MODULE(_kernels, m) {
         JGM_ADD("jgm_grouped_gemm_fp8_block", JgmGroupedGemmFp8Block);
         JGM_ADD("jgm_quantize_fp8_block_pair", JgmQuantizeFp8BlockPair);
         JGM_ADD("jgm_quantize_fp8_block", JgmQuantizeFp8Block);
+        JGM_ADD("jgm_grouped_wgrad_fp8_block", JgmGroupedWgradFp8Block);
+        JGM_ADD("jgm_token_major_blocks", JgmTokenMajorBlocks);
         return d;
       },
       py::arg("cuda_graphs") = true,
@@ -70,6 +72,8 @@ PYBIND11_MODULE(_kernels, m) {
   JGM_NAMES(GROUPED_GEMM_FP8_BLOCK_VARIANTS);
   JGM_NAMES(QUANTIZE_FP8_BLOCK_PAIR_VARIANTS);
   JGM_NAMES(QUANTIZE_FP8_BLOCK_VARIANTS);
+  JGM_NAMES(GROUPED_WGRAD_FP8_BLOCK_VARIANTS);
+  JGM_NAMES(TOKEN_MAJOR_BLOCKS_VARIANTS);
   m.attr("ARCH") = "sm_90a";
   m.attr("JAXLIB_VERSION") = JGM_JAXLIB_VERSION;
   m.attr("BUILT_AGAINST") = kBuiltAgainst;

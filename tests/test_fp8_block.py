@@ -250,6 +250,50 @@ def _run(x, w1, w2, gs, probs, dy):
     return y, vjp(dy)
 
 
+def _run_with(choices, x, w1, w2, gs, probs, dy):
+    from jax_grouped_mlp._src.op.mlp import grouped_mlp_with
+
+    y, vjp = jax.vjp(lambda *a: grouped_mlp_with(choices, *a[:3], gs, a[3], recipe="fp8_block"), x, w1, w2, probs)
+    return y, vjp(dy)
+
+
+def test_fp8_weight_gradient_choice_changes_no_bits_off_cuda(rng):
+    """``KernelChoices.fp8_block_wgrad`` only moves dy's and dh's token-blocked copies
+    between FP8 (for the FP8 weight-gradient kernel) and their exact bf16 values: off
+    CUDA both multiply the same dequantized values, so every output is bitwise equal."""
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
+
+    x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
+    cpu = jax.devices("cpu")[0]
+    args = jax.device_put((x, w1, w2, gs, probs, dy), cpu)
+    fp8 = jax.tree_util.tree_leaves(_run_with(KernelChoices(fp8_block_wgrad=True), *args))
+    bf16 = jax.tree_util.tree_leaves(_run_with(KernelChoices(fp8_block_wgrad=False), *args))
+    for a, b in zip(fp8, bf16):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+def test_fp8_weight_gradient_against_the_bf16_one(rng):
+    """On the GPU the FP8 weight-gradient kernel gives the bf16 kernel's weight gradients
+    on the same operands up to the FP8 accumulator's rounding (every other output is
+    bitwise the same), and only the weight gradients change kernels."""
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
+
+    x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
+    fp8 = _run_with(KernelChoices(fp8_block_wgrad=True), x, w1, w2, gs, probs, dy)
+    bf16 = _run_with(KernelChoices(fp8_block_wgrad=False), x, w1, w2, gs, probs, dy)
+    (y, (dx, dw1, dw2, dp)), (y0, (dx0, dw10, dw20, dp0)) = fp8, bf16
+    for a, b in ((y, y0), (dx, dx0), (dp, dp0)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for a, b in ((dw1, dw10), (dw2, dw20)):
+        assert 0 < rel_err(a, b) < 3e-3
+    hlo = jax.jit(lambda *a: _run_with(KernelChoices(fp8_block_wgrad=True), *a)).lower(
+        x, w1, w2, gs, probs, dy).compile().as_text()
+    assert hlo.count('custom_call_target="jgm_grouped_wgrad_fp8_block"') == 2
+    assert hlo.count('custom_call_target="jgm_token_major_blocks"') == 4  # x, srelu(h), dy, dh
+    assert 'custom_call_target="jgm_grouped_wgrad"' not in hlo
+
+
 @pytest.mark.parametrize("case", list(SIZES))
 def test_recipe_against_float64(rng, case):
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES[case])
@@ -371,7 +415,7 @@ def test_flax_and_moe_block_accept_the_recipe(rng):
 @pytest.mark.gpu
 def test_recipe_on_the_gpu_runs_its_kernels(rng):
     """On the GPU, fp8_block's gradient runs the FP8 block-scaled GEMM (FC1, FC2 and both
-    data gradients) and the wgrad kernel, sits in the float64 bands, and agrees with the
+    data gradients) and, by default, the bf16 weight-gradient kernel, sits in the float64 bands, and agrees with the
     CPU's numbers within 3%: the FP8 wgmma sums each 128-block with fewer bits than
     float32 before promoting it, and XLA:GPU fuses and orders the float32 math before
     each quantization differently, so an element near a rounding tie can land one E4M3
@@ -379,7 +423,7 @@ def test_recipe_on_the_gpu_runs_its_kernels(rng):
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
     hlo = _run.lower(x, w1, w2, gs, probs, dy).compile().as_text()
     assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block"') == 4
-    assert hlo.count('custom_call_target="jgm_grouped_wgrad') == 2
+    assert hlo.count('custom_call_target="jgm_grouped_wgrad"') == 2  # (KernelChoices.fp8_block_wgrad off)
     assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 4  # x, srelu(h), dy, dh
     assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 2  # w1, w2
     out = _run(x, w1, w2, gs, probs, dy)

@@ -90,3 +90,44 @@ def test_default_variant_is_the_widest_tile_that_skips_no_half():
     assert gemm_ffi.fp8_block_default_variant(200, names) == wide  # 2 blocks of 128: one full-width tile
     assert gemm_ffi.fp8_block_default_variant(4096, names + ("not_a_kernel",)) == wide
     assert gemm_ffi.fp8_block_default_variant(64, ()) is None
+
+
+# ---- the FP8 weight gradient's binding (gemm_ffi.grouped_wgrad_fp8_block) ----
+
+
+def _wops(m=300, k=256, n=136, sizes=(100, 200)):
+    gs = jnp.asarray(sizes, jnp.int32)
+    q = lambda c: fp8_block.quantize_fp8_block(jnp.ones((m, c), jnp.float32), 0, group_sizes=gs)  # noqa: E731
+    return q(k), q(n), gs
+
+
+def _wcall(lhs, rhs, gs, **kw):
+    return jax.eval_shape(lambda a, b, s: gemm_ffi.grouped_wgrad_fp8_block(a, b, s, **kw), lhs, rhs, gs)
+
+
+@pytest.mark.parametrize(
+    "make, err, match",
+    [
+        (lambda: (jnp.ones((300, 256), jnp.bfloat16), _wops()[1], _wops()[2]), TypeError,
+         "lhs must be a group-aware FP8BlockTensor"),
+        (lambda: (_wops()[0], fp8_block.quantize_fp8_block(jnp.ones((300, 136)), axis=0), _wops()[2]), ValueError,
+         "rhs must be group-aware"),
+        (lambda: (_wops()[0], _wops(m=200, sizes=(100, 100))[1], _wops()[2]), ValueError, "row mismatch"),
+        (lambda: _wops(k=260), ValueError, r"K and N must be multiples of 8 .*got K=260"),
+        (lambda: (*_wops()[:2], jnp.asarray([100, 100, 100], jnp.int32)), ValueError, "quantized with 2 groups"),
+        (lambda: (*_wops()[:2], jnp.zeros((2,), jnp.float32)), TypeError, "group_sizes must be integer"),
+    ],
+)
+def test_wgrad_bad_operands_name_the_argument(make, err, match):
+    lhs, rhs, gs = make()
+    with pytest.raises(err, match=match):
+        _wcall(lhs, rhs, gs)
+
+
+def test_wgrad_bad_out_dtype_and_registry():
+    lhs, rhs, gs = _wops()
+    with pytest.raises(TypeError, match="out_dtype must be bfloat16 or float32"):
+        _wcall(lhs, rhs, gs, out_dtype=jnp.float16)
+    names = [v.name for v in registry.variants(registry.Family.GROUPED_WGRAD_FP8_BLOCK)]
+    assert names == ["grouped_wgrad_sm90_fp8block_m128n128k128_s5_en64", "grouped_wgrad_sm90_fp8block_m128n128k128_s4_en64_f32"]
+    assert [v.out_dtype for v in registry.variants(registry.Family.GROUPED_WGRAD_FP8_BLOCK)] == ["bfloat16", "float32"]

@@ -181,6 +181,37 @@ def _grouped_wgrad_args(out_f32: bool):
             cutlass.Int32(132), make_fake_stream())
 
 
+def _grouped_wgrad_fp8_block_args(out_f32: bool):
+    """Fake (A [K, P] e4m3, B [N, P] e4m3 (tokens contiguous), sa [NB, K] f32, sb [NB, N] f32,
+    out seen as (K, N, G), group_sizes, rows, num_ctas, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    t = _fake
+
+    g, nb = cute.sym_int32(), cute.sym_int32()
+    p = cute.sym_int32(divisibility=128)
+    n, k = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
+    return (t(cutlass.Float8E4M3FN, (k, p), (1, 0)), t(cutlass.Float8E4M3FN, (n, p), (1, 0)),
+            t(cutlass.Float32, (nb, k), (1, 0), align=4), t(cutlass.Float32, (nb, n), (1, 0), align=4),
+            t(cutlass.Float32 if out_f32 else cutlass.BFloat16, (k, n, g), (1, 0, 2)),
+            t(cutlass.Int32, (g,), (0,), align=4), cutlass.Int32(0),
+            cutlass.Int32(132), make_fake_stream())
+
+
+def _token_major_blocks_args():
+    """Fake (x [M, K] uint8 (K % 16 == 0), group_sizes, out [K, P] uint8 (P % 128 == 0), stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    t = _fake
+    m, g = cute.sym_int32(), cute.sym_int32()
+    k, p = cute.sym_int32(divisibility=16), cute.sym_int32(divisibility=128)
+    return (t(cutlass.Uint8, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.Uint8, (k, p)), make_fake_stream())
+
+
 def _kernel(v: registry.Variant):
     """``(config, kernel object, fake arguments)`` for registry entry ``v``; the config is
     the kernel module's own, built from the entry's fields."""
@@ -205,6 +236,18 @@ def _kernel(v: registry.Variant):
 
         cfg = Fp8BlockGemmConfig(tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m)
         return cfg, GroupedGemmFp8BlockSm90(cfg), _grouped_gemm_fp8_block_args()
+    if isinstance(v, registry.Fp8BlockWgradVariant):
+        from jax_grouped_mlp.kernels.grouped_wgrad_fp8_block_sm90 import (
+            Fp8BlockWgradConfig, GroupedWgradFp8BlockSm90,
+        )
+
+        cfg = Fp8BlockWgradConfig(stages=v.stages, epi_n=v.epi_n, out_f32=v.out_f32)
+        return cfg, GroupedWgradFp8BlockSm90(cfg), _grouped_wgrad_fp8_block_args(v.out_f32)
+    if isinstance(v, registry.TokenMajorVariant):
+        from jax_grouped_mlp.kernels.token_major_blocks import TokenMajorBlocks, TokenMajorBlocksConfig
+
+        cfg = TokenMajorBlocksConfig(threads=v.threads)
+        return cfg, TokenMajorBlocks(cfg), _token_major_blocks_args()
     if isinstance(v, registry.QwGemmVariant):
         from jax_grouped_mlp.kernels.grouped_gemm_qw_sm90 import GroupedGemmQwConfig, GroupedGemmQwSm90
 

@@ -210,6 +210,23 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
             )
 
 
+def issue_block(tiled_mma: cute.TiledMma, temp: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, stage) -> cute.TiledMma:
+    """One 128-wide K block's wgmmas (stage ``stage`` of ``tCrA`` times ``tCrB``) into the
+    temporary accumulator ``temp`` (the first overwrites it), committed.
+
+    Returns ``tiled_mma``, whose ACCUMULATE field this sets: the caller rebinds its local
+    to it, so the DSL carries the changed value out of loops and branches. (Also the
+    FP8 weight gradient's, :mod:`grouped_wgrad_fp8_block_sm90`.)"""
+    cute.nvgpu.warpgroup.fence()  # temp was read by its last promotion
+    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+    for kk in range(cute.size(tCrA, mode=[2])):
+        c = (None, None, kk, stage)
+        cute.gemm(tiled_mma, temp, tCrA[c], tCrB[c], temp)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+    cute.nvgpu.warpgroup.commit_group()
+    return tiled_mma
+
+
 class Fp8BlockMainloop(TraceTimeObject):
     """FP8 wgmma with per-128-K promotion into the float32 accumulator (module docstring).
 
@@ -285,20 +302,8 @@ class Fp8BlockMainloop(TraceTimeObject):
         return self.acc
 
     def _issue(self, tiled_mma: cute.TiledMma, temp: cute.Tensor, tCrB: cute.Tensor, stage) -> cute.TiledMma:
-        """Block ``stage``'s wgmmas (A times ``tCrB``) into ``temp`` (the first overwrites it),
-        committed.
-
-        Returns ``tiled_mma``, whose ACCUMULATE field this sets: the caller rebinds its
-        local to it, so the DSL carries the changed value out of loops and branches."""
-        tCrA = self.tCrA
-        cute.nvgpu.warpgroup.fence()  # temp was read by its last promotion
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        for kk in range(cute.size(tCrA, mode=[2])):
-            c = (None, None, kk, stage)
-            cute.gemm(tiled_mma, temp, tCrA[c], tCrB[c], temp)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-        return tiled_mma
+        """:func:`issue_block` with this thread's A fragment."""
+        return issue_block(tiled_mma, temp, self.tCrA, tCrB, stage)
 
     def _load_scales(self, sc: cute.Tensor, rows: list, kb) -> None:
         """A's scales of K block ``kb`` for each of this thread's row slots, into ``sc``."""

@@ -273,17 +273,21 @@ class GroupedGemmSm90:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         return CtaIds(tidx, bidx, gdim, warp_idx)
 
-    def _shared_and_pipeline(self, a_smem, b_smem, epi_smem, b_slices: int = 1):
+    def _shared_and_pipeline(self, a_smem, b_smem, epi_smem, b_slices: int = 1, extra_tx_bytes: int = 0):
         """Allocates shared memory and creates the TMA -> wgmma pipeline (inside the kernel).
 
         ``b_slices``: slices of ``b_smem`` filled per stage (its last mode then counts
-        ``stages * b_slices`` of them). Returns ``(mainloop, sA, sB, sC)``.
+        ``stages * b_slices`` of them). ``extra_tx_bytes``: more TMA bytes per stage (a
+        kernel that also stages other data with the stage). Returns ``(mainloop, sA, sB,
+        sC)``; the allocated struct stays in ``self.smem_storage`` (trace time) for the
+        fields a subclass's ``shared_storage`` adds.
         """
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        self.smem_storage = storage
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + b_slices * cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
-        )
+        ) + extra_tx_bytes
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.stages,

@@ -56,6 +56,8 @@ class Family(enum.Enum):
     GROUPED_GEMM_FP8_BLOCK = ("jgm_grouped_gemm_fp8_block", "GROUPED_GEMM_FP8_BLOCK_VARIANTS", ())
     QUANTIZE_FP8_BLOCK_PAIR = ("jgm_quantize_fp8_block_pair", "QUANTIZE_FP8_BLOCK_PAIR_VARIANTS", ("col_type",))
     QUANTIZE_FP8_BLOCK = ("jgm_quantize_fp8_block", "QUANTIZE_FP8_BLOCK_VARIANTS", ("rowwise",))
+    GROUPED_WGRAD_FP8_BLOCK = ("jgm_grouped_wgrad_fp8_block", "GROUPED_WGRAD_FP8_BLOCK_VARIANTS", ("out_type",))
+    TOKEN_MAJOR_BLOCKS = ("jgm_token_major_blocks", "TOKEN_MAJOR_BLOCKS_VARIANTS", ())
 
     @property
     def target(self) -> str:
@@ -274,6 +276,56 @@ class Fp8BlockGemmVariant:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8BlockWgradVariant:
+    """``GroupedWgradFp8BlockSm90`` (``kernels/grouped_wgrad_fp8_block_sm90.py``,
+    ``jgm_grouped_wgrad_fp8_block``): ``out[g] = lhs_g^T @ rhs_g`` on the group-aware
+    ``fp8_block`` copies, laid out token-major in whole 128-token blocks; FP8 wgmma per
+    block, promoted into float32 with the two blocks' scales. Tiles of 128 x 128 of the
+    ``[K, N]`` output, one block per pipeline stage; bf16 or float32 output.
+    """
+
+    stages: int
+    epi_n: int = 64
+    out_f32: bool = False
+
+    tile_m: ClassVar[int] = 128
+    tile_n: ClassVar[int] = 128
+    tile_k: ClassVar[int] = 128
+    family: ClassVar[Family] = Family.GROUPED_WGRAD_FP8_BLOCK
+
+    @property
+    def out_dtype(self) -> str:
+        """The output's dtype name (``jnp.dtype`` takes it)."""
+        return "float32" if self.out_f32 else "bfloat16"
+
+    @property
+    def out_type(self) -> str:
+        """The output's XLA FFI element type (a C++ table column)."""
+        return "ffi::F32" if self.out_f32 else "ffi::BF16"
+
+    @property
+    def name(self) -> str:
+        s = f"grouped_wgrad_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.stages}"
+        s += f"_en{self.epi_n}" if self.epi_n != 32 else ""
+        return s + ("_f32" if self.out_f32 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenMajorVariant:
+    """``TokenMajorBlocks`` (``kernels/token_major_blocks.py``, ``jgm_token_major_blocks``):
+    a group-aware FP8 ``[M, K]`` copy as ``[K, 128 * (cdiv(M, 128) + G)]``, tokens
+    contiguous in whole 128-token blocks (the FP8 weight gradient's operand layout)."""
+
+    threads: int = 128
+
+    family: ClassVar[Family] = Family.TOKEN_MAJOR_BLOCKS
+
+    @property
+    def name(self) -> str:
+        return f"token_major_blocks_t{self.threads}"
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizeFp8BlockVariant:
     """``QuantizeFp8Block`` / ``QuantizeFp8BlockTile`` (``kernels/quantize_fp8_block.py``):
     bf16 ``[M, K]`` to the ``fp8_block`` format in one read.
@@ -314,7 +366,7 @@ class QuantizeFp8BlockVariant:
 
 Variant = Union[
     GemmVariant, QwGemmVariant, WgradVariant, FakeQuantizeVariant, DequantizeVariant, Fp8BlockGemmVariant,
-    QuantizeFp8BlockVariant,
+    QuantizeFp8BlockVariant, Fp8BlockWgradVariant, TokenMajorVariant,
 ]
 
 
@@ -367,6 +419,11 @@ VARIANTS: tuple[Variant, ...] = (
     QuantizeFp8BlockVariant("pair_bf16"),
     QuantizeFp8BlockVariant("tile"),
     QuantizeFp8BlockVariant("row"),
+    # jgm_grouped_wgrad_fp8_block: one per output dtype
+    Fp8BlockWgradVariant(stages=5),
+    Fp8BlockWgradVariant(stages=4, out_f32=True),
+    # jgm_token_major_blocks
+    TokenMajorVariant(),
 )
 
 _BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}

@@ -273,3 +273,54 @@ class GroupTileScheduler:
         """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
         located = tile[0]
         return self._with(located.t + self.gdim, located.g, located.start, located.size)
+
+
+class GroupBlockTileScheduler(GroupTileScheduler):
+    """:class:`GroupTileScheduler` that also counts 128-row blocks: ``blk`` is the first
+    group-aware block of the cursor's group (the exclusive cumsum of ``cdiv(size, 128)``
+    over the clamped sizes of the groups before it), the FP8 weight gradient's K
+    coordinate (``grouped_wgrad_fp8_block_sm90``). :meth:`blocks` is the group's count."""
+
+    _DYNAMIC = ("g", "start", "size", "blk", "t")
+    BLOCK_ROWS = 128
+
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size, blk):
+        super().__init__(group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size)
+        self.blk = blk
+
+    def _with(self, t, g, start, size, blk=None) -> "GroupBlockTileScheduler":
+        return GroupBlockTileScheduler(
+            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, t, g, start, size,
+            self.blk if blk is None else blk,
+        )
+
+    @staticmethod
+    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        """The cursor at group 0, block 0 and this CTA's first tile ``bidx``."""
+        return GroupBlockTileScheduler(
+            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, Int32(bidx), Int32(0), Int32(0), size0, Int32(0)
+        )
+
+    def blocks(self):
+        """The cursor's group's 128-row blocks, ``cdiv(size, 128)``."""
+        return (self.size + (self.BLOCK_ROWS - 1)) // self.BLOCK_ROWS
+
+    @cute.jit
+    def tile_coords(self):
+        """``(cursor at the tile's group, row tile, column tile)`` of the current tile."""
+        g, start, size, blk = self.g, self.start, self.size, self.blk
+        target = self.t // self.group_tiles
+        group_sizes, m = self.group_sizes, self.m
+        while g < target:
+            start = start + size
+            blk = blk + (size + (self.BLOCK_ROWS - 1)) // self.BLOCK_ROWS
+            g = g + 1
+            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m - start)
+        local = self.t - g * self.group_tiles
+        n_tile = local // self.m_tiles
+        return self._with(self.t, g, start, size, blk), local - n_tile * self.m_tiles, n_tile
+
+    def advance(self, tile) -> "GroupBlockTileScheduler":
+        """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
+        located = tile[0]
+        return self._with(located.t + self.gdim, located.g, located.start, located.size, located.blk)

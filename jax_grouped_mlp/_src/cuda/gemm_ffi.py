@@ -359,15 +359,33 @@ def grouped_wgrad_bf16_cuda(
 def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
     """``primitives`` "grouped_wgrad" on CUDA (same signature as the reference).
 
-    MXFP8 operands (group-aware blocks along M) are dequantized to bf16 first (exact).
-    The kernel writes bfloat16 or float32 (float32 master weights get full float32
-    sums); another ``out_dtype`` gets the float32 result cast. Shapes outside
-    :func:`grouped_gemm_supported` or non-bf16 operands: :class:`Unsupported`.
+    Two group-aware ``fp8_block`` operands run the FP8 weight-gradient kernel
+    (:func:`grouped_wgrad_fp8_block`) when it is compiled and the shape fits; other
+    quantized operands (MXFP8, or a single ``fp8_block`` one) are dequantized to bf16
+    first (exact) for the bf16 kernel. Either writes bfloat16 or float32 (float32
+    master weights get full float32 sums); another ``out_dtype`` gets the float32
+    result cast. Shapes outside :func:`grouped_gemm_supported` or non-bf16 operands:
+    :class:`Unsupported`.
     """
     bf16 = jnp.dtype(jnp.bfloat16)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
-    out = grouped_wgrad_bf16_cuda(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=kernel_dtype)
+    if _fp8_block_wgrad_pair(lhs, rhs):
+        out = grouped_wgrad_fp8_block(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
+    else:
+        out = grouped_wgrad_bf16_cuda(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=kernel_dtype)
     return out.astype(out_dtype)
+
+
+def _fp8_block_wgrad_pair(lhs, rhs) -> bool:
+    """Whether ``lhs`` and ``rhs`` are group-aware ``fp8_block`` operands the FP8
+    weight-gradient kernel takes (compiled, static shapes, K and N multiples of 8)."""
+    fp8 = fp8_block.FP8BlockTensor
+    if not (isinstance(lhs, fp8) and isinstance(rhs, fp8) and lhs.is_grouped and rhs.is_grouped):
+        return False
+    if not grouped_wgrad_fp8_block_variants():
+        return False
+    (m, k), (m2, n) = lhs.data.shape, rhs.data.shape
+    return m == m2 and grouped_gemm_supported(m, n, k, lhs.group_sizes.shape[0])
 
 
 # ---- FC1 with the fused epilogue (csrc/grouped_gemm_fc1.cc) ----
@@ -648,3 +666,128 @@ def grouped_gemm_fp8_block(
     return jax.ffi.ffi_call(GROUPED_GEMM_FP8_BLOCK_TARGET, out)(
         lhs.data, e8m0(lhs.scale), rhs.data, e8m0(rhs.scale), group_sizes, variant=np.int32(names.index(variant))
     )
+
+
+# ---- the FP8 block-scaled weight gradient (csrc/grouped_wgrad_fp8_block.cc; recipe
+# "fp8_block" reaches it through grouped_wgrad_cuda) ----
+
+GROUPED_WGRAD_FP8_BLOCK_TARGET = "jgm_grouped_wgrad_fp8_block"
+
+
+def grouped_wgrad_fp8_block_variants() -> tuple[str, ...]:
+    """Names of the compiled FP8 block-scaled weight gradients (empty without the extension)."""
+    return ffi.variants("GROUPED_WGRAD_FP8_BLOCK_VARIANTS")
+
+
+def _checked_grouped_fp8_block(name: str, t) -> None:
+    """``t`` is a group-aware ``[M, K]`` :class:`FP8BlockTensor` with consistent fields,
+    or a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, fp8_block.FP8BlockTensor):
+        raise TypeError(
+            f"{name} must be a group-aware FP8BlockTensor (quantize_fp8_block(x, 0, group_sizes=...)), "
+            f"got {name}={type(t).__name__}"
+        )
+    if not t.is_grouped:
+        raise ValueError(
+            f"{name} must be group-aware (quantize_fp8_block(x, 0, group_sizes=...)), got {name}.axes={t.axes} "
+            "without group_sizes"
+        )
+    fp8_block._check_tensor(t, name)
+
+
+def grouped_wgrad_fp8_block(
+    lhs: fp8_block.FP8BlockTensor,
+    rhs: fp8_block.FP8BlockTensor,
+    group_sizes: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    variant: str | None = None,
+) -> jax.Array:
+    """``out[g] = lhs_g^T @ rhs_g`` on group-aware ``fp8_block`` operands, ``[G, K, N]``
+    (``kernels/grouped_wgrad_fp8_block_sm90.py``; CUDA only; ``grouped_mlp``'s
+    ``fp8_block`` weight gradients reach it through :func:`grouped_wgrad_cuda`).
+
+    Args:
+      lhs, rhs: ``quantize_fp8_block(x, 0, group_sizes=group_sizes)`` of ``x [M, K]`` and
+        ``dy [M, N]``: group-aware 128-row blocks, quantized with these group sizes (the
+        blocks are laid out by them). Each is rearranged token-major in whole blocks for
+        the kernel (:func:`token_major_blocks_cuda`: one read and one write of its FP8
+        bytes).
+      group_sizes: ``[G]`` integers on the device, clamped to ``M``.
+      out_dtype: bfloat16 or float32.
+      variant: a name of :func:`grouped_wgrad_fp8_block_variants` (default: the one
+        writing ``out_dtype``).
+
+    Numerics: each 128-token block is one FP8 wgmma reduction (exact products, Hopper's
+    internal FP8 accumulation), scaled by the two blocks' scales in float32 and added
+    into a float32 accumulator, blocks in order (bitwise reproducible); one rounding
+    to ``out_dtype``. Empty groups give zeros.
+
+    Raises:
+      TypeError, ValueError: naming the argument (not a group-aware FP8BlockTensor, row
+        mismatch, K or N not a multiple of 8, too large, a bad ``out_dtype`` or
+        ``variant``).
+      RuntimeError: the extension is not built.
+    """
+    _checked_grouped_fp8_block("lhs", lhs)
+    _checked_grouped_fp8_block("rhs", rhs)
+    (m, k), (m2, n) = lhs.data.shape, rhs.data.shape
+    if not all(isinstance(d, int) for d in (m, k, m2, n)):
+        raise ValueError(f"lhs and rhs must have static shapes, got {lhs.data.shape=} {rhs.data.shape=}")
+    if m != m2:
+        raise ValueError(f"row mismatch: lhs.data.shape={lhs.data.shape} vs rhs.data.shape={rhs.data.shape}")
+    if k % 8 or n % 8:
+        raise ValueError(
+            f"lhs, rhs: K and N must be multiples of 8 (16-byte output rows), got K={k} (lhs) and N={n} (rhs)"
+        )
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0  # else a TypeError below
+    nblocks = fp8_block.grouped_scale_rows(m, g)
+    if k * nblocks * 128 >= _MAX or n * nblocks * 128 >= _MAX or g * k * n >= _MAX:
+        raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {m=} {n=} {k=} {g=}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
+    group_sizes = _checked_group_sizes(group_sizes, g, m)
+    for name, t in (("lhs", lhs), ("rhs", rhs)):
+        if t.scale.shape[0] != nblocks:
+            raise ValueError(
+                f"{name} was quantized with {t.scale.shape[0] - groups.cdiv(m, 128)} groups, group_sizes has {g}"
+            )
+    names = grouped_wgrad_fp8_block_variants()
+    fits = [v for v in names if jnp.dtype(registry.variant(v).out_dtype) == out_dtype]
+    if variant is None:
+        variant = fits[0] if fits else None
+    if variant not in fits:
+        raise ValueError(f"variant must be one of the compiled {tuple(fits)} for {out_dtype=}, got {variant=}")
+    a, sa = token_major_blocks_cuda(lhs)
+    b, sb = token_major_blocks_cuda(rhs)
+    out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
+    return jax.ffi.ffi_call(GROUPED_WGRAD_FP8_BLOCK_TARGET, out)(
+        a, sa, b, sb, group_sizes, variant=np.int32(names.index(variant)), rows=np.int64(m)
+    )
+
+
+TOKEN_MAJOR_BLOCKS_TARGET = "jgm_token_major_blocks"
+
+
+def token_major_blocks_variants() -> tuple[str, ...]:
+    """Names of the compiled token-major layout kernels (empty without the extension)."""
+    return ffi.variants("TOKEN_MAJOR_BLOCKS_VARIANTS")
+
+
+def token_major_blocks_cuda(t: fp8_block.FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
+    """:func:`fp8_block.token_major_blocks` (same bytes), the data by the CUDA kernel
+    (``kernels/token_major_blocks.py``: one read and one write of the FP8 bytes) when it is
+    compiled and ``K % 16 == 0``, else by the XLA gather and transpose (several times
+    slower on the H200)."""
+    m, k = t.data.shape
+    names = token_major_blocks_variants()
+    if not names or k % 16 or not grouped_gemm_supported(m, 8, k, t.group_sizes.shape[0]):
+        return fp8_block.token_major_blocks(t)
+    g = t.group_sizes.shape[0]
+    gs = _checked_group_sizes(t.group_sizes, g, m)
+    out = jax.ShapeDtypeStruct((k, fp8_block.grouped_scale_rows(m, g) * 128), jnp.float8_e4m3fn)
+    data = jax.ffi.ffi_call(TOKEN_MAJOR_BLOCKS_TARGET, out)(t.data, gs, variant=np.int32(0))
+    return data, mxfp8._scale_value(jax.lax.bitcast_convert_type(t.scale, jnp.uint8))

@@ -253,6 +253,35 @@ def transpose_tiles(t: FP8BlockTensor) -> FP8BlockTensor:
     return FP8BlockTensor(data=jnp.swapaxes(t.data, i, j), scale=jnp.swapaxes(t.scale, i, j), axes=t.axes)
 
 
+def token_major_blocks(t: FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
+    """A group-aware ``[M, K]`` tensor as the FP8 weight-gradient kernel reads it:
+    ``(data [K, 128 * NB], scale [NB, K] float32)`` with ``NB = cdiv(M, 128) + G``.
+
+    Block ``b`` (the scale row numbering of the tensor, :func:`quantize_fp8_block` with
+    ``group_sizes``) occupies columns ``[128 b, 128 b + 128)`` of ``data``: its group's
+    rows in order, then zeros up to the block's end; unused blocks are zero. Tokens are
+    contiguous (Hopper's FP8 wgmma reads both operands K-major, and the weight
+    gradient's K is the token axis). ``scale`` holds each byte's value ``2**(e - 127)``
+    (NaN for 0xFF). Pure data movement: no value is re-rounded.
+
+    Raises:
+      ValueError: ``t`` is not group-aware.
+    """
+    if not isinstance(t, FP8BlockTensor):
+        raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}")
+    if not t.is_grouped:
+        raise ValueError(f"t must be group-aware (quantize_fp8_block(x, 0, group_sizes=...)), got t.axes={t.axes}")
+    _check_tensor(t)
+    m, k = t.data.shape
+    nblocks = t.scale.shape[0]
+    if m == 0:
+        data = jnp.zeros((k, nblocks * BLOCK), jnp.float8_e4m3fn)
+    else:
+        tiles, _, _ = groups.gather_tiles(t.data, groups.tile_layout(t.group_sizes, m, BLOCK))
+        data = tiles.reshape(nblocks * BLOCK, k).T
+    return data, mxfp8._scale_value(jax.lax.bitcast_convert_type(t.scale, jnp.uint8))
+
+
 def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     """Back to ``dtype``, a float dtype: ``data * 2**(scale - 127)`` per block (exact in
     bfloat16 and float32 except below float32's normal range; rows of a group-aware

@@ -41,14 +41,22 @@ class KernelChoices:
         then run unfused (their epilogue kernels take a quantized weight). Same bits.
       qw_max_rows_per_group: "small groups" for ``quantize_weights_in_gemm``: at most
         this many rows per group on average.
+      fp8_block_wgrad: ``fp8_block``'s weight gradients multiply the FP8 copies on the
+        FP8 weight-gradient kernel (dy's and dh's token-blocked copies stay FP8, and all
+        four operands take a token-major layout pass); False (the default): the bf16
+        weight-gradient kernel on their exactly dequantized values (the same products;
+        only the summation differs). Off by default because on the H200 the FP8 kernel
+        (748-757 TFLOP/s at 8 x 8192 tokens) does not yet pay for the layout passes: the
+        step is 0.97-1.10x of the bf16 path's (docs/notes/2026-12-04-fp8-wgrad.md).
     """
 
     order_backward: bool = True
     quantize_weights_in_gemm: bool = True
     qw_max_rows_per_group: int = 512
+    fp8_block_wgrad: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("order_backward", "quantize_weights_in_gemm"):
+        for name in ("order_backward", "quantize_weights_in_gemm", "fp8_block_wgrad"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {name}={value!r}")

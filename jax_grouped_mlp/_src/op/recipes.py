@@ -19,9 +19,10 @@ prepares every operand as an FP8 :class:`FP8BlockTensor` (1 x 128 blocks along K
 activations, 128 x 128 tiles for weights, group-aware 128-row blocks for the
 weight-gradient operands): the form the Hopper FP8 wgmma kernel reads. On CUDA the
 forward GEMMs and data gradients run on it (promotion into float32 every 128 of K) and
-the weight gradients on the bf16 kernel over the exactly dequantized operands
-(``gemm_ffi.grouped_gemm_cuda``, ``grouped_wgrad_cuda``); elsewhere the GEMM primitives
-multiply the dequantized values with float32 accumulation.
+the weight gradients on the bf16 kernel over the exactly dequantized operands, or, with
+``KernelChoices.fp8_block_wgrad``, on the FP8 weight-gradient kernel (promotion every
+128 tokens; ``gemm_ffi.grouped_gemm_cuda``, ``grouped_wgrad_cuda``); elsewhere the GEMM
+primitives multiply the dequantized values with float32 accumulation.
 """
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ class Recipe(str, enum.Enum):
         if self is Recipe.MXFP8:
             return primitives.fake_quantize(w, reduce_axis)
         return w.astype(jnp.bfloat16)
+
+    @property
+    def wgrad_reads_fp8(self) -> bool:
+        """Whether the weight gradients can multiply the FP8 copies themselves
+        (``fp8_block``: the FP8 weight-gradient kernel, when ``KernelChoices.fp8_block_wgrad``
+        asks for it), so the backward's dy and dh columns may stay FP8
+        (``row_and_col(..., keep_col=True)``) rather than coming as bf16 values."""
+        return self is Recipe.FP8_BLOCK
 
     def row_and_col(self, x: jax.Array, group_sizes: jax.Array, *, keep_col: bool) -> tuple[Operand, Operand]:
         """``(row(x, 1), col)`` for ``[M, K]``, col blocked along tokens; one pass on CUDA.
