@@ -549,3 +549,41 @@ def test_vmap_of_grad_gpu(rng, stack, layers):
     """On the GPU, where the fences and read-backs are built (a session saw
     ``vmap(grad)`` of ``layer_scan`` fail at >= 3 layers)."""
     _check_vmap_of_grad(rng, stack, layers)
+
+
+def _tags_offload_to(dst: dict):
+    """A policy offloading each of the op's residual names in ``dst`` to its memory kind."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def policy(prim, *avals, **params):
+        name = params.get("name")
+        return pe.Offloadable(src="device", dst=dst[name]) if name in dst else False
+
+    return policy
+
+
+def test_layer_scan_writes_to_the_host_kind_the_policy_names(rng):
+    """``Offloadable.dst`` decides where ``layer_scan``'s own copies go (here
+    ``unpinned_host``, not the default ``pinned_host``), as it does for the op's tags in
+    a loop; the gradients stay the loop's bit for bit."""
+    names = ("fc1_input", "activation_input", "fc2_input")
+    policy = _tags_offload_to({n: "unpinned_host" for n in names})
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
+
+    def loss(w1):
+        y = jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=policy)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w1).jaxpr
+    assert len(list(_scans_moving(jaxpr, "unpinned_host"))) == 1
+    assert not list(_scans_moving(jaxpr, "pinned_host"))
+    _assert_scan_is_the_loop(rng, _one, policy, lambda x, gs, probs: (gs, probs))
+
+
+def test_layer_scan_rejects_two_host_kinds(rng):
+    """One layer's copies go out together: a policy splitting the residuals over two host
+    memory kinds gets a ValueError naming the residuals and their kinds."""
+    policy = _tags_offload_to({"fc1_input": "unpinned_host", "fc2_input": "pinned_host"})
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
+    with pytest.raises(ValueError, match=r"one host memory kind.*fc1_input.*unpinned_host.*fc2_input.*pinned_host"):
+        jax.make_jaxpr(lambda w1: jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=policy))(w1)

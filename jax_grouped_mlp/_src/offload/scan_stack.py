@@ -33,9 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core
+from jax._src.interpreters import partial_eval as pe
 
 from jax_grouped_mlp._src.offload import stack
 from jax_grouped_mlp._src.op import residuals
+from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
 
 PyTree = Any
 
@@ -69,9 +71,13 @@ def layer_scan(
     its residuals on the device. Without ``prefetch`` it is ``jax.lax.scan`` of the
     checkpointed layer.
 
+    The host copies go to the memory kind the policy names (``Offloadable.dst``: the
+    ``pinned_host`` of :func:`offload_policy`, or ``unpinned_host``).
+
     Raises:
       TypeError: ``layer`` is not callable. ValueError: ``params`` has no arrays, or
-      their leading axes differ.
+      their leading axes differ, or ``policy`` offloads the op's residuals to more than
+      one host memory kind.
     """
     if not callable(layer):
         raise TypeError(f"layer must be callable, got layer={layer!r}")
@@ -91,10 +97,12 @@ def layer_scan(
         return run(params, x, tuple(args))
     ckpt_keep = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))  # the last layer
     ckpt_defer = jax.checkpoint(layer, policy=residuals.DeferredOffload(policy))  # what runs: no copies
-    ckpt_policy = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy))  # traced for its placement only
+    recorder = _DstRecorder(policy)
+    ckpt_policy = jax.checkpoint(layer, policy=residuals.FencedByCaller(recorder))  # traced for its placement only
     p0 = jax.tree.map(lambda a: a[0], params)
     if not any(_offloaded(ckpt_policy, p0, x, tuple(args), _pullback_avals(ckpt_defer, p0, x, tuple(args)))):
         return run(params, x, tuple(args))  # nothing offloaded (or only by JAX itself): nothing to pipeline
+    host_kind = recorder.host_kind()
     first, inner = _Layout(), _Layout()  # layer 0's, and the scanned layers'
 
     @jax.custom_vjp
@@ -133,7 +141,7 @@ def layer_scan(
                     x, previous = carry
                     x, off, keep = one_layer(layer_params(params, i), x, args, inner)
                     # The previous layer's copies out run while this layer computes.
-                    return (x, off), (residuals.to_host(previous), keep)
+                    return (x, off), (residuals.to_host(previous, memory_kind=host_kind), keep)
 
                 (x, off), (saved["host"], saved["keep"]) = lax.scan(body, (x, off), jnp.arange(1, length - 1))
             saved["off"] = off  # layer L-2's: on the device (the backward needs them second)
@@ -174,6 +182,34 @@ def layer_scan(
 
     scanned.defvjp(fwd, bwd)
     return scanned(params, x, tuple(args))
+
+
+class _DstRecorder:
+    """``policy``, noting the host memory kind it answers (``Offloadable.dst``) for each of
+    the op's residual names while a layer is traced: where ``layer_scan`` writes the
+    residuals it offloads itself. (Identity-hashed: a fresh policy object per call, so
+    JAX's caches of remat's partial evaluation never return another call's trace.)"""
+
+    def __init__(self, policy: Callable):
+        self.policy = policy
+        self.dsts: dict[str, str] = {}
+
+    def __call__(self, *args, **kwargs):
+        out = self.policy(*args, **kwargs)
+        case = pe.ensure_enum(out)
+        if isinstance(case, pe.Offloadable) and kwargs.get("name") in RESIDUAL_NAMES:
+            self.dsts[kwargs["name"]] = case.dst
+        return out
+
+    def host_kind(self) -> str:
+        """The one memory kind the policy sends the op's residuals to, or a ValueError."""
+        kinds = set(self.dsts.values())
+        if len(kinds) > 1:
+            raise ValueError(
+                "policy must offload the op's residuals to one host memory kind for layer_scan (its copies of a "
+                f"layer go out together), got {dict(sorted(self.dsts.items()))}"
+            )
+        return kinds.pop() if kinds else "pinned_host"
 
 
 def _pullback_avals(ckpt: Callable, p, x, args) -> list:

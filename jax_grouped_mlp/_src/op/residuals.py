@@ -180,8 +180,8 @@ residual_p.def_abstract_eval(_abstract_eval)
 # The rebuild program (a parameter in "rebuild" mode) holds only ordinary operations;
 # newer JAX would otherwise ask for a "to_lojax" rule because a parameter is a program.
 residual_p.is_high = lambda *avals, **params: False
-to_device_p.def_abstract_eval(lambda *avals, memory_kind: [
-    a.update(memory_space=core.MemorySpace.Host if memory_kind == "pinned_host" else core.MemorySpace.Device)
+to_device_p.def_abstract_eval(lambda *avals, memory_kind: [  # (any host kind: pinned_host, unpinned_host)
+    a.update(memory_space=core.MemorySpace.Device if memory_kind == "device" else core.MemorySpace.Host)
     for a in avals])
 
 
@@ -643,12 +643,12 @@ def after_cotangent(residual_arrays: Sequence[jax.Array], cotangent) -> tuple[li
     return reload_after(arrays, cotangent)
 
 
-def to_host(arrays: Sequence[jax.Array]) -> list[jax.Array]:
-    """Host copies of ``arrays`` (device->host copies on GPU/TPU, the values as they are
-    on the CPU, like the tags' own offload): what ``layer_scan`` writes one iteration
-    after the layer that made them."""
+def to_host(arrays: Sequence[jax.Array], memory_kind: str = "pinned_host") -> list[jax.Array]:
+    """Host copies of ``arrays`` in ``memory_kind`` (device->host copies on GPU/TPU, the
+    values as they are on the CPU, like the tags' own offload): what ``layer_scan``
+    writes one iteration after the layer that made them."""
     arrays = list(arrays)
-    return to_device_p.bind(*arrays, memory_kind="pinned_host") if arrays else []
+    return to_device_p.bind(*arrays, memory_kind=memory_kind) if arrays else []
 
 
 def reload_after(arrays: Sequence[jax.Array], cotangent) -> tuple[list[jax.Array], object]:
