@@ -1,7 +1,7 @@
 """The weight-gradient kernel's variants at the MLP shapes: ms, TFLOP/s, and agreement.
 
     PYTHONPATH=. python3 benchmarks/bench_wgrad.py [--shapes nano] [--skew S] [--out X.json]
-    PYTHONPATH=. python3 benchmarks/bench_wgrad.py --fp8-block [--alphas inf,1] [--rounds 3]
+    PYTHONPATH=. python3 benchmarks/bench_wgrad.py --fp8-block [--alphas inf,1] [--rounds 3] [--plot]
 
 ``--fp8-block``: the FP8 block-scaled weight gradient (``gemm_ffi.grouped_wgrad_fp8_block``)
 next to the bf16 kernel's default variant on the same operands' exactly dequantized
@@ -32,7 +32,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi  # noqa: E402
-from common import MLP_SHAPES, RESULTS, gemm_cell, gemm_entry, gemm_report, routed_group_sizes, time_call, write_report  # noqa: E402
+from common import (  # noqa: E402
+    MLP_SHAPES, RESULTS, bar_plot, gemm_cell, gemm_entry, gemm_report, routed_group_sizes, time_call, write_report,
+)
 from shapes import router_group_sizes  # noqa: E402
 from jax_grouped_mlp._src.formats import fp8_block  # noqa: E402
 
@@ -121,6 +123,21 @@ def bench_fp8_shape(name: str, iters: int, alpha: float, rounds: int) -> dict:
     return {"alpha": alpha, "dW1": bench_fp8_pair(x, a, gs, iters, rounds), "dW2": bench_fp8_pair(a, x, gs, iters, rounds)}
 
 
+FP8_SERIES = ("bf16", "fp8_block_kernel", "fp8_block_binding")
+
+
+def plot_fp8(results: dict, path: pathlib.Path) -> None:
+    """TFLOP/s of the bf16 kernel, the FP8 kernel alone and the FP8 binding (with its
+    layout passes) per shape and weight gradient, from a ``--fp8-block`` report's results."""
+    def label(key: str, which: str) -> str:
+        return f"{key.replace('@alpha=inf', '').replace('@alpha=', ' a=')} {which}"
+
+    bars = {label(key, which): {s: r[which][s] for s in FP8_SERIES}
+            for key, r in results.items() for which in ("dW1", "dW2")}  # fmt: skip
+    bar_plot(bars, "tflops", "TFLOP/s", "grouped weight gradient: bf16 kernel vs FP8 block-scaled", path,
+             figsize=(11, 4))
+
+
 def main_fp8(ns, argv) -> int:
     if not (ffi.available() and gemm_ffi.grouped_wgrad_fp8_block_variants()) or jax.devices()[0].platform != "gpu":
         print("needs a GPU and the built extension with the FP8 weight gradient (tools/build_kernels.py)")
@@ -139,6 +156,8 @@ def main_fp8(ns, argv) -> int:
             print(f"{key:18} {which:4} {e['bf16']['ms']:8.3f} {e['fp8_block_kernel']['ms']:14.3f} "
                   f"{e['fp8_block_binding']['ms']:15.3f} {e['speedup_kernel_vs_bf16']:8.2f}x "
                   f"{e['speedup_binding_vs_bf16']:9.2f}x {e['fp8_block_kernel']['tflops']:8.0f} {e['fp8_vs_bf16_rel']:9.2e}")
+    if ns.plot:
+        plot_fp8(report["shapes"], ns.out.with_suffix(".png"))
     return 0
 
 
@@ -151,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-block", action="store_true", help="the FP8 block-scaled weight gradient vs bf16")
     ap.add_argument("--alphas", default="inf", help="--fp8-block: Dirichlet alphas of the router sizes (inf: equal)")
     ap.add_argument("--rounds", type=int, default=3, help="--fp8-block: interleaved timing rounds")
+    ap.add_argument("--plot", action="store_true", help="--fp8-block: a PNG of TFLOP/s next to the JSON")
     ns = ap.parse_args(argv)
     if ns.fp8_block:
         ns.out = ns.out or RESULTS / "wgrad_fp8_block_h200.json"

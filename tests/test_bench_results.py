@@ -114,3 +114,16 @@ def test_check_result_finds_what_is_wrong(change, message):
     assert common.check_result(data) == []
     change(data)
     assert any(message in e for e in common.check_result(data))
+
+
+def test_fp8_weight_gradient_plot_draws_the_committed_run(tmp_path):
+    """``bench_wgrad.py --fp8-block --plot`` draws the report it writes: here the committed
+    H200 run (the PNG beside it was drawn this way)."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_wgrad
+
+    results = json.loads((RESULTS / "wgrad_fp8_block_h200.json").read_text())["results"]
+    out = tmp_path / "wgrad.png"
+    bench_wgrad.plot_fp8(results, out)
+    assert out.stat().st_size > 10_000
