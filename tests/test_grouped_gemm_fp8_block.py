@@ -131,3 +131,33 @@ def test_wgrad_bad_out_dtype_and_registry():
     names = [v.name for v in registry.variants(registry.Family.GROUPED_WGRAD_FP8_BLOCK)]
     assert names == ["grouped_wgrad_sm90_fp8block_m128n128k128_s5_en64", "grouped_wgrad_sm90_fp8block_m128n128k128_s4_en64_f32"]
     assert [v.out_dtype for v in registry.variants(registry.Family.GROUPED_WGRAD_FP8_BLOCK)] == ["bfloat16", "float32"]
+
+
+def test_wgrad_outside_the_fp8_contract_falls_back_or_names_the_limit():
+    """``grouped_wgrad_cuda`` sends a pair whose token-major operands would pass 2^31
+    elements (P = 128 * (cdiv(M, 128) + G) exceeds M by up to 128 (G + 1) rows) to the
+    bf16 kernel instead of raising; the FP8 binding itself names the limit."""
+    sds = jax.ShapeDtypeStruct
+    m, k, n, g = 700_000, 2688, 1856, 2000  # M K < 2^31 <= K * P
+    nb = fp8_block.grouped_scale_rows(m, g)
+    gs = sds((g,), jnp.int32)
+
+    def tensor(cols, rows=m, blocks=nb):
+        return fp8_block.FP8BlockTensor(sds((rows, cols), jnp.float8_e4m3fn), sds((blocks, cols), jnp.float8_e8m0fnu),
+                                        (0,), gs)  # fmt: skip
+
+    assert not gemm_ffi._fp8_block_wgrad_pair(tensor(k), tensor(n), gs)
+    with pytest.raises(ValueError, match="fewer than 2\\^31 elements"):
+        _wcall(tensor(k), tensor(n), gs)
+    fits = gemm_ffi._fp8_block_wgrad_pair(tensor(256, 1000, 8 + g), tensor(128, 1000, 8 + g), gs)
+    assert fits == bool(gemm_ffi.grouped_wgrad_fp8_block_variants())  # (needs the built extension)
+    # Quantized with another number of groups: the bf16 kernel, not an error.
+    assert not gemm_ffi._fp8_block_wgrad_pair(tensor(256, 1000, 8 + g), tensor(128, 1000, 8 + g),
+                                              sds((g + 1,), jnp.int32))  # fmt: skip
+
+
+def test_token_major_blocks_names_a_tensor_that_is_not_group_aware():
+    with pytest.raises(ValueError, match="t must be group-aware"):
+        gemm_ffi.token_major_blocks_cuda(fp8_block.quantize_fp8_block(jnp.ones((64, 128)), axis=1))
+    with pytest.raises(TypeError, match="t must be a group-aware FP8BlockTensor"):
+        gemm_ffi.token_major_blocks_cuda(jnp.ones((64, 128)))

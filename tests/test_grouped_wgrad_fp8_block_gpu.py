@@ -32,6 +32,7 @@ import pytest
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import fp8_block
 from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
+from jax_grouped_mlp.kernels import registry
 from gpu_helpers import has_gpu
 
 B = fp8_block.BLOCK
@@ -117,18 +118,35 @@ def _poison(shape, itemsize: int, value: int) -> None:
     del buf
 
 
+def _raw_call(m: int, g: int, k: int, n: int, out_dtype):
+    """The custom call alone, on operands already laid out token-major and with the group
+    sizes as given (the kernel clamps them itself; the binding clamps them first)."""
+    names = gemm_ffi.grouped_wgrad_fp8_block_variants()
+    index = next(i for i, v in enumerate(names) if registry.variant(v).out_dtype == jnp.dtype(out_dtype).name)
+    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET, jax.ShapeDtypeStruct((g, k, n), out_dtype))
+    return jax.jit(lambda a, sa, b, sb, s: call(a, sa, b, sb, s, variant=np.int32(index), rows=np.int64(m)))
+
+
 def _run(lhs, rhs, sizes, out_dtype=jnp.bfloat16) -> np.ndarray:
-    """The kernel's output in float64 after two poisons (0xFF: NaN; 0x7F: huge); both runs
-    must agree bit for bit (every element written, deterministic)."""
-    g, k, n = len(sizes), lhs.data.shape[1], rhs.data.shape[1]
+    """The kernel's output in float64, from the custom call alone (its output is the only
+    buffer it allocates) after two poisons of that buffer's bytes (0xFF: NaN; 0x7F: huge),
+    with the group sizes unclamped; both runs must agree bit for bit (every element
+    written, deterministic), and the binding (its own layout pass, clamped sizes) must
+    give the same bits."""
+    m, k, n, g = lhs.data.shape[0], lhs.data.shape[1], rhs.data.shape[1], len(sizes)
     gs = jnp.asarray(np.asarray(sizes, np.int32))
+    operands = (*fp8_block.token_major_blocks(lhs), *fp8_block.token_major_blocks(rhs))
+    a, sa, b, sb = jax.block_until_ready(operands)
+    call = _raw_call(m, g, k, n, out_dtype)
     runs = []
     for value in (0xFF, 0x7F):
         _poison((g, k, n), jnp.dtype(out_dtype).itemsize, value)
-        out = jax.block_until_ready(_kernel(lhs, rhs, gs, out_dtype=out_dtype))
+        out = jax.block_until_ready(call(a, sa, b, sb, gs))
         assert out.shape == (g, k, n) and out.dtype == jnp.dtype(out_dtype)
         runs.append(np.asarray(out.astype(jnp.float32), np.float64))
     np.testing.assert_array_equal(runs[0], runs[1], err_msg="output differs between poisons: unwritten elements or a race")
+    binding = np.asarray(_kernel(lhs, rhs, gs, out_dtype=out_dtype).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(binding, runs[0], err_msg="the binding differs from the custom call")
     return runs[0]
 
 
@@ -194,7 +212,7 @@ def test_token_major_blocks_is_the_tensor_rearranged(rng, sizes):
     [
         (1000, 256, 512, 7, 1000),  # sizes sum to M, ragged group starts
         (1000, 384, 256, 5, 700),  # sum below M: the rows past it do not count
-        (777, 256, 384, 6, 1200),  # sum past M: clamped on the device
+        (777, 256, 384, 6, 1200),  # sum past M: clamped (by the kernel itself in _run's raw call)
         (1500, 2688, 1856, 4, 1500),  # Nano dims: K = 21 and N = 14.5 blocks of 128
         (300, 136, 208, 3, 300),  # K, N not multiples of 128 (nor of the epilogue subtile)
         (5, 128, 128, 2, 5),  # fewer rows than one block
@@ -215,7 +233,7 @@ def test_random(rng, out_dtype, m, k, n, g, total):
         [0, 0, 640, 0, 0, 0],  # empty groups around one
         [1, 127, 128, 129, 0, 255],  # every block-boundary offset
         [600, 30, 5, 3, 1, 1],  # skewed
-        [5000, -3, 0, 7, 2**30, 1],  # giant and negative sizes: clamped, never out of bounds
+        [5000, -3, 0, 7, 2**30, 1],  # giant and negative sizes: clamped by the kernel, never out of bounds
         [-1, -1, -1, -1, -1, -1],  # nothing: every gradient zero
     ],
 )

@@ -19,8 +19,9 @@ tokens are columns ``[128 b, 128 b + 128)`` of A and B, zero past its group's ro
 Group ``g`` owns blocks ``first_g .. first_g + cdiv(size_g, 128) - 1``, ``first_g`` the
 exclusive cumsum of ``cdiv(size_g, 128)`` over the sizes clamped to ``M`` (``rows``):
 the quantizer's block numbering, so a block never mixes two groups and no masking is
-needed. The clamped sizes keep every block index below ``NB``; the scale reads are
-clamped too (rows past K and columns past N read a valid scale; they are never stored).
+needed. The clamped sizes keep every block index below ``NB``. Each stage's scales are
+TMA boxes of the block's row of ``sa`` and of ``sb`` (zero-filled past K and N, where A's
+and B's rows are zero-filled too; those output rows and columns are never stored).
 
 Numerics as the data GEMM's (:mod:`grouped_gemm_fp8_block_sm90`): each 128-token block
 is one FP8 wgmma reduction (exact products, Hopper's internal FP8 accumulation) into a

@@ -369,23 +369,37 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
     """
     bf16 = jnp.dtype(jnp.bfloat16)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
-    if _fp8_block_wgrad_pair(lhs, rhs):
+    if _fp8_block_wgrad_pair(lhs, rhs, group_sizes):
         out = grouped_wgrad_fp8_block(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
     else:
         out = grouped_wgrad_bf16_cuda(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=kernel_dtype)
     return out.astype(out_dtype)
 
 
-def _fp8_block_wgrad_pair(lhs, rhs) -> bool:
+def _fp8_block_wgrad_pair(lhs, rhs, group_sizes) -> bool:
     """Whether ``lhs`` and ``rhs`` are group-aware ``fp8_block`` operands the FP8
-    weight-gradient kernel takes (compiled, static shapes, K and N multiples of 8)."""
+    weight-gradient kernel takes (compiled; static shapes within its contract,
+    :func:`_fp8_wgrad_fits`; quantized with as many groups as ``group_sizes`` has)."""
     fp8 = fp8_block.FP8BlockTensor
     if not (isinstance(lhs, fp8) and isinstance(rhs, fp8) and lhs.is_grouped and rhs.is_grouped):
         return False
-    if not grouped_wgrad_fp8_block_variants():
+    if not grouped_wgrad_fp8_block_variants() or jnp.ndim(group_sizes) != 1:
         return False
     (m, k), (m2, n) = lhs.data.shape, rhs.data.shape
-    return m == m2 and grouped_gemm_supported(m, n, k, lhs.group_sizes.shape[0])
+    g = jnp.shape(group_sizes)[0]
+    rows = fp8_block.grouped_scale_rows(m, g) if isinstance(m, int) and isinstance(g, int) else None
+    return (m == m2 and _fp8_wgrad_fits(m, k, n, g)
+            and lhs.scale.shape[0] == rows and rhs.scale.shape[0] == rows)  # fmt: skip
+
+
+def _fp8_wgrad_fits(m, k: int, n: int, g: int) -> bool:
+    """The FP8 weight gradient's shape contract: static sizes, K and N multiples of 8,
+    fewer than 2^31 elements in each token-major operand ``[K or N, 128 * NB]`` and in
+    the output."""
+    if not all(isinstance(d, int) for d in (m, k, n, g)):
+        return False
+    width = 128 * fp8_block.grouped_scale_rows(m, g)
+    return k % 8 == 0 and n % 8 == 0 and k * width < _MAX and n * width < _MAX and g * k * n < _MAX
 
 
 # ---- FC1 with the fused epilogue (csrc/grouped_gemm_fc1.cc) ----
@@ -741,20 +755,20 @@ def grouped_wgrad_fp8_block(
             f"lhs, rhs: K and N must be multiples of 8 (16-byte output rows), got K={k} (lhs) and N={n} (rhs)"
         )
     g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0  # else a TypeError below
-    nblocks = fp8_block.grouped_scale_rows(m, g)
-    if k * nblocks * 128 >= _MAX or n * nblocks * 128 >= _MAX or g * k * n >= _MAX:
-        raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {m=} {n=} {k=} {g=}")
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    if not ffi.available():
-        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     group_sizes = _checked_group_sizes(group_sizes, g, m)
+    if not _fp8_wgrad_fits(m, k, n, g):
+        raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {m=} {n=} {k=} {g=}")
+    nblocks = fp8_block.grouped_scale_rows(m, g)
     for name, t in (("lhs", lhs), ("rhs", rhs)):
         if t.scale.shape[0] != nblocks:
             raise ValueError(
                 f"{name} was quantized with {t.scale.shape[0] - groups.cdiv(m, 128)} groups, group_sizes has {g}"
             )
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if not ffi.available():
+        raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
     names = grouped_wgrad_fp8_block_variants()
     fits = [v for v in names if jnp.dtype(registry.variant(v).out_dtype) == out_dtype]
     if variant is None:
@@ -780,13 +794,18 @@ def token_major_blocks_variants() -> tuple[str, ...]:
 def token_major_blocks_cuda(t: fp8_block.FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
     """:func:`fp8_block.token_major_blocks` (same bytes), the data by the CUDA kernel
     (``kernels/token_major_blocks.py``: one read and one write of the FP8 bytes) when it is
-    compiled and ``K % 16 == 0``, else by the XLA gather and transpose (several times
-    slower on the H200)."""
+    compiled, ``K % 16 == 0`` and the result has fewer than 2^31 elements, else by the XLA
+    gather and transpose (several times slower on the H200).
+
+    Raises:
+      TypeError, ValueError: ``t`` is not a group-aware FP8BlockTensor (naming ``t``).
+    """
+    _checked_grouped_fp8_block("t", t)
     m, k = t.data.shape
-    names = token_major_blocks_variants()
-    if not names or k % 16 or not grouped_gemm_supported(m, 8, k, t.group_sizes.shape[0]):
-        return fp8_block.token_major_blocks(t)
     g = t.group_sizes.shape[0]
+    names = token_major_blocks_variants()
+    if not names or k % 16 or not _fp8_wgrad_fits(m, k, 8, g):
+        return fp8_block.token_major_blocks(t)
     gs = _checked_group_sizes(t.group_sizes, g, m)
     out = jax.ShapeDtypeStruct((k, fp8_block.grouped_scale_rows(m, g) * 128), jnp.float8_e4m3fn)
     data = jax.ffi.ffi_call(TOKEN_MAJOR_BLOCKS_TARGET, out)(t.data, gs, variant=np.int32(0))

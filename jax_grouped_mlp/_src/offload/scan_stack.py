@@ -192,22 +192,23 @@ class _DstRecorder:
 
     def __init__(self, policy: Callable):
         self.policy = policy
-        self.dsts: dict[str, str] = {}
+        self.dsts: dict[str, set[str]] = {}
 
     def __call__(self, *args, **kwargs):
         out = self.policy(*args, **kwargs)
         case = pe.ensure_enum(out)
         if isinstance(case, pe.Offloadable) and kwargs.get("name") in RESIDUAL_NAMES:
-            self.dsts[kwargs["name"]] = case.dst
+            self.dsts.setdefault(kwargs["name"], set()).add(case.dst)
         return out
 
     def host_kind(self) -> str:
         """The one memory kind the policy sends the op's residuals to, or a ValueError."""
-        kinds = set(self.dsts.values())
+        kinds = set().union(*self.dsts.values())
         if len(kinds) > 1:
+            named = {name: sorted(k)[0] if len(k) == 1 else sorted(k) for name, k in sorted(self.dsts.items())}
             raise ValueError(
                 "policy must offload the op's residuals to one host memory kind for layer_scan (its copies of a "
-                f"layer go out together), got {dict(sorted(self.dsts.items()))}"
+                f"layer go out together), got {named}"
             )
         return kinds.pop() if kinds else "pinned_host"
 

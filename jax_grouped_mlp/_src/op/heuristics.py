@@ -47,7 +47,7 @@ class KernelChoices:
         weight-gradient kernel on their exactly dequantized values (the same products;
         only the summation differs). Off by default because on the H200 the FP8 kernel
         (748-757 TFLOP/s at 8 x 8192 tokens) does not yet pay for the layout passes: the
-        step is 0.97-1.10x of the bf16 path's (docs/notes/2026-12-04-fp8-wgrad.md).
+        step is 0.99-1.10x of the bf16 path's (docs/notes/2026-12-04-fp8-wgrad.md).
     """
 
     order_backward: bool = True
