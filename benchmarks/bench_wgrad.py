@@ -68,10 +68,14 @@ def bench_shape(name: str, iters: int, skew: float) -> dict:
     return {"skew": skew, "dW1": bench_pair(x, a, gs, iters), "dW2": bench_pair(a, x, gs, iters)}
 
 
-def _fp8_kernel_alone(m: int, g: int, k: int, n: int):
-    """The FP8 weight-gradient custom call on operands already laid out token-major."""
-    names = gemm_ffi.grouped_wgrad_fp8_block_variants()
-    index = np.int32(names.index(next(v for v in names if not v.endswith("_f32"))))
+def _fp8_bf16_variants() -> list[str]:
+    """The compiled FP8 weight gradients writing bf16, the binding's default first."""
+    return [v for v in gemm_ffi.grouped_wgrad_fp8_block_variants() if not v.endswith("_f32")]
+
+
+def _fp8_kernel_alone(m: int, g: int, k: int, n: int, variant: str):
+    """The FP8 weight-gradient custom call (``variant``) on operands already laid out token-major."""
+    index = np.int32(gemm_ffi.grouped_wgrad_fp8_block_variants().index(variant))
     call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET, jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16))
     return jax.jit(lambda a, sa, b, sb, s: call(a, sa, b, sb, s, variant=index, rows=np.int64(m)))
 
@@ -91,8 +95,10 @@ def bench_fp8_pair(lhs: jax.Array, rhs: jax.Array, gs: jax.Array, iters: int, ro
         return ql, qr, deq, fp8_block.token_major_blocks(ql), fp8_block.token_major_blocks(qr)
 
     ql, qr, (dl, dr), (a, sa), (b, sb) = prepare(lhs, rhs, gs)
+    default, *others = _fp8_bf16_variants()
     calls = {
-        "fp8_block_kernel": (_fp8_kernel_alone(m, g, k, n), (a, sa, b, sb, gs)),
+        "fp8_block_kernel": (_fp8_kernel_alone(m, g, k, n, default), (a, sa, b, sb, gs)),
+        **{f"fp8_block_kernel:{v}": (_fp8_kernel_alone(m, g, k, n, v), (a, sa, b, sb, gs)) for v in others},
         "fp8_block_binding": (jax.jit(lambda x, y, s: gemm_ffi.grouped_wgrad_fp8_block(x, y, s)), (ql, qr, gs)),
         "bf16": (jax.jit(lambda x, y, s: gemm_ffi.grouped_wgrad_bf16_cuda(x, y, s)), (dl, dr, gs)),
     }
@@ -107,6 +113,11 @@ def bench_fp8_pair(lhs: jax.Array, rhs: jax.Array, gs: jax.Array, iters: int, ro
     ref = outs["bf16"]
     res["fp8_vs_bf16_rel"] = float(jnp.linalg.norm(outs["fp8_block_kernel"] - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
     res["binding_equals_kernel"] = bool(jnp.array_equal(outs["fp8_block_kernel"], outs["fp8_block_binding"]))
+    res["fp8_kernel_default"] = default
+    for v in others:  # every variant promotes the same block sums in the same order
+        res[f"fp8_block_kernel:{v}"]["bitwise_equal_to_default"] = bool(
+            jnp.array_equal(outs[f"fp8_block_kernel:{v}"], outs["fp8_block_kernel"]))
+        res[f"speedup_{v}_vs_bf16"] = res["bf16"]["ms"] / res[f"fp8_block_kernel:{v}"]["ms"]
     del outs
     res["speedup_kernel_vs_bf16"] = res["bf16"]["ms"] / res["fp8_block_kernel"]["ms"]
     res["speedup_binding_vs_bf16"] = res["bf16"]["ms"] / res["fp8_block_binding"]["ms"]
@@ -132,8 +143,10 @@ def plot_fp8(results: dict, path: pathlib.Path) -> None:
     def label(key: str, which: str) -> str:
         return f"{key.replace('@alpha=inf', '').replace('@alpha=', ' a=')} {which}"
 
-    bars = {label(key, which): {s: r[which][s] for s in FP8_SERIES}
-            for key, r in results.items() for which in ("dW1", "dW2")}  # fmt: skip
+    def series(e: dict) -> dict:
+        return {s: row for s, row in e.items() if s in FP8_SERIES or s.startswith("fp8_block_kernel:")}
+
+    bars = {label(key, which): series(r[which]) for key, r in results.items() for which in ("dW1", "dW2")}
     bar_plot(bars, "tflops", "TFLOP/s", "grouped weight gradient: bf16 kernel vs FP8 block-scaled", path,
              figsize=(11, 4))
 
@@ -156,6 +169,10 @@ def main_fp8(ns, argv) -> int:
             print(f"{key:18} {which:4} {e['bf16']['ms']:8.3f} {e['fp8_block_kernel']['ms']:14.3f} "
                   f"{e['fp8_block_binding']['ms']:15.3f} {e['speedup_kernel_vs_bf16']:8.2f}x "
                   f"{e['speedup_binding_vs_bf16']:9.2f}x {e['fp8_block_kernel']['tflops']:8.0f} {e['fp8_vs_bf16_rel']:9.2e}")
+            for v in (x for x in e if x.startswith("fp8_block_kernel:")):
+                row = e[v]
+                print(f"{'':18} {which:4} {v[len('fp8_block_kernel:'):]}: {row['ms']:.3f} ms, {row['tflops']:.0f} TFLOP/s, "
+                      f"{'same bits' if row['bitwise_equal_to_default'] else 'DIFFERENT BITS'}")
     if ns.plot:
         plot_fp8(report["shapes"], ns.out.with_suffix(".png"))
     return 0

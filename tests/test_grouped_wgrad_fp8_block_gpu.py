@@ -118,26 +118,29 @@ def _poison(shape, itemsize: int, value: int) -> None:
     del buf
 
 
-def _raw_call(m: int, g: int, k: int, n: int, out_dtype):
+def _raw_call(m: int, g: int, k: int, n: int, out_dtype, variant: str | None = None):
     """The custom call alone, on operands already laid out token-major and with the group
-    sizes as given (the kernel clamps them itself; the binding clamps them first)."""
+    sizes as given (the kernel clamps them itself; the binding clamps them first);
+    ``variant`` by name, or the binding's default for ``out_dtype``."""
     names = gemm_ffi.grouped_wgrad_fp8_block_variants()
-    index = next(i for i, v in enumerate(names) if registry.variant(v).out_dtype == jnp.dtype(out_dtype).name)
+    if variant is None:
+        variant = next(v for v in names if registry.variant(v).out_dtype == jnp.dtype(out_dtype).name)
+    index = names.index(variant)
     call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET, jax.ShapeDtypeStruct((g, k, n), out_dtype))
     return jax.jit(lambda a, sa, b, sb, s: call(a, sa, b, sb, s, variant=np.int32(index), rows=np.int64(m)))
 
 
-def _run(lhs, rhs, sizes, out_dtype=jnp.bfloat16) -> np.ndarray:
+def _run(lhs, rhs, sizes, out_dtype=jnp.bfloat16, variant: str | None = None) -> np.ndarray:
     """The kernel's output in float64, from the custom call alone (its output is the only
     buffer it allocates) after two poisons of that buffer's bytes (0xFF: NaN; 0x7F: huge),
     with the group sizes unclamped; both runs must agree bit for bit (every element
-    written, deterministic), and the binding (its own layout pass, clamped sizes) must
-    give the same bits."""
+    written, deterministic), and for the default variant the binding (its own layout
+    pass, clamped sizes) must give the same bits."""
     m, k, n, g = lhs.data.shape[0], lhs.data.shape[1], rhs.data.shape[1], len(sizes)
     gs = jnp.asarray(np.asarray(sizes, np.int32))
     operands = (*fp8_block.token_major_blocks(lhs), *fp8_block.token_major_blocks(rhs))
     a, sa, b, sb = jax.block_until_ready(operands)
-    call = _raw_call(m, g, k, n, out_dtype)
+    call = _raw_call(m, g, k, n, out_dtype, variant)
     runs = []
     for value in (0xFF, 0x7F):
         _poison((g, k, n), jnp.dtype(out_dtype).itemsize, value)
@@ -145,14 +148,16 @@ def _run(lhs, rhs, sizes, out_dtype=jnp.bfloat16) -> np.ndarray:
         assert out.shape == (g, k, n) and out.dtype == jnp.dtype(out_dtype)
         runs.append(np.asarray(out.astype(jnp.float32), np.float64))
     np.testing.assert_array_equal(runs[0], runs[1], err_msg="output differs between poisons: unwritten elements or a race")
-    binding = np.asarray(_kernel(lhs, rhs, gs, out_dtype=out_dtype).astype(jnp.float32), np.float64)
-    np.testing.assert_array_equal(binding, runs[0], err_msg="the binding differs from the custom call")
+    if variant is None:  # (the binding runs the default variant)
+        binding = np.asarray(_kernel(lhs, rhs, gs, out_dtype=out_dtype).astype(jnp.float32), np.float64)
+        np.testing.assert_array_equal(binding, runs[0], err_msg="the binding differs from the custom call")
     return runs[0]
 
 
-def _check(lhs, rhs, sizes, out_dtype=jnp.bfloat16) -> None:
+def _check(lhs, rhs, sizes, out_dtype=jnp.bfloat16, variant: str | None = None) -> np.ndarray:
+    """The kernel's output (:func:`_run`) within the float64 bands; returns it."""
     want, mag = reference_f64(lhs, rhs, sizes)
-    got = _run(lhs, rhs, sizes, out_dtype)
+    got = _run(lhs, rhs, sizes, out_dtype, variant)
     assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs (unwritten elements?)"
     err = np.abs(got - want)
     if np.linalg.norm(want):
@@ -163,6 +168,11 @@ def _check(lhs, rhs, sizes, out_dtype=jnp.bfloat16) -> None:
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
         raise AssertionError(f"{bad.sum()} elements off; first {i}: got {got[i]}, want {want[i]}, sum|ab| {mag[i]}")
+    return got
+
+
+BF16_VARIANTS = tuple(v for v in gemm_ffi.grouped_wgrad_fp8_block_variants()
+                      if registry.variant(v).out_dtype == "bfloat16")  # fmt: skip
 
 
 # ---- the oracle and the operand layout, anywhere ----
@@ -322,12 +332,27 @@ def test_no_rows_and_no_groups(rng):
 @pytest.mark.gpu
 @needs_kernels
 def test_small_for_sanitizer(rng):
-    """Small and quick: the case compute-sanitizer runs (tools/gpu_check_fp8_block.sh):
-    K, N off 128, a group ending mid-block, sizes past M, an empty group."""
-    sizes = [100, 0, 150, 200]
-    lhs, rhs = operands(rng, 300, 136, 264, sizes)
+    """Small and quick: the case compute-sanitizer runs (tools/gpu_check_fp8_wgrad.sh):
+    K, N off 128, a group ending mid-block, sizes past M, an empty group; every variant."""
+    sizes = [100, 0, 150, 200, 300]  # 1, 0, 2, 2 and 3 blocks (the ping-pong's tails)
+    lhs, rhs = operands(rng, 700, 136, 264, sizes)
     for out_dtype in OUT_DTYPES:
         _check(lhs, rhs, sizes, out_dtype)
+    for variant in BF16_VARIANTS[1:]:
+        _check(lhs, rhs, sizes, jnp.bfloat16, variant)
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_variants_give_the_same_bits(rng):
+    """Groups of 0 to 6 blocks (a ping-pong mainloop has odd and even tails): every
+    bf16-output variant within the float64 bands and bitwise equal to the first (each
+    promotes the same block sums in the same order)."""
+    sizes = [128, 0, 129, 300, 512, 513, 640, 768, 1]  # 1, 0, 2, 3, 4, 5, 5, 6, 1 blocks
+    lhs, rhs = operands(rng, sum(sizes), 256, 384, sizes)
+    outs = [_check(lhs, rhs, sizes, jnp.bfloat16, v) for v in BF16_VARIANTS]
+    for v, o in zip(BF16_VARIANTS[1:], outs[1:]):
+        np.testing.assert_array_equal(o, outs[0], err_msg=v)
 
 
 @pytest.mark.gpu

@@ -241,7 +241,7 @@ def _kernel(v: registry.Variant):
             Fp8BlockWgradConfig, GroupedWgradFp8BlockSm90,
         )
 
-        cfg = Fp8BlockWgradConfig(stages=v.stages, epi_n=v.epi_n, out_f32=v.out_f32)
+        cfg = Fp8BlockWgradConfig(stages=v.stages, epi_n=v.epi_n, out_f32=v.out_f32, pingpong=v.pingpong)
         return cfg, GroupedWgradFp8BlockSm90(cfg), _grouped_wgrad_fp8_block_args(v.out_f32)
     if isinstance(v, registry.TokenMajorVariant):
         from jax_grouped_mlp.kernels.token_major_blocks import TokenMajorBlocks, TokenMajorBlocksConfig

@@ -64,6 +64,9 @@ class Fp8BlockWgradConfig:
     stages: shared-memory pipeline depth (0: as many as fit); a stage is one 128-token block.
     epi_n: columns per epilogue subtile (``_en64``). out_f32: float32 output (float32
       master weights).
+    pingpong: two temporary accumulators (name ``_pp``; :class:`Fp8WgradPingPongMainloop`):
+      block k + 1's wgmmas are issued before block k is promoted, so a warp group's
+      promotion overlaps its own wgmmas too; the same sums in the same order.
     The output tile has 128 rows (of K): two consumer warp groups of 64.
     """
 
@@ -71,6 +74,7 @@ class Fp8BlockWgradConfig:
     stages: int = 0
     epi_n: int = 64
     out_f32: bool = False
+    pingpong: bool = False
     epi_stages: int = 2
     panel_m: int = 8  # (unused: the group-major walk has no panels; the skeleton reads it)
 
@@ -103,6 +107,7 @@ class Fp8BlockWgradConfig:
     def name(self) -> str:
         s = f"grouped_wgrad_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_en{self.epi_n}" if self.epi_n != 32 else ""
+        s += "_pp" if self.pingpong else ""
         return s + ("_f32" if self.out_f32 else "")
 
 
@@ -212,8 +217,9 @@ class GroupedWgradFp8BlockSm90(GroupedWgradSm90):
                 self._produce_tiles(mainloop, state, work.scheduler(), loads)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
+            mainloop_class = Fp8WgradPingPongMainloop if self.config.pingpong else Fp8WgradMainloop
             self._consumer(
-                Fp8WgradMainloop(self, tiled_mma, mainloop, sA, sB, sSA, sSB),
+                mainloop_class(self, tiled_mma, mainloop, sA, sB, sSA, sSB),
                 WgradStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, None), warp_idx),
                 work, tidx - 128,
                 carry_order=("sched", "epi_count", "read", "release"),
@@ -339,4 +345,78 @@ class Fp8WgradMainloop(TraceTimeObject):
                 acc[i] = acc[i] + temp[i] * (sr[self.row_slot[i]] * sc[self.col_slot[i]])
             release.advance()
             read.advance()
+        return read, release
+
+
+class Fp8WgradPingPongMainloop(Fp8WgradMainloop):
+    """:class:`Fp8WgradMainloop` with two temporary accumulators: block ``k + 1``'s
+    wgmmas are issued (into the other temporary) before block ``k`` is promoted, so the
+    promotion and the scale loads overlap this warp group's own wgmmas as well as the
+    other warp group's. Blocks are promoted in order, each from the same wgmma sums:
+    bitwise the single-temporary result. The stage of the block being promoted is the
+    oldest unreleased one (``release.index``); its scales are read before it is handed
+    back, and ``wait_group(1)`` (one newer block still in flight) or ``wait_group(0)`` (the
+    tile's last block) makes sure its wgmmas are done."""
+
+    def setup(self, ctid):
+        acc = super().setup(ctid)
+        self.temp2 = cute.make_rmem_tensor(acc.shape, self.kernel.acc_dtype)
+        return acc
+
+    @cute.jit
+    def _promote(self, temp: cute.Tensor, stage, pending: cutlass.Constexpr) -> None:
+        """``acc += temp * (sa * sb)`` of the block in ``stage``, once only ``pending``
+        newer wgmma groups are still in flight."""
+        sSA, sSB, sr, sc, acc = self.sSA, self.sSB, self.sr, self.sc, self.acc
+        for j in cutlass.range_constexpr(len(self.row_offsets)):
+            sr[j] = sSA[0, self.row_base + self.row_offsets[j], stage]
+        cute.nvgpu.warpgroup.wait_group(pending)
+        # Column by column, each column's scale read just before its elements: with two
+        # temporaries live, few scale registers may be.
+        for j in cutlass.range_constexpr(len(self.col_offsets)):
+            sc[j] = sSB[0, self.col_base + self.col_offsets[j], stage]
+            for i in cutlass.range_constexpr(cute.size(temp)):
+                if self.col_slot[i] == j:
+                    acc[i] = acc[i] + temp[i] * (sr[self.row_slot[i]] * sc[j])
+
+    def _issue_next(self, tiled_mma: cute.TiledMma, temp: cute.Tensor, read):
+        """Waits for the next stage and issues its block into ``temp``; returns
+        ``(tiled_mma, read)``, advanced (the caller rebinds both: the DSL threads only
+        plain locals rebound in a loop or branch body through it)."""
+        self.pipe.consumer_wait(read)
+        tiled_mma = issue_block(tiled_mma, temp, self.tCrA, self.tCrB, read.index)
+        read.advance()
+        return tiled_mma, read
+
+    def _retire(self, temp: cute.Tensor, release, pending: int):
+        """Promotes the oldest block in flight (in ``temp``; ``pending`` newer groups may
+        still run) and hands its stage back; returns ``release``, advanced."""
+        self._promote(temp, release.index, pending)
+        self.pipe.consumer_release(release)
+        release.advance()
+        return release
+
+    @cute.jit
+    def tile(self, sched: GroupBlockTileScheduler, tile, read, release, work: GroupBlockWork):
+        """The current tile's accumulator; returns the advanced ``(read, release)`` states.
+
+        Block 0 into temporary 0; then pairs (blocks 2p + 1 into temporary 1 and 2p + 2
+        into temporary 0, each issued before the one before it is promoted); then the
+        last one or two blocks."""
+        tiled_mma, acc, t0, t1 = self.tiled_mma, self.acc, self.temp, self.temp2
+        blocks = tile[0].blocks()
+        acc.fill(0.0)
+        if blocks > 0:
+            tiled_mma, read = self._issue_next(tiled_mma, t0, read)
+            for _ in range((blocks - 1) // 2):
+                tiled_mma, read = self._issue_next(tiled_mma, t1, read)
+                release = self._retire(t0, release, 1)
+                tiled_mma, read = self._issue_next(tiled_mma, t0, read)
+                release = self._retire(t1, release, 1)
+            if (blocks - 1) % 2 == 1:  # two blocks left: the one in t0 and one more
+                tiled_mma, read = self._issue_next(tiled_mma, t1, read)
+                release = self._retire(t0, release, 1)
+                release = self._retire(t1, release, 0)
+            else:
+                release = self._retire(t0, release, 0)
         return read, release

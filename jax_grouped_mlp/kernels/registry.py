@@ -281,12 +281,14 @@ class Fp8BlockWgradVariant:
     ``jgm_grouped_wgrad_fp8_block``): ``out[g] = lhs_g^T @ rhs_g`` on the group-aware
     ``fp8_block`` copies, laid out token-major in whole 128-token blocks; FP8 wgmma per
     block, promoted into float32 with the two blocks' scales. Tiles of 128 x 128 of the
-    ``[K, N]`` output, one block per pipeline stage; bf16 or float32 output.
+    ``[K, N]`` output, one block per pipeline stage; bf16 or float32 output. pingpong:
+    two temporary accumulators, block k + 1 issued before block k is promoted (``_pp``).
     """
 
     stages: int
     epi_n: int = 64
     out_f32: bool = False
+    pingpong: bool = False
 
     tile_m: ClassVar[int] = 128
     tile_n: ClassVar[int] = 128
@@ -307,6 +309,7 @@ class Fp8BlockWgradVariant:
     def name(self) -> str:
         s = f"grouped_wgrad_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.stages}"
         s += f"_en{self.epi_n}" if self.epi_n != 32 else ""
+        s += "_pp" if self.pingpong else ""
         return s + ("_f32" if self.out_f32 else "")
 
 
@@ -419,9 +422,11 @@ VARIANTS: tuple[Variant, ...] = (
     QuantizeFp8BlockVariant("pair_bf16"),
     QuantizeFp8BlockVariant("tile"),
     QuantizeFp8BlockVariant("row"),
-    # jgm_grouped_wgrad_fp8_block: one per output dtype
+    # jgm_grouped_wgrad_fp8_block: one per output dtype (the binding's default: the first),
+    # then the ping-pong one (session 22: built, not yet run on a GPU)
     Fp8BlockWgradVariant(stages=5),
     Fp8BlockWgradVariant(stages=4, out_f32=True),
+    Fp8BlockWgradVariant(stages=5, pingpong=True),
     # jgm_token_major_blocks
     TokenMajorVariant(),
 )
