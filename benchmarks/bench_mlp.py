@@ -2,10 +2,12 @@
 
     PYTHONPATH=. python3 benchmarks/bench_mlp.py [--shapes moe8,moe32,nano] [--alphas inf,1,0.3] [--out FILE] [--plot]
 
-Same process, same inputs. For each shape: ``grouped_mlp`` with recipe mxfp8 and
-bf16 (whatever kernels the extension provides on this device; the pure-JAX path
-elsewhere) and a bf16 MLP built from ``jax.lax.ragged_dot``; tokamax's ragged_dot
-too when it is importable. Reports ms per step, TFLOP/s (six GEMMs of 2·M·H·F per
+Same process, same inputs. For each shape: ``grouped_mlp`` with recipes mxfp8, bf16
+and fp8_block (whatever kernels the extension provides on this device; the pure-JAX
+path elsewhere), the op's alternatives (mxfp8 with weight-quantizing passes;
+``grouped_mlp_fp8_block_fp8_wgrad``: fp8_block with its FP8 weight gradient, off by
+default) and a bf16 MLP built from ``jax.lax.ragged_dot``; tokamax's ragged_dot too when
+it is importable (``--only`` picks candidates by name). Reports ms per step, TFLOP/s (six GEMMs of 2·M·H·F per
 step: two forward, two dgrad, two wgrad), the compiled program's temp memory, and
 speedups against ragged_dot. Each shape runs with equal group sizes and with the
 router-like skews of ``--alphas`` (``shapes.router_group_sizes``: Dirichlet(alpha)

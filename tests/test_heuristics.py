@@ -33,6 +33,7 @@ def test_default_config():
     [
         ({"order_backward": 1}, TypeError, "order_backward=1"),
         ({"quantize_weights_in_gemm": "yes"}, TypeError, "quantize_weights_in_gemm='yes'"),
+        ({"fp8_block_wgrad": 1}, TypeError, "fp8_block_wgrad=1"),
         ({"qw_max_rows_per_group": -1}, ValueError, "qw_max_rows_per_group=-1"),
         ({"qw_max_rows_per_group": 2.5}, ValueError, "qw_max_rows_per_group=2.5"),
         ({"qw_max_rows_per_group": True}, ValueError, "qw_max_rows_per_group=True"),
