@@ -192,13 +192,7 @@ class GroupedWgradFp8BlockSm90(GroupedWgradSm90):
         sSA = self.smem_storage.sSA.get_tensor(self._scale_smem())
         sSB = self.smem_storage.sSB.get_tensor(self._scale_smem())
 
-        k_dim = mA.shape[0]
-        n_dim = mB.shape[0]
-        num_groups = group_sizes.shape[0]
-        m_tiles = (k_dim + (self.tile_m - 1)) // self.tile_m
-        n_tiles = (n_dim + (self.tile_n - 1)) // self.tile_n
-        group_tiles = m_tiles * n_tiles
-        total_tiles = group_tiles * num_groups
+        m_tiles, group_tiles, total_tiles = self._group_tiles(mA.shape[0], mB.shape[0], group_sizes)
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         pipeline_init_wait(cluster_shape_mn=(1, 1))

@@ -179,6 +179,15 @@ class GroupedWgradSm90(GroupedGemmSm90):
                 else:
                     self._mma_first(tiled_mma, acc, tCrA, tCrB, stage, 1)
 
+    def _group_tiles(self, k_dim, n_dim, group_sizes: cute.Tensor) -> tuple:
+        """``(m_tiles, group_tiles, total_tiles)`` of the group-major walk: every group
+        has ``cdiv(K, tile_m) * cdiv(N, tile_n)`` output tiles (also the FP8 kernel's)."""
+        num_groups = group_sizes.shape[0]
+        m_tiles = (k_dim + (self.tile_m - 1)) // self.tile_m
+        n_tiles = (n_dim + (self.tile_n - 1)) // self.tile_n
+        group_tiles = m_tiles * n_tiles
+        return m_tiles, group_tiles, group_tiles * num_groups
+
     @cute.kernel
     def wgrad_kernel(
         self,
@@ -200,12 +209,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
 
         k_dim = mA.shape[0]
         m = mA.shape[1]
-        n_dim = mB.shape[0]
-        num_groups = group_sizes.shape[0]
-        m_tiles = (k_dim + (self.tile_m - 1)) // self.tile_m
-        n_tiles = (n_dim + (self.tile_n - 1)) // self.tile_n
-        group_tiles = m_tiles * n_tiles
-        total_tiles = group_tiles * num_groups
+        m_tiles, group_tiles, total_tiles = self._group_tiles(k_dim, mB.shape[0], group_sizes)
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         pipeline_init_wait(cluster_shape_mn=(1, 1))

@@ -165,8 +165,24 @@ class QwGemmVariant:
         return s + ("_bk" if self.rhs_k_major else "")
 
 
+class _WgradOutput:
+    """The output dtype of a weight-gradient variant (its ``out_f32`` field)."""
+
+    out_f32: bool
+
+    @property
+    def out_dtype(self) -> str:
+        """The output's dtype name (``jnp.dtype`` takes it)."""
+        return "float32" if self.out_f32 else "bfloat16"
+
+    @property
+    def out_type(self) -> str:
+        """The output's XLA FFI element type (a C++ table column)."""
+        return "ffi::F32" if self.out_f32 else "ffi::BF16"
+
+
 @dataclasses.dataclass(frozen=True)
-class WgradVariant:
+class WgradVariant(_WgradOutput):
     """``GroupedWgradSm90`` (``kernels/grouped_wgrad_sm90.py``): ``out[g] = lhs_g^T @ rhs_g``,
     tiles of 128 x ``tile_n`` of the ``[K, N]`` output, 64 tokens per stage.
 
@@ -181,16 +197,6 @@ class WgradVariant:
     tile_m: ClassVar[int] = 128
     tile_k: ClassVar[int] = 64
     family: ClassVar[Family] = Family.GROUPED_WGRAD
-
-    @property
-    def out_dtype(self) -> str:
-        """The output's dtype name (``jnp.dtype`` takes it)."""
-        return "float32" if self.out_f32 else "bfloat16"
-
-    @property
-    def out_type(self) -> str:
-        """The output's XLA FFI element type (a C++ table column)."""
-        return "ffi::F32" if self.out_f32 else "ffi::BF16"
 
     @property
     def name(self) -> str:
@@ -276,7 +282,7 @@ class Fp8BlockGemmVariant:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8BlockWgradVariant:
+class Fp8BlockWgradVariant(_WgradOutput):
     """``GroupedWgradFp8BlockSm90`` (``kernels/grouped_wgrad_fp8_block_sm90.py``,
     ``jgm_grouped_wgrad_fp8_block``): ``out[g] = lhs_g^T @ rhs_g`` on the group-aware
     ``fp8_block`` copies, laid out token-major in whole 128-token blocks; FP8 wgmma per
@@ -294,16 +300,6 @@ class Fp8BlockWgradVariant:
     tile_n: ClassVar[int] = 128
     tile_k: ClassVar[int] = 128
     family: ClassVar[Family] = Family.GROUPED_WGRAD_FP8_BLOCK
-
-    @property
-    def out_dtype(self) -> str:
-        """The output's dtype name (``jnp.dtype`` takes it)."""
-        return "float32" if self.out_f32 else "bfloat16"
-
-    @property
-    def out_type(self) -> str:
-        """The output's XLA FFI element type (a C++ table column)."""
-        return "ffi::F32" if self.out_f32 else "ffi::BF16"
 
     @property
     def name(self) -> str:

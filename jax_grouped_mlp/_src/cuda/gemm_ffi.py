@@ -809,4 +809,4 @@ def token_major_blocks_cuda(t: fp8_block.FP8BlockTensor) -> tuple[jax.Array, jax
     gs = _checked_group_sizes(t.group_sizes, g, m)
     out = jax.ShapeDtypeStruct((k, fp8_block.grouped_scale_rows(m, g) * 128), jnp.float8_e4m3fn)
     data = jax.ffi.ffi_call(TOKEN_MAJOR_BLOCKS_TARGET, out)(t.data, gs, variant=np.int32(0))
-    return data, mxfp8._scale_value(jax.lax.bitcast_convert_type(t.scale, jnp.uint8))
+    return data, fp8_block.scale_values(t)

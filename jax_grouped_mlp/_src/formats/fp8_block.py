@@ -279,7 +279,12 @@ def token_major_blocks(t: FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
     else:
         tiles, _, _ = groups.gather_tiles(t.data, groups.tile_layout(t.group_sizes, m, BLOCK))
         data = tiles.reshape(nblocks * BLOCK, k).T
-    return data, mxfp8._scale_value(jax.lax.bitcast_convert_type(t.scale, jnp.uint8))
+    return data, scale_values(t)
+
+
+def scale_values(t: FP8BlockTensor) -> jax.Array:
+    """``t``'s scales as float32 values ``2**(e - 127)`` (NaN for 0xFF), ``scale``'s shape."""
+    return mxfp8._scale_value(jax.lax.bitcast_convert_type(t.scale, jnp.uint8))
 
 
 def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
