@@ -227,12 +227,14 @@ def main(argv=None) -> int:
     write_result(ns.out, command=report["command"], results=report["shapes"])
     if ns.plot:
         _plot(report, ns.out.with_suffix(".png"))
-    print(f"{'shape':8s} " + " ".join(f"{c:>22s}" for c in _candidates()))
+    # Only the candidates that ran (--only); "error" for one that ran and failed.
+    ran = [c for c in _candidates() if any(c in r for r in report["shapes"].values())]
+    print(f"{'shape':8s} " + " ".join(f"{c:>22s}" for c in ran))
     for name, r in report["shapes"].items():
         cells = []
-        for c in _candidates():
+        for c in ran:
             e = r.get(c, {})
-            cells.append(f"{e['ms']:9.2f} ms {e['tflops']:6.1f} TF" if "ms" in e else f"{'error':>22s}")
+            cells.append(f"{e['ms']:9.2f} ms {e['tflops']:6.1f} TF" if "ms" in e else f"{'error' if e else '-':>22s}")
         print(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
     return 0
 

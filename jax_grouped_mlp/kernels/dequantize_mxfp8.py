@@ -82,12 +82,20 @@ class DequantizeColMxfp8(GroupBlockKernel):
             cute.autovec_copy(g_scale[(None, (b, chunk))], sc)
         v = [ptx.e8m0_value(Uint32(sc[j])) for j in range(vec)]
 
+        # Every row's load is issued before the first store: a store may alias a later load
+        # as far as the compiler knows, so interleaving them leaves one load in flight.
+        rows = []
+        for r in cutlass.range_constexpr(BLOCK):
+            d = cute.make_rmem_tensor((1, vec), Uint8)
+            d.fill(0)
+            if valid:
+                if r < nrows:
+                    cute.autovec_copy(g_data[(None, (row0 + r, chunk))], d)
+            rows.append(cute.recast_tensor(d, Uint32))
         for r in cutlass.range_constexpr(BLOCK):
             if valid:
                 if r < nrows:
-                    d = cute.make_rmem_tensor((1, vec), Uint8)
-                    cute.autovec_copy(g_data[(None, (row0 + r, chunk))], d)
-                    dw = cute.recast_tensor(d, Uint32)
+                    dw = rows[r]
                     o = cute.make_rmem_tensor((1, vec), BFloat16)
                     ow = cute.recast_tensor(o, Uint32)
                     for q in cutlass.range_constexpr(vec // 4):

@@ -146,17 +146,22 @@ class QuantizeFp8Block(GroupBlockKernel):
         keep = Uint32(0) - Uint32(valid)
         mask = Uint32(0) - Uint32(in_group)  # the columnwise outputs of rows past the groups are 0
 
-        # ---- the tile into registers; rowwise blocks and column maxima on the way ----
-        rows = []
-        cm = [Uint32(0)] * (vec // 2)
+        # ---- the tile into registers, then rowwise blocks and column maxima ----
+        # All loads are issued before the first rowwise store: a store may alias a later
+        # load as far as the compiler knows, so interleaving them kept one load in flight.
+        loaded = []
         for i in cutlass.range_constexpr(reps):
             r = rg + row_groups * i
             t = cute.make_rmem_tensor((1, vec), BFloat16)
             t.fill(0.0)
             if r < nrows:
                 cute.autovec_copy(gx[(None, (row0 + r, cc))], t)
-            tw = cute.recast_tensor(t, Uint32)
-            w = [tw[q] & keep for q in range(vec // 2)]
+            loaded.append(cute.recast_tensor(t, Uint32))
+        rows = []
+        cm = [Uint32(0)] * (vec // 2)
+        for i in cutlass.range_constexpr(reps):
+            r = rg + row_groups * i
+            w = [loaded[i][q] & keep for q in range(vec // 2)]
             rows.append(w)
             a = [ptx.abs_bf16x2(x) for x in w]
             cm = [ptx.max_u16x2(cm[q], a[q]) for q in range(vec // 2)]
