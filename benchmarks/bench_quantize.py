@@ -12,6 +12,14 @@ one process, interleaved rounds (the machine drifts), on the same random bf16 op
   fp8_block dy pair_bf16  ``quantize_pair_cuda(dy [M, H], keep_col=False)``: rowwise FP8 +
                           the group-aware copy's bf16 values (dy; dh [M, F] likewise)
   fp8_block w1 tile       ``quantize_weight_cuda(w1 [G, H, F])``: 128 x 128 tiles
+  fp8_block w1 tile_t     the same tiles written transposed ``[G, F, H]`` by the kernel
+                          (``k_major=True``: the copy the forward GEMM reads)
+  ... tile+transpose      the tiles, then ``transpose_tiles`` by XLA (what the forward
+                          ran before ``k_major``; its bytes column counts the kernel's
+                          alone, so its GB/s is what the pair delivers)
+  fp8_block x col token-major  ``gemm_ffi.token_major_blocks_cuda`` of x's group-aware FP8
+                          copy: the FP8 weight gradient's operand layout (whole 128-token
+                          blocks, token-major) and its float32 scales
   mxfp8 x col dequantize  ``dequantize_grouped_mxfp8_cuda`` of x's group-aware MXFP8 copy
                           (what the mxfp8 step does to its kept residuals)
   pure-JAX x pair         the same two quantizations as XLA fusions (the reference path,
@@ -38,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src.cuda import ffi, fp8_block_ffi
+from jax_grouped_mlp._src.cuda import ffi, fp8_block_ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import fp8_block, mxfp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -63,6 +71,7 @@ def _parts(g: int, rows: int, h: int, f: int, alpha: float, seed: int) -> dict:
         return 2 * m * k + m * k + m * kb + (m * k if keep_col else 2 * m * k) + nb * k
 
     pair = jax.jit(fp8_block_ffi.quantize_pair_cuda, static_argnames="keep_col")
+    x_col = pair(x, gs, keep_col=True)[1]
     x_mx = jax.jit(mxfp8.quantize_mxfp8_grouped)(x, gs)
     ref_pair = jax.jit(
         lambda x, gs: (fp8_block.quantize_fp8_block(x, 1), fp8_block.quantize_fp8_block(x, 0, group_sizes=gs))
@@ -75,6 +84,17 @@ def _parts(g: int, rows: int, h: int, f: int, alpha: float, seed: int) -> dict:
         "fp8_block w1 tile": (
             jax.jit(fp8_block_ffi.quantize_weight_cuda), (w1,),
             3 * g * h * f + g * (-(-h // 128)) * (-(-f // 128)),
+        ),
+        "fp8_block w1 tile_t": (
+            jax.jit(lambda w: fp8_block_ffi.quantize_weight_cuda(w, k_major=True)), (w1,),
+            3 * g * h * f + g * (-(-h // 128)) * (-(-f // 128)),
+        ),
+        "fp8_block w1 tile+transpose": (
+            jax.jit(lambda w: fp8_block.transpose_tiles(fp8_block_ffi.quantize_weight_cuda(w))), (w1,),
+            3 * g * h * f + g * (-(-h // 128)) * (-(-f // 128)),
+        ),
+        "fp8_block x col token-major": (
+            jax.jit(gemm_ffi.token_major_blocks_cuda), (x_col,), m * h + 128 * nb * h + nb * h + 4 * nb * h,
         ),
         "mxfp8 x col dequantize": (jax.jit(ffi.dequantize_grouped_mxfp8_cuda), (x_mx,), m * h + nb_mx * h + 2 * m * h),
         "pure-JAX x pair": (ref_pair, (x, gs), pair_bytes(h, True)),

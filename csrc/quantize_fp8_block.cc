@@ -7,7 +7,8 @@
 // X(name, col_type), and the E8M0 scales).
 // jgm_quantize_fp8_block: one copy, by variant X(name, rowwise): a weight [G, A, B] read as
 // x [G * A, B] with group sizes [A] * G, E4M3 data and one E8M0 scale per 128 x 128 tile in
-// group-aware scale rows (rowwise false); or x's rowwise copy alone, scales [M, cdiv(K, 128)]
+// group-aware scale rows (rowwise false; transposed true: data [G * B, A], each expert's
+// tiles transposed, A % 16 == 0); or x's rowwise copy alone, scales [M, cdiv(K, 128)]
 // (rowwise true, group sizes empty).
 #include "jgm_variants.h"
 
@@ -57,25 +58,36 @@ struct Args {
 #define JGM_CALL(a, s) a.x, a.group_sizes, a.data, a.scale, s
 JGM_FAMILY(JGM_QUANTIZE_FP8_BLOCK_VARIANTS, "quantize_fp8_block")
 #undef JGM_CALL
-#define JGM_ROWWISE(name, rowwise) rowwise,
+#define JGM_ROWWISE(name, rowwise, transposed) rowwise,
 const bool kRowwise[] = {JGM_QUANTIZE_FP8_BLOCK_VARIANTS(JGM_ROWWISE)};
+#define JGM_TRANSPOSED(name, rowwise, transposed) transposed,
+const bool kTransposed[] = {JGM_QUANTIZE_FP8_BLOCK_VARIANTS(JGM_TRANSPOSED)};
 
 ffi::Error Execute(cudaStream_t stream, Bf16R2 x, S32R1 group_sizes, Out<Fp8> data,
                    Out<Fp8> scale, int32_t variant) {
   if (auto e = kFamily.Load(variant); e.failure()) return e;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], g = group_sizes.dimensions()[0],
                 kb = CeilDiv(k, 128), nb = kRowwise[variant] ? m : CeilDiv(m, 128) + g;
-  auto e = Check("quantize_fp8_block")
-               .Shape("x", x, "[M, K]", {m, k}).Multiple8("K", k)
-               .Shape("data", *data, "[M, K]", {m, k})
-               .Type("data", data->element_type(), ffi::F8E4M3FN)
+  const bool transposed = kTransposed[variant];
+  // Transposed: each group's [A, K] rows as [K, A], A = M / G (a weight [G, A, K]).
+  const int64_t a = g > 0 ? m / g : 0;
+  Check check("quantize_fp8_block");
+  check.Shape("x", x, "[M, K]", {m, k}).Multiple8("K", k);
+  if (transposed)
+    check.MultipleOf("M (G * A, the weight's rows)", m, g > 0 ? g : 1)
+        .MultipleOf("A (the weight's rows per group)", a, 16)
+        .Shape("data", *data, "[G * K, M / G]", {g * k, a});
+  else
+    check.Shape("data", *data, "[M, K]", {m, k});
+  auto e = check.Type("data", data->element_type(), ffi::F8E4M3FN)
                .Shape("scale", *scale, kRowwise[variant] ? "[M, cdiv(K, 128)]" : "[cdiv(M, 128) + G, cdiv(K, 128)]",
                       {nb, kb})
                .Type("scale", scale->element_type(), ffi::F8E8M0FNU)
                .Result();
   if (e.failure() || k == 0 || nb == 0) return e;  // (nothing to write)
   Args args{Vector(group_sizes.untyped_data(), g), Matrix(x.untyped_data(), m, k),
-            Matrix(data->untyped_data(), m, k), Matrix(scale->untyped_data(), nb, kb)};
+            transposed ? Matrix(data->untyped_data(), g * k, a) : Matrix(data->untyped_data(), m, k),
+            Matrix(scale->untyped_data(), nb, kb)};
   return kFamily.Launch(variant, args, stream);
 }
 }  // namespace tile
@@ -99,6 +111,6 @@ JGM_DEFINE_HANDLERS(JgmQuantizeFp8Block, jgm::tile::kFamily, jgm::tile::Execute,
                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                         .Arg<jgm::Bf16R2>()  // x [M, K] (a weight: [G * A, B]), K % 8 == 0
                         .Arg<jgm::S32R1>()   // group_sizes [G] (a weight: A each; rowwise: [0])
-                        .Ret<jgm::Fp8>()     // data [M, K] f8e4m3fn
+                        .Ret<jgm::Fp8>()     // data [M, K] f8e4m3fn (transposed: [G * K, M / G])
                         .Ret<jgm::Fp8>()     // scale [cdiv(M, 128) + G or M, cdiv(K, 128)] f8e8m0fnu
                         .Attr<int32_t>("variant"));

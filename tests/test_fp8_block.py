@@ -481,3 +481,17 @@ def test_forward_without_gradient_runs_the_kernels(rng):
     assert 'custom_call_target="jgm_quantize_fp8_block_pair"' not in hlo
     y, _ = _run(x, w1, w2, gs, probs, dy)
     assert rel_err(fwd(x, w1, w2, probs), y) < 1e-2
+
+
+def test_weight_k_major_is_the_transposed_tiles(rng):
+    """``fp8_block_weight(w, k_major=True)`` (what the forward GEMMs read) is
+    ``transpose_tiles`` of the stored tiles, byte for byte, on every platform."""
+    from jax_grouped_mlp._src.formats import fp8_block
+    from jax_grouped_mlp._src.op import primitives
+
+    w = jnp.asarray(rng.standard_normal((3, 200, 136)), jnp.bfloat16)
+    got = primitives.fp8_block_weight(w, k_major=True)
+    want = fp8_block.transpose_tiles(primitives.fp8_block_weight(w))
+    assert got.data.shape == (3, 136, 200) and got.scale.shape == want.scale.shape == (3, 2, 2)
+    np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8), np.asarray(want.data).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got.scale).view(np.uint8), np.asarray(want.scale).view(np.uint8))

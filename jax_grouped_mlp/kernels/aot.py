@@ -273,8 +273,8 @@ def _kernel(v: registry.Variant):
         )
 
         cfg = QuantizeFp8BlockConfig(vec=v.vec, threads=v.threads, mode=v.mode)
-        if v.mode in ("tile", "row"):
-            return cfg, QuantizeFp8BlockTile(cfg), _quantize_fp8_block_tile_args()
+        if v.mode in ("tile", "tile_t", "row"):
+            return cfg, QuantizeFp8BlockTile(cfg), _quantize_fp8_block_tile_args(transposed=v.mode == "tile_t")
         return cfg, QuantizeFp8Block(cfg), _quantize_fp8_block_pair_args(v.mode == "pair_bf16")
     if isinstance(v, registry.DequantizeVariant):
         from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeColMxfp8, DequantizeConfig
@@ -326,8 +326,9 @@ def _quantize_fp8_block_pair_args(col_bf16: bool):
             t(cutlass.Uint8, (m, kb), align=1), t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
 
 
-def _quantize_fp8_block_tile_args():
-    """Fake (x [M, K] bf16, group_sizes, data [M, K] uint8, scale [NB or M, KB] uint8, stream)."""
+def _quantize_fp8_block_tile_args(transposed: bool = False):
+    """Fake (x [M, K] bf16, group_sizes, data [M, K] uint8 (``transposed``: [G * K, A],
+    A % 16 == 0), scale [NB or M, KB] uint8, stream)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -335,7 +336,8 @@ def _quantize_fp8_block_tile_args():
     t = _fake
     m, g, nb, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=8)
-    return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.Uint8, (m, k)),
+    data = t(cutlass.Uint8, (cute.sym_int32(), cute.sym_int32(divisibility=16))) if transposed else t(cutlass.Uint8, (m, k))
+    return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), data,
             t(cutlass.Uint8, (nb, kb), align=1), make_fake_stream())
 
 

@@ -438,3 +438,25 @@ def dsrelu_scaled_bf16x2(
         Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
         Float32(llvm.extractvalue(T.f32(), res, [1], loc=loc, ip=ip)),
     )
+
+
+@dsl_user_op
+def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
+    """``prmt.b32``: byte ``k`` of the result is byte ``selector``'s nibble ``k`` of the
+    eight bytes ``b:a`` (``a``'s bytes 0-3, ``b``'s 4-7)."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            "=r,r,r",
+        )
+    )
+
+
+def transpose_bytes_4x4(w0, w1, w2, w3) -> list:
+    """Four words holding a 4 x 4 byte matrix by rows (word ``i``'s byte ``e`` is element
+    ``(i, e)``) -> the same matrix by columns (word ``e``'s byte ``i``). Six ``prmt``."""
+    lo01, lo23 = prmt(w0, w1, 0x5140), prmt(w2, w3, 0x5140)  # (0,0) (1,0) (0,1) (1,1) / rows 2, 3
+    hi01, hi23 = prmt(w0, w1, 0x7362), prmt(w2, w3, 0x7362)  # (0,2) (1,2) (0,3) (1,3) / rows 2, 3
+    return [prmt(lo01, lo23, 0x5410), prmt(lo01, lo23, 0x7632), prmt(hi01, hi23, 0x5410), prmt(hi01, hi23, 0x7632)]

@@ -9,6 +9,9 @@ Modes, bit for bit the pure-JAX quantizers of ``_src/formats/fp8_block.py``
                                                               dh): the weight gradient
                                                               reads the bf16 values
   "row"        (row.data, row.scale) alone (an operand of a forward without gradient)
+  "tile_t"     "tile", the data written transposed: ``[G, B, A]`` (the K-major copy the
+               forward GEMM reads, ``transpose_tiles(quantize_fp8_block(w, (1, 2)))``;
+               scales as "tile", the binding transposes them)
   "tile"       (data, scale) of 128 x 128 tiles of each group's rows: a weight
                ``[G, A, B]`` read as ``[G * A, B]`` with ``group_sizes = [A] * G``
                (scale rows ``g * cdiv(A, 128) + i``; ``quantize_fp8_block(w, (1, 2))``)
@@ -23,6 +26,11 @@ lives in 16 lanes (butterfly shuffles); a column's 128 rows in 8 row groups (one
 then the four warps through 1 KB of shared memory); a tile's amax is both.
 Every scale row of the group layout is written (unused ones with byte 0), every output
 element of a row < M exactly once, nothing else.
+
+"tile_t" sends the encoded tile through shared memory (:mod:`byte_tile`: each thread's 8
+bytes of a row one store) and writes it transposed: tile column ``c`` as output row
+``g B + 128 kb + c``, its 16-row chunks at ``a0 / 16 + ..`` (``a0``: the block's first
+row within its expert). Needs ``A % 16 == 0`` (whole 16-byte chunks; the binding checks).
 """
 
 from __future__ import annotations
@@ -34,11 +42,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Uint8, Uint32
 
-from jax_grouped_mlp.kernels import ptx
+from jax_grouped_mlp.kernels import byte_tile, ptx
 from jax_grouped_mlp.kernels.group_blocks import GroupBlockConfig, GroupBlockKernel
 
 FP8_BLOCK = 128
-MODES = ("pair", "pair_bf16", "tile", "row")
+MODES = ("pair", "pair_bf16", "tile", "tile_t", "row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +124,35 @@ class QuantizeFp8Block(GroupBlockKernel):
             ow[q] = mask & ptx.encode_e4m3x4(w[2 * q], w[2 * q + 1], *rs[4 * q: 4 * q + 4])
         cute.autovec_copy(o, dst)
 
+    @cute.jit
+    def _store_transposed(self, smem, rows: list, rs: list, mask: Uint32, g_out: cute.Tensor, row0: Int32,
+                          nrows: Int32, kb: Int32, k: Int32) -> None:
+        """Mode "tile_t": the tile's E4M3 bytes (``rows``, this thread's, times ``rs``) into
+        ``g_out`` ``((1, 16), (G * B, A / 16))`` transposed, through :mod:`byte_tile`."""
+        vec = self.vec
+        lanes = self.lanes_per_block
+        row_groups = self.threads // lanes
+        tidx, _, _ = cute.arch.thread_idx()
+        cg = Int32(tidx) % lanes
+        rg = Int32(tidx) // lanes
+        tile = byte_tile.allocate(smem)
+        pieces = cute.zipped_divide(tile, (vec // 4, 1))  # this thread's 8 bytes of a row: one store
+        for i in cutlass.range_constexpr(len(rows)):
+            r = rg + row_groups * i
+            v = cute.make_rmem_tensor((vec // 4, 1), Uint32)
+            for q in cutlass.range_constexpr(vec // 4):
+                v[q, 0] = mask & ptx.encode_e4m3x4(rows[i][2 * q], rows[i][2 * q + 1], *rs[4 * q: 4 * q + 4])
+            piece = ((cg * (vec // 4)) ^ byte_tile.swizzle(r)) // (vec // 4)
+            cute.autovec_copy(v, pieces[(None, (piece, r))])
+        cute.arch.sync_threads()
+        a = g_out.shape[1][1] * 16  # A: rows of an expert
+        g = row0 // a
+        a0 = row0 - g * a
+        # (chunk_end keeps a block that straddles an expert, possible only with group sizes
+        # other than [A] * G, inside its output row.)
+        byte_tile.store_transposed(tile, g_out, g * k + kb * FP8_BLOCK, k - kb * FP8_BLOCK, a0 // 16, nrows,
+                                   a // 16)
+
     @cute.kernel
     def kernel(
         self,
@@ -165,7 +202,7 @@ class QuantizeFp8Block(GroupBlockKernel):
             rows.append(w)
             a = [ptx.abs_bf16x2(x) for x in w]
             cm = [ptx.max_u16x2(cm[q], a[q]) for q in range(vec // 2)]
-            if cutlass.const_expr(mode != "tile"):
+            if cutlass.const_expr(mode not in ("tile", "tile_t")):
                 e = ptx.e8m0_rceil(self._lanes_max(a))  # every lane shuffles; stores predicated
                 if r < nrows:
                     if valid:
@@ -187,16 +224,19 @@ class QuantizeFp8Block(GroupBlockKernel):
             for wi in cutlass.range_constexpr(self.threads // 32):  # (its own warp's included: max is idempotent)
                 cm = [ptx.max_u16x2(cm[q], red[wi, cg * (vec // 2) + q]) for q in range(vec // 2)]
 
-            if cutlass.const_expr(mode == "tile"):
+            if cutlass.const_expr(mode in ("tile", "tile_t")):
                 e = ptx.e8m0_rceil(self._lanes_max(cm)) & mask
                 rs = [ptx.e8m0_reciprocal(e)] * vec
                 if Int32(tidx) == 0:
                     row_scale[b, kb] = Uint8(e)
-                for i in cutlass.range_constexpr(reps):
-                    r = rg + row_groups * i
-                    if r < nrows:
-                        if valid:
-                            self._store_e4m3(rows[i], rs, g_row[(None, (row0 + r, chunk))], mask)
+                if cutlass.const_expr(mode == "tile"):
+                    for i in cutlass.range_constexpr(reps):
+                        r = rg + row_groups * i
+                        if r < nrows:
+                            if valid:
+                                self._store_e4m3(rows[i], rs, g_row[(None, (row0 + r, chunk))], mask)
+                else:
+                    self._store_transposed(smem, rows, rs, mask, g_row, row0, nrows, kb, n_chunks * vec)
             else:
                 ecol = [ptx.e8m0_rceil((cm[j // 2] >> (16 * (j % 2))) & Uint32(0xFFFF)) & mask for j in range(vec)]
                 rcol = [ptx.e8m0_reciprocal(e) for e in ecol]
@@ -227,20 +267,22 @@ class QuantizeFp8Block(GroupBlockKernel):
 
 
 class QuantizeFp8BlockTile(QuantizeFp8Block):
-    """Modes "tile" (128 x 128 tiles of each group's rows: a weight) and "row" (the rowwise
-    copy alone; ``scale`` is then ``[M, cdiv(K, 128)]`` and ``group_sizes`` empty); one
-    data output and one scale output. See the module doc."""
+    """Modes "tile" (128 x 128 tiles of each group's rows: a weight), "tile_t" (the same,
+    ``data`` ``[G * B, A]``: each expert's tiles transposed) and "row" (the rowwise copy
+    alone; ``scale`` is then ``[M, cdiv(K, 128)]`` and ``group_sizes`` empty); one data
+    output and one scale output. See the module doc."""
 
     @cute.jit
     def __call__(
         self,
         x: cute.Tensor,  # [M, K] bf16 (a weight [G, A, B] as [G * A, B])
         group_sizes: cute.Tensor,  # [G] int32 (A each; "row": [0])
-        data: cute.Tensor,  # [M, K] uint8 E4M3
+        data: cute.Tensor,  # [M, K] uint8 E4M3 ("tile_t": [G * K, M / G])
         scale: cute.Tensor,  # [cdiv(M, 128) + G, cdiv(K, 128)] uint8 E8M0 ("row": [M, cdiv(K, 128)])
         stream: cuda.CUstream,
     ):
         tile = (1, self.vec)
-        g_data = cute.zipped_divide(data, tile)
-        # The columnwise outputs are never touched in this mode: the data stands in.
+        # "tile_t": data is [G * B, A], written in 16-byte chunks.
+        g_data = cute.zipped_divide(data, (1, 16) if cutlass.const_expr(self.config.mode == "tile_t") else tile)
+        # The columnwise outputs are never touched in these modes: the data stands in.
         self._launch(cute.zipped_divide(x, tile), group_sizes, g_data, scale, g_data, g_data, x.shape[0], stream)

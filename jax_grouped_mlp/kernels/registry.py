@@ -55,7 +55,7 @@ class Family(enum.Enum):
     DEQUANTIZE = ("jgm_dequantize_mxfp8", "DEQUANTIZE_VARIANTS", ())
     GROUPED_GEMM_FP8_BLOCK = ("jgm_grouped_gemm_fp8_block", "GROUPED_GEMM_FP8_BLOCK_VARIANTS", ())
     QUANTIZE_FP8_BLOCK_PAIR = ("jgm_quantize_fp8_block_pair", "QUANTIZE_FP8_BLOCK_PAIR_VARIANTS", ("col_type",))
-    QUANTIZE_FP8_BLOCK = ("jgm_quantize_fp8_block", "QUANTIZE_FP8_BLOCK_VARIANTS", ("rowwise",))
+    QUANTIZE_FP8_BLOCK = ("jgm_quantize_fp8_block", "QUANTIZE_FP8_BLOCK_VARIANTS", ("rowwise", "transposed"))
     GROUPED_WGRAD_FP8_BLOCK = ("jgm_grouped_wgrad_fp8_block", "GROUPED_WGRAD_FP8_BLOCK_VARIANTS", ("out_type",))
     TOKEN_MAJOR_BLOCKS = ("jgm_token_major_blocks", "TOKEN_MAJOR_BLOCKS_VARIANTS", ())
 
@@ -332,26 +332,34 @@ class QuantizeFp8BlockVariant:
     mode: "pair" (rowwise 1 x 128 blocks and the group-aware 128-row copy as E4M3,
     ``jgm_quantize_fp8_block_pair``), "pair_bf16" (the same, the group-aware copy as its
     bf16 values), "tile" (128 x 128 tiles of each group's rows: a weight,
-    ``jgm_quantize_fp8_block``) or "row" (the rowwise copy alone, ``jgm_quantize_fp8_block``).
+    ``jgm_quantize_fp8_block``), "tile_t" (the same tiles, each expert's written transposed:
+    the K-major copy a forward GEMM reads) or "row" (the rowwise copy alone,
+    ``jgm_quantize_fp8_block``).
     vec, threads: bf16 columns per thread, threads per CTA.
     """
 
-    mode: Literal["pair", "pair_bf16", "tile", "row"]
+    mode: Literal["pair", "pair_bf16", "tile", "tile_t", "row"]
     vec: int = 8
     threads: int = 128
 
     def __post_init__(self) -> None:
-        _check(self.mode in ("pair", "pair_bf16", "tile", "row"), self, "mode")
+        _check(self.mode in ("pair", "pair_bf16", "tile", "tile_t", "row"), self, "mode")
 
     @property
     def family(self) -> Family:
-        return Family.QUANTIZE_FP8_BLOCK if self.mode in ("tile", "row") else Family.QUANTIZE_FP8_BLOCK_PAIR
+        return Family.QUANTIZE_FP8_BLOCK if self.mode in ("tile", "tile_t", "row") else Family.QUANTIZE_FP8_BLOCK_PAIR
 
     @property
     def rowwise(self) -> str:
         """Whether the scales are per row ([M, cdiv(K, 128)], mode "row") rather than per
         group-aware block ("tile"): a C++ table column of ``jgm_quantize_fp8_block``."""
         return "true" if self.mode == "row" else "false"
+
+    @property
+    def transposed(self) -> str:
+        """Whether the data is ``[G * K, M / G]``, each group's ``[A, K]`` rows transposed
+        (mode "tile_t"): a C++ table column of ``jgm_quantize_fp8_block``."""
+        return "true" if self.mode == "tile_t" else "false"
 
     @property
     def col_type(self) -> str:
@@ -418,6 +426,7 @@ VARIANTS: tuple[Variant, ...] = (
     QuantizeFp8BlockVariant("pair_bf16"),
     QuantizeFp8BlockVariant("tile"),
     QuantizeFp8BlockVariant("row"),
+    QuantizeFp8BlockVariant("tile_t"),
     # jgm_grouped_wgrad_fp8_block: the binding's default for an output dtype is the first
     # of that dtype. bf16: the ping-pong mainloop (the same bits as the plain one, 1-9 %
     # faster on the H200: wgrad_fp8_block_pp_h200.json), then the plain one; float32 plain.

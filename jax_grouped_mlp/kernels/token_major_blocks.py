@@ -10,11 +10,10 @@ rows; unused blocks (the rows past ``sum(group_sizes)``) are all zero. The same 
 slower on the H200). GPU test: tests/test_grouped_wgrad_fp8_block_gpu.py.
 
 CTA ``(b, kb)`` transposes the 128 x 128 byte tile of block ``b`` and column block ``kb``
-through 16 KB of shared memory: thread ``t`` loads row ``t`` (eight 16-byte loads; zeros
-past the block's rows), stores it with its 16-byte chunks XOR-swizzled by ``t % 8`` (so
-eight threads' stores hit distinct banks), then gathers column ``t`` byte by byte (a
-warp reads two chunks of one row at a time: no conflicts) and writes it as eight 16-byte
-stores into row ``128 kb + t`` of ``out``. Every element of ``out`` is written exactly
+through shared memory (:mod:`byte_tile`): eight lanes load a row's 16-byte chunks (a
+warp: four whole 128-byte row segments; zeros past the block's rows), then
+:func:`byte_tile.store_transposed` writes tile column ``c`` as row ``128 kb + c`` of
+``out``, columns ``[128 b, 128 b + 128)``. Every element of ``out`` is written exactly
 once; ``K % 16 == 0`` (whole 16-byte chunks).
 """
 
@@ -25,8 +24,9 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint8
+from cutlass import Int32, Uint32
 
+from jax_grouped_mlp.kernels import byte_tile
 from jax_grouped_mlp.kernels.group_blocks import GroupBlockConfig, GroupBlockKernel
 
 BLOCK = 128
@@ -92,28 +92,28 @@ class TokenMajorBlocks(GroupBlockKernel):
         row0, nrows, in_group = self._locate_block(group_sizes, b, m)
         n_chunks = gx.shape[1][1]  # K / 16
         smem = cutlass.utils.SmemAllocator()
-        # (byte, chunk, row): row r's chunk q at its swizzled place q ^ (r % 8).
-        tile = smem.allocate_tensor(Uint8, cute.make_layout((CHUNK, CHUNKS, BLOCK), stride=(1, CHUNK, BLOCK)), 16)
+        tile = byte_tile.allocate(smem)
+        pieces = cute.zipped_divide(tile, (CHUNK // 4, 1))  # 16-byte chunks of rows
 
-        # ---- row t of the block into shared memory ----
-        for q in cutlass.range_constexpr(CHUNKS):
-            v = cute.make_rmem_tensor((1, CHUNK), Uint8)
+        # ---- the block's rows into shared memory: 8 lanes a row (16-byte chunks), all
+        # loads issued before the first store ----
+        q = t % CHUNKS
+        chunk = kb * CHUNKS + q
+        vals = []
+        for i in cutlass.range_constexpr(BLOCK * CHUNKS // self.threads):
+            r = (self.threads // CHUNKS) * i + t // CHUNKS
+            v = cute.make_rmem_tensor((CHUNK // 4, 1), Uint32)
             v.fill(0)
-            chunk = kb * CHUNKS + q
-            if t < nrows:
+            if r < nrows:
                 if in_group != 0:
                     if chunk < n_chunks:
-                        cute.autovec_copy(gx[(None, (row0 + t, chunk))], v)
-            cute.autovec_copy(v, tile[(None, q ^ (t % 8), t)])
+                        cute.autovec_copy(cute.recast_tensor(gx[(None, (row0 + r, chunk))], Uint32), v)
+            vals.append(v)
+        for i in cutlass.range_constexpr(BLOCK * CHUNKS // self.threads):
+            r = (self.threads // CHUNKS) * i + t // CHUNKS
+            cute.autovec_copy(vals[i], pieces[(None, ((4 * q ^ byte_tile.swizzle(r)) // 4, r))])
         cute.arch.sync_threads()
 
-        # ---- column t of the tile as row 128 kb + t of out ----
-        col = kb * BLOCK + t
-        if col // CHUNK < n_chunks:
-            byte, q = t % CHUNK, t // CHUNK
-            for j in cutlass.range_constexpr(CHUNKS):
-                v = cute.make_rmem_tensor((1, CHUNK), Uint8)
-                for i in cutlass.range_constexpr(CHUNK):
-                    r = j * CHUNK + i
-                    v[i] = tile[byte, q ^ (r % 8), r]
-                cute.autovec_copy(v, gout[(None, (col, b * CHUNKS + j))])
+        # ---- column c of the tile as row 128 kb + c of out, block b's chunks ----
+        byte_tile.store_transposed(tile, gout, kb * BLOCK, n_chunks * CHUNK - kb * BLOCK, b * CHUNKS, BLOCK,
+                                   gout.shape[1][1])

@@ -8,8 +8,10 @@ already match exactly):
 * ``jgm_quantize_fp8_block_pair``: from one read of an activation ``[M, K]``, the
   GEMM operand (1 x 128 blocks along K) and the weight-gradient operand (group-aware
   128-row blocks), the latter as E4M3 (a residual) or as its bf16 values (used at once);
-* ``jgm_quantize_fp8_block``: one copy: a weight ``[G, A, B]`` in 128 x 128 tiles, or an
-  activation's 1 x 128 rowwise copy alone (a forward that is not differentiated).
+* ``jgm_quantize_fp8_block``: one copy: a weight ``[G, A, B]`` in 128 x 128 tiles (as
+  stored, what a data gradient reads, or transposed to ``[G, B, A]``, the K-major copy a
+  forward GEMM reads), or an activation's 1 x 128 rowwise copy alone (a forward that is
+  not differentiated).
 
 Whatever the kernels cannot take (another dtype, symbolic shapes, ``K % 8 != 0``,
 offsets past 32 bits, no compiled variant) raises :class:`ffi.Unsupported` at trace time
@@ -92,27 +94,34 @@ def quantize_pair_cuda(
     return row_t, col
 
 
-def quantize_weight_cuda(w: jax.Array) -> FP8BlockTensor:
+def quantize_weight_cuda(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
     """``primitives`` "fp8_block_weight" on CUDA: ``quantize_fp8_block(w, (1, 2))`` of a
     bf16 weight ``[G, A, B]`` in one kernel (the weight read as ``[G * A, B]``, each
-    expert's rows one group). :class:`Unsupported` when the kernel does not take it."""
+    expert's rows one group). ``k_major``: its transpose ``[G, B, A]``
+    (``transpose_tiles`` of it, the same bytes) written by the same kernel, no transposing
+    pass; needs ``A % 16 == 0``. :class:`Unsupported` when the kernel does not take it."""
     if w.ndim != 3 or not ffi.available() or not single_variants():
         raise Unsupported(f"quantize_fp8_block kernel (tile): needs a bf16 [G, A, B] weight, got {w.shape=}")
     g, a, b = w.shape
     flat = w.reshape(g * a, b) if all(isinstance(d, int) for d in w.shape) else w
     if flat.ndim != 2 or not _fits(flat, g):
         raise Unsupported(f"quantize_fp8_block kernel (tile): needs bf16, B % 8 == 0, 32-bit offsets, got {w.shape=} {w.dtype=}")
+    mode = "tile_t" if k_major else "tile"
+    if k_major and (a % 16 or a == 0):
+        raise Unsupported(f"quantize_fp8_block kernel (tile_t): needs A % 16 == 0 and A > 0, got {w.shape=}")
     m = g * a
     ab, kb = groups.cdiv(a, fp8_block.BLOCK), groups.cdiv(b, fp8_block.BLOCK)
     nb = fp8_block.grouped_scale_rows(m, g)
     out = (
-        jax.ShapeDtypeStruct((m, b), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((g * b, a) if k_major else (m, b), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((nb, kb), jnp.float8_e8m0fnu),
     )
     sizes = jnp.full((g,), a, jnp.int32)
-    data, scale = jax.ffi.ffi_call(TARGET, out)(flat, sizes, variant=_mode_variant(single_variants(), "tile"))
+    data, scale = jax.ffi.ffi_call(TARGET, out)(flat, sizes, variant=_mode_variant(single_variants(), mode))
     # Group g's blocks are scale rows [g * ab, (g + 1) * ab); the G trailing rows are unused.
     scale = scale[: g * ab].reshape(g, ab, kb)
+    if k_major:
+        return FP8BlockTensor(data=data.reshape(g, b, a), scale=jnp.swapaxes(scale, 1, 2), axes=(1, 2))
     return FP8BlockTensor(data=data.reshape(g, a, b), scale=scale, axes=(1, 2))
 
 

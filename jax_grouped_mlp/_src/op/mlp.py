@@ -93,6 +93,9 @@ def _weight_gemm(
         )
     if heuristics.weights_in_gemm(choices, recipe, lhs.shape[0], w.shape[0]):
         return primitives.grouped_gemm_qw(lhs, w, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
+    w_k_major = None if transpose_rhs else recipe.fprop_weight_k_major(w)
+    if w_k_major is not None:
+        return primitives.grouped_gemm(lhs, w_k_major, group_sizes, out_dtype, transpose_rhs=True)
     wq = recipe.weight(w, 2 if transpose_rhs else 1)
     return primitives.grouped_gemm(lhs, wq, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
 

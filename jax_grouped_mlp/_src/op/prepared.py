@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor, transpose_tiles
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
 from jax_grouped_mlp._src.op.primitives import QUANTIZED, Operand
 from jax_grouped_mlp._src.op.recipes import Recipe
 
@@ -38,7 +38,7 @@ class PreparedWeights:
       fprop_k_major: the forward copies are stored transposed, ``w1_fprop [G, F, H]``
         and ``w2_fprop [G, H, F]``: the K-major layout Hopper's FP8 GEMM reads, so no
         call makes that copy (static; ``fp8_block``: the same 128 x 128 tiles as the
-        dgrad copies, transposed, ``fp8_block.transpose_tiles``). Build the object with
+        dgrad copies, transposed, as ``fp8_block.transpose_tiles`` gives them). Build the object with
         :func:`prepare_weights`: a hand-built one that leaves the flag off while storing
         transposed copies of square weights (H == F) passes the shape checks and
         multiplies by the transpose.
@@ -101,8 +101,8 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     if recipe_ is Recipe.MXFP8:
         ops = (recipe_.weight(b1, 1), recipe_.weight(b1, 2), recipe_.weight(b2, 1), recipe_.weight(b2, 2))
     elif recipe_ is Recipe.FP8_BLOCK:  # the same tiles; the forward GEMM reads them K-major
-        q1, q2 = recipe_.weight(b1, 1), recipe_.weight(b2, 1)
-        ops = (transpose_tiles(q1), q1, transpose_tiles(q2), q2)
+        ops = (recipe_.fprop_weight_k_major(b1), recipe_.weight(b1, 2), recipe_.fprop_weight_k_major(b2),
+               recipe_.weight(b2, 2))
         return PreparedWeights(*ops, recipe=recipe_.value, fprop_k_major=True)
     else:  # one copy serves both uses
         q1, q2 = recipe_.weight(b1, 1), recipe_.weight(b2, 1)

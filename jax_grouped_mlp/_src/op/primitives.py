@@ -343,8 +343,9 @@ def _ref_fp8_block_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col: bool)
     return _with_group_sizes(_st_fp8_block_pair(x, group_sizes, keep_col), group_sizes)
 
 
-def _ref_fp8_block_weight(w: jax.Array) -> FP8BlockTensor:
-    return _st_fp8_block(w, (1, 2))
+def _ref_fp8_block_weight(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
+    q = _st_fp8_block(w, (1, 2))
+    return fp8_block.transpose_tiles(q) if k_major else q
 
 
 def _ref_fp8_block_row(x: jax.Array) -> FP8BlockTensor:
@@ -414,8 +415,20 @@ def _fallback_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, 
     return _dgrad_composed(grouped_gemm, fake_quantize_pair, dy_row, w2, group_sizes, h, probs)
 
 
+def _fallback_fp8_block_weight(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
+    """A K-major copy the kernel cannot write itself (``A % 16 != 0``): the kernel's tiles
+    as stored, transposed by XLA; else the reference."""
+    if k_major:
+        try:
+            return fp8_block.transpose_tiles(_kernel("fp8_block_weight", (("k_major", False),), w))
+        except Unsupported:
+            pass
+    return _ref_fp8_block_weight(w, k_major=k_major)
+
+
 _FALLBACK: dict[str, Callable] = {
     **_REFERENCE,
+    "fp8_block_weight": _fallback_fp8_block_weight,
     "grouped_gemm_qw": _fallback_grouped_gemm_qw,
     "fc1_fused": _fallback_fc1_fused,
     "dgrad_fused": _fallback_dgrad_fused,
@@ -537,10 +550,15 @@ def fp8_block_pair(
     return _dispatch("fp8_block_pair", x, group_sizes, keep_col=keep_col)
 
 
-def fp8_block_weight(w: jax.Array) -> FP8BlockTensor:
+def fp8_block_weight(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
     """``quantize_fp8_block(w, (1, 2))`` of a ``[G, A, B]`` weight (128 x 128 tiles),
-    differentiated straight-through; one kernel on CUDA for bf16 weights."""
-    return _dispatch("fp8_block_weight", w)
+    differentiated straight-through; one kernel on CUDA for bf16 weights.
+
+    ``k_major``: the tiles of the transpose, ``[G, B, A]`` (``fp8_block.transpose_tiles``
+    of the above, the same bytes): what a forward GEMM reads, written by the quantizer
+    itself on CUDA (no transposing pass; ``A % 16 == 0``, else the kernel's tiles are
+    transposed by XLA)."""
+    return _dispatch("fp8_block_weight", w, k_major=k_major)
 
 
 def _register_available_kernels() -> None:

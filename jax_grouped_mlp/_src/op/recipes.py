@@ -75,6 +75,17 @@ class Recipe(str, enum.Enum):
             return primitives.fake_quantize(w, reduce_axis)
         return w.astype(jnp.bfloat16)
 
+    def fprop_weight_k_major(self, w: jax.Array) -> Operand | None:
+        """``w [G, A, B]`` as a forward GEMM (K = A) reads it, stored transposed ``[G, B, A]``
+        for ``grouped_gemm(..., transpose_rhs=True)``, when this recipe's GEMM wants it
+        K-major: ``fp8_block`` (Hopper's FP8 wgmma reads both operands K-major; the
+        quantizer writes the transposed tiles itself, so no call transposes them).
+        None for the others (:meth:`weight` with ``reduce_axis=1`` serves). The same
+        numbers either way."""
+        if self is Recipe.FP8_BLOCK:
+            return primitives.fp8_block_weight(w, k_major=True)
+        return None
+
     @property
     def wgrad_reads_fp8(self) -> bool:
         """Whether the weight gradients can multiply the FP8 copies themselves
