@@ -5,8 +5,8 @@
 Same process, same inputs. For each shape: ``grouped_mlp`` with recipes mxfp8, bf16
 and fp8_block (whatever kernels the extension provides on this device; the pure-JAX
 path elsewhere), the op's alternatives (mxfp8 with weight-quantizing passes;
-``grouped_mlp_fp8_block_fp8_wgrad``: fp8_block with its FP8 weight gradient, off by
-default) and a bf16 MLP built from ``jax.lax.ragged_dot``; tokamax's ragged_dot too when
+``grouped_mlp_fp8_block_bf16_wgrad``: fp8_block with the bf16 weight-gradient kernel
+instead of its default FP8 one) and a bf16 MLP built from ``jax.lax.ragged_dot``; tokamax's ragged_dot too when
 it is importable (``--only`` picks candidates by name). Reports ms per step, TFLOP/s (six GEMMs of 2·M·H·F per
 step: two forward, two dgrad, two wgrad), the compiled program's temp memory, and
 speedups against ragged_dot. Each shape runs with equal group sizes and with the
@@ -57,13 +57,14 @@ def _weight_passes(**kw):
     return lambda *a: grouped_mlp_with(choices, *a, recipe="mxfp8", **kw)
 
 
-def _fp8_block_fp8_wgrad(*a):
-    """``fp8_block`` with ``KernelChoices(fp8_block_wgrad=True)``: the weight gradients on
-    the FP8 weight-gradient kernel (off by default: docs/notes/2026-12-04-fp8-wgrad.md)."""
+def _fp8_block_bf16_wgrad(*a):
+    """``fp8_block`` with ``KernelChoices(fp8_block_wgrad=False)``: the weight gradients on
+    the bf16 kernel over the dequantized operands (the FP8 kernel is the default:
+    docs/notes/2026-12-04-fp8-layout-passes.md)."""
     from jax_grouped_mlp._src.op.heuristics import KernelChoices
     from jax_grouped_mlp._src.op.mlp import grouped_mlp_with
 
-    return grouped_mlp_with(KernelChoices(fp8_block_wgrad=True), *a, recipe="fp8_block")
+    return grouped_mlp_with(KernelChoices(fp8_block_wgrad=False), *a, recipe="fp8_block")
 
 
 def _candidates() -> dict:
@@ -73,7 +74,7 @@ def _candidates() -> dict:
         "grouped_mlp_mxfp8_weight_passes_unfused_fc1": _weight_passes(fuse_fc1_epilogue=False),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
         "grouped_mlp_fp8_block": lambda *a: jgm.grouped_mlp(*a, recipe="fp8_block"),
-        "grouped_mlp_fp8_block_fp8_wgrad": _fp8_block_fp8_wgrad,
+        "grouped_mlp_fp8_block_bf16_wgrad": _fp8_block_bf16_wgrad,
         "ragged_dot_bf16": ragged_dot_mlp,
     }
     try:  # optional peer

@@ -144,9 +144,10 @@ def test_backend_info_on_the_h200():
 @pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
 def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
     """recipe="fp8_block" lowered for CUDA: the forward GEMMs and the data gradients are
-    the FP8 block-scaled kernel (4 calls), the weight gradients the wgrad kernel (2); a
-    hidden size off the FP8 kernel's contract (K % 16) sends the GEMMs that reduce over
-    it to the bf16 kernel instead, on the dequantized operands."""
+    the FP8 block-scaled kernel (4 calls), the weight gradients the FP8 weight-gradient
+    kernel (2) on four token-major layouts; a hidden size off the FP8 GEMM's contract
+    (K % 16) sends the GEMMs that reduce over it to the bf16 kernel instead, on the
+    dequantized operands, and the layout of its operands to XLA."""
     from jax_grouped_mlp._src.cuda import gemm_ffi
 
     if not gemm_ffi.grouped_gemm_fp8_block_variants():
@@ -159,21 +160,28 @@ def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
     fake_gpus("9.0")
     text = _cuda_text(grad_fn, *_inputs(rng))
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4, text.count(gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET)
-    assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_TARGET}(') == 2
+    assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET}(') == 2
+    assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 4  # x, srelu(h), dy, dh
+    assert f'@{gemm_ffi.GROUPED_WGRAD_TARGET}(' not in text
     assert f'@{gemm_ffi.GROUPED_GEMM_TARGET}(' not in text
 
-    # H = 72: FC1 (K = H) and FC2's dgrad (K = H) fall back to the bf16 kernel.
+    # H = 72: FC1 (K = H) and FC2's dgrad (K = H) fall back to the bf16 kernel; x's and
+    # dy's token-major layouts (72 columns, not whole 16-byte chunks) to XLA.
     text = _cuda_text(grad_fn, *_inputs(rng, h=72))
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 2
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_TARGET}(') == 2
+    assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET}(') == 2
+    assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 2
 
 
 @pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
 def test_fp8_block_prepared_weights_need_no_transpose_on_cuda(rng, fake_gpus):
     """``prepare_weights(recipe="fp8_block")`` stores the forward copies K-major, so the
     forward FP8 GEMMs read them as they are: no FP8 weight transpose left in the CUDA
-    program (the op without ``prepared`` makes one per weight per call)."""
-    from jax_grouped_mlp._src.cuda import gemm_ffi
+    program; nor without ``prepared``, where the weight quantizer writes the K-major
+    copy itself (``fp8_block_weight(w, k_major=True)``), except for a weight whose rows
+    are not whole 16-byte chunks (its tiles are then transposed by XLA)."""
+    from jax_grouped_mlp._src.cuda import fp8_block_ffi, gemm_ffi
 
     if not gemm_ffi.grouped_gemm_fp8_block_variants():
         pytest.skip("this build has no FP8 block-scaled GEMM")
@@ -191,7 +199,12 @@ def test_fp8_block_prepared_weights_need_no_transpose_on_cuda(rng, fake_gpus):
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4
     assert not fp8_transposes.findall(text)
     unprepared = _cuda_text(lambda x, w1, w2, gs, p: grad_fn(x, w1, w2, gs, p, None), x, w1, w2, gs, p)
-    assert len(fp8_transposes.findall(unprepared)) >= 2  # the pattern finds what it looks for
+    assert not fp8_transposes.findall(unprepared)
+    assert unprepared.count(f'@{fp8_block_ffi.TARGET}(') >= 4  # w1 and w2, each K-major and as stored
+    # The pattern finds what it looks for: the transposing fallback for A % 16 != 0.
+    x, w1, w2, gs, p = _inputs(rng, h=72)
+    odd = re.compile(r"stablehlo\.transpose[^\n]*-> tensor<3x96x72xf8E4M3FN>")
+    assert len(odd.findall(_cuda_text(lambda x, w1, w2, gs, p: grad_fn(x, w1, w2, gs, p, None), x, w1, w2, gs, p))) == 1
 
 
 @pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")

@@ -361,7 +361,7 @@ def test_recipe_semantics_exact(rng):
 def test_recipe_keeps_fp8_residuals_and_sends_only_its_gemms_to_cuda(rng, monkeypatch):
     """The residuals fc1_input and fc2_input are FP8 with their 128-block scales (about
     half the bf16 bytes), and the CUDA branch is traced only for the GEMMs (the FP8
-    block-scaled kernel, and the wgrad kernel on dequantized operands) and the recipe's
+    block-scaled kernel, and the weight-gradient kernel) and the recipe's
     two quantizers (x, srelu(h), dy, dh; both weights): every other primitive takes the
     reference on fp8_block operands on every platform."""
     from jax_grouped_mlp._src.op import primitives
@@ -415,7 +415,8 @@ def test_flax_and_moe_block_accept_the_recipe(rng):
 @pytest.mark.gpu
 def test_recipe_on_the_gpu_runs_its_kernels(rng):
     """On the GPU, fp8_block's gradient runs the FP8 block-scaled GEMM (FC1, FC2 and both
-    data gradients) and, by default, the bf16 weight-gradient kernel, sits in the float64 bands, and agrees with the
+    data gradients) and, by default, the FP8 weight-gradient kernel on token-major
+    copies, sits in the float64 bands, and agrees with the
     CPU's numbers within 3%: the FP8 wgmma sums each 128-block with fewer bits than
     float32 before promoting it, and XLA:GPU fuses and orders the float32 math before
     each quantization differently, so an element near a rounding tie can land one E4M3
@@ -423,9 +424,12 @@ def test_recipe_on_the_gpu_runs_its_kernels(rng):
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
     hlo = _run.lower(x, w1, w2, gs, probs, dy).compile().as_text()
     assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block"') == 4
-    assert hlo.count('custom_call_target="jgm_grouped_wgrad"') == 2  # (KernelChoices.fp8_block_wgrad off)
+    assert hlo.count('custom_call_target="jgm_grouped_wgrad_fp8_block"') == 2  # (KernelChoices.fp8_block_wgrad)
+    assert hlo.count('custom_call_target="jgm_token_major_blocks"') == 4  # x, srelu(h), dy, dh
+    assert 'custom_call_target="jgm_grouped_wgrad"' not in hlo
     assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 4  # x, srelu(h), dy, dh
-    assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 2  # w1, w2
+    # w1, w2: the forward's K-major tiles and the data gradients' tiles as stored
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 4
     out = _run(x, w1, w2, gs, probs, dy)
     got = jax.tree_util.tree_leaves(out)
     cpu = jax.devices("cpu")[0]

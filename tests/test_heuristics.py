@@ -21,7 +21,7 @@ MX, BF = Recipe.MXFP8, Recipe.BF16
 
 def test_default_config():
     assert DEFAULT == KernelChoices(
-        order_backward=True, quantize_weights_in_gemm=True, qw_max_rows_per_group=512, fp8_block_wgrad=False
+        order_backward=True, quantize_weights_in_gemm=True, qw_max_rows_per_group=512, fp8_block_wgrad=True
     )
     assert hash(DEFAULT) == hash(KernelChoices())  # a static argument of the op's custom_vjp
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -42,18 +42,19 @@ class KernelChoices:
       qw_max_rows_per_group: "small groups" for ``quantize_weights_in_gemm``: at most
         this many rows per group on average.
       fp8_block_wgrad: ``fp8_block``'s weight gradients multiply the FP8 copies on the
-        FP8 weight-gradient kernel (dy's and dh's token-blocked copies stay FP8, and all
-        four operands take a token-major layout pass); False (the default): the bf16
+        FP8 weight-gradient kernel (the default: dy's and dh's token-blocked copies stay
+        FP8, and all four operands take a token-major layout pass); False: the bf16
         weight-gradient kernel on their exactly dequantized values (the same products;
-        only the summation differs). Off by default because on the H200 the FP8 kernel
-        (748-757 TFLOP/s at 8 x 8192 tokens) does not yet pay for the layout passes: the
-        step is 0.99-1.10x of the bf16 path's (docs/notes/2026-12-04-fp8-wgrad.md).
+        only the summation differs: the FP8 accumulator sums each 128-token block with
+        fewer bits than float32, 6.9e-4 norm-wise apart on the H200). On the H200 the
+        FP8 path's step is 0.78-0.97x of the bf16 path's at the four benchmark shapes
+        (``mlp_step_byte_tile_h200.json``; docs/notes/2026-12-04-fp8-layout-passes.md).
     """
 
     order_backward: bool = True
     quantize_weights_in_gemm: bool = True
     qw_max_rows_per_group: int = 512
-    fp8_block_wgrad: bool = False
+    fp8_block_wgrad: bool = True
 
     def __post_init__(self) -> None:
         for name in ("order_backward", "quantize_weights_in_gemm", "fp8_block_wgrad"):

@@ -297,10 +297,10 @@ def grouped_mlp(
         activations, 128 x 128 for weights; docs/design.md). On CUDA,
         ``"fp8_block"``'s four data GEMMs run on the FP8 block-scaled kernel (FP8 wgmma,
         promoted into float32 every 128 of K) when K % 16 == 0 and N % 8 == 0, its
-        weight gradients on the bf16 kernel over the exactly dequantized operands; its
-        quantizers and the activation are separate pure-JAX passes (no fused epilogues
-        yet). Elsewhere the GEMMs multiply the dequantized values with float32
-        accumulation.
+        weight gradients on the FP8 block-scaled weight-gradient kernel (promoted every
+        128 tokens); its quantizers are kernels and the activation a separate pass (no
+        fused epilogues yet). Elsewhere the GEMMs multiply the dequantized values with
+        float32 accumulation.
       fuse_fc1_epilogue: with ``"mxfp8"`` on CUDA, FC1's kernel also writes ``a``'s
         two MXFP8 copies (FC2's operand and the "fc2_input" residual), so no separate
         pass reads ``h`` again. Same numbers either way, and no effect on what the
