@@ -4,7 +4,8 @@
 // jgm_quantize_fp8_block_pair: from one read of bf16 x [M, K], the rowwise copy (E4M3
 // data, one E8M0 scale per 1 x 128 block along K) and the group-aware columnwise copy
 // (128-row blocks that never cross a group: E4M3 data, or its bf16 values, by variant
-// X(name, col_type), and the E8M0 scales).
+// X(name, col_type, col_token_major), and the E8M0 scales; col_token_major: the data laid
+// out token-major in whole blocks, [K, 128 * NB], as the FP8 weight gradient reads it).
 // jgm_quantize_fp8_block: one copy, by variant X(name, rowwise): a weight [G, A, B] read as
 // x [G * A, B] with group sizes [A] * G, E4M3 data and one E8M0 scale per 128 x 128 tile in
 // group-aware scale rows (rowwise false; transposed true: data [G * B, A], each expert's
@@ -23,29 +24,36 @@ struct Args {
 #define JGM_CALL(a, s) a.x, a.group_sizes, a.row, a.row_scale, a.col, a.col_scale, s
 JGM_FAMILY(JGM_QUANTIZE_FP8_BLOCK_PAIR_VARIANTS, "quantize_fp8_block_pair")
 #undef JGM_CALL
-#define JGM_COL_TYPE(name, type) type,
+#define JGM_COL_TYPE(name, type, token_major) type,
 const ffi::DataType kColType[] = {JGM_QUANTIZE_FP8_BLOCK_PAIR_VARIANTS(JGM_COL_TYPE)};
+#define JGM_COL_TOKEN_MAJOR(name, type, token_major) token_major,
+const bool kColTokenMajor[] = {JGM_QUANTIZE_FP8_BLOCK_PAIR_VARIANTS(JGM_COL_TOKEN_MAJOR)};
 
 ffi::Error Execute(cudaStream_t stream, Bf16R2 x, S32R1 group_sizes, Out<Fp8> row,
                    Out<Fp8> row_scale, Out<Fp8> col, Out<Fp8> col_scale, int32_t variant) {
   if (auto e = kFamily.Load(variant); e.failure()) return e;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], g = group_sizes.dimensions()[0],
                 kb = CeilDiv(k, 128), nb = CeilDiv(m, 128) + g;
-  auto e = Check("quantize_fp8_block_pair")
-               .Shape("x", x, "[M, K]", {m, k}).Multiple8("K", k)
-               .Shape("row", *row, "[M, K]", {m, k})
-               .Type("row", row->element_type(), ffi::F8E4M3FN)
-               .Shape("row_scale", *row_scale, "[M, cdiv(K, 128)]", {m, kb})
-               .Type("row_scale", row_scale->element_type(), ffi::F8E8M0FNU)
-               .Shape("col", *col, "[M, K]", {m, k})
-               .Type("col", col->element_type(), kColType[variant])
+  const bool token_major = kColTokenMajor[variant];  // col [K, 128 NB]: whole blocks, token-major
+  Check check("quantize_fp8_block_pair");
+  check.Shape("x", x, "[M, K]", {m, k}).Multiple8("K", k)
+      .Shape("row", *row, "[M, K]", {m, k})
+      .Type("row", row->element_type(), ffi::F8E4M3FN)
+      .Shape("row_scale", *row_scale, "[M, cdiv(K, 128)]", {m, kb})
+      .Type("row_scale", row_scale->element_type(), ffi::F8E8M0FNU);
+  if (token_major)
+    check.Shape("col", *col, "[K, 128 * (cdiv(M, 128) + G)]", {k, 128 * nb});
+  else
+    check.Shape("col", *col, "[M, K]", {m, k});
+  auto e = check.Type("col", col->element_type(), kColType[variant])
                .Shape("col_scale", *col_scale, "[cdiv(M, 128) + G, K]", {nb, k})
                .Type("col_scale", col_scale->element_type(), ffi::F8E8M0FNU)
                .Result();
   if (e.failure() || k == 0 || nb == 0) return e;  // (nothing to write)
   Args args{Vector(group_sizes.untyped_data(), g), Matrix(x.untyped_data(), m, k),
             Matrix(row->untyped_data(), m, k), Matrix(row_scale->untyped_data(), m, kb),
-            Matrix(col->untyped_data(), m, k), Matrix(col_scale->untyped_data(), nb, k)};
+            token_major ? Matrix(col->untyped_data(), k, 128 * nb) : Matrix(col->untyped_data(), m, k),
+            Matrix(col_scale->untyped_data(), nb, k)};
   return kFamily.Launch(variant, args, stream);
 }
 }  // namespace pair
@@ -103,7 +111,7 @@ JGM_DEFINE_HANDLERS(JgmQuantizeFp8BlockPair, jgm::pair::kFamily, jgm::pair::Exec
                         .Arg<jgm::S32R1>()   // group_sizes [G], read on the device
                         .Ret<jgm::Fp8>()     // row [M, K] f8e4m3fn
                         .Ret<jgm::Fp8>()     // row_scale [M, cdiv(K, 128)] f8e8m0fnu
-                        .Ret<jgm::Fp8>()     // col [M, K], f8e4m3fn or bf16 by variant
+                        .Ret<jgm::Fp8>()     // col [M, K] f8e4m3fn or bf16, or [K, 128 NB], by variant
                         .Ret<jgm::Fp8>()     // col_scale [cdiv(M, 128) + G, K] f8e8m0fnu
                         .Attr<int32_t>("variant"));
 JGM_DEFINE_HANDLERS(JgmQuantizeFp8Block, jgm::tile::kFamily, jgm::tile::Execute,

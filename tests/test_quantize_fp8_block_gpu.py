@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_grouped_mlp._src.cuda import ffi, fp8_block_ffi
+from jax_grouped_mlp._src.cuda import ffi, fp8_block_ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import fp8_block
 from jax_grouped_mlp._src.op import primitives
 from gpu_helpers import has_gpu
@@ -154,6 +154,47 @@ def test_weight_k_major_special_values_and_fallback(rng):
                                                    jax.ShapeDtypeStruct((4, 1), jnp.float8_e8m0fnu)))
     with pytest.raises(Exception, match=r"data must be \[G \* K, M / G\]"):
         jax.block_until_ready(call(x, jnp.asarray([64] * 4, jnp.int32), variant=variant))
+
+
+_pair_tm = jax.jit(fp8_block_ffi.quantize_pair_token_major_cuda)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("m,k,sizes", [
+    (600, 144, [100, 0, 300, 29]),  # K off 128 (one partial column block), a group ending mid-block
+    (640, 256, [5000, -3, 0, 7, 2**30, 1]),  # giant and negative sizes: clamped; blocks past the groups
+    (300, 2688, [128, 1, 171]),  # Nano's K; block-boundary sizes
+    (77, 8, [77]),  # one column chunk
+    (0, 128, [0, 0]),  # no rows: all zero
+])
+def test_pair_token_major(rng, m, k, sizes):
+    """Mode "pair_tm": the rowwise copy as "pair" writes it, and the group-aware copy's
+    bytes as ``fp8_block.token_major_blocks`` lays them out (every byte: two poisons),
+    scales as the group-aware tensor's; and the FP8 weight gradient on that layout gives
+    the bits of the layout-from-``[M, K]`` entry."""
+    x = jnp.asarray(_random(rng, m, k), jnp.bfloat16)
+    gs = jnp.asarray(np.asarray(sizes, np.int64).clip(-(2**31), 2**31 - 1).astype(np.int32))
+    want_row, want_col = _ref_pair(x, gs)
+    want_data, _ = fp8_block.token_major_blocks(want_col)
+    nb = fp8_block.grouped_scale_rows(m, gs.shape[0])
+    for value in (0x5A, 0xFF):
+        _poison([s for s in ((m, k), (m, -(-k // 128)), (k, 128 * nb), (nb, k)) if all(s)], value)
+        row, data, scale = jax.block_until_ready(_pair_tm(x, gs))
+        what = f"pair_tm {x.shape} sizes={sizes} (poison {value:#x})"
+        _assert_same_fp8(row, want_row, what + " row")
+        np.testing.assert_array_equal(_bytes(data), _bytes(want_data), err_msg=what + " token-major data")
+        np.testing.assert_array_equal(_bytes(scale), _bytes(want_col.scale), err_msg=what + " scale")
+    if m and k % 16 == 0:
+        dy = jnp.asarray(_random(rng, m, 64), jnp.bfloat16)
+        _, dy_data, dy_scale = _pair_tm(dy, gs)
+        dy_col = _ref_pair(dy, gs)[1]
+        t = fp8_block.FP8BlockTensor(data=want_col.data, scale=scale, axes=(0,), group_sizes=want_col.group_sizes)
+        got = jax.jit(lambda a, sa, b, sb, gs: gemm_ffi.grouped_wgrad_fp8_block_token_major(
+            (a, sa), (b, sb), gs, rows=m))(data, fp8_block.scale_values(t), dy_data,
+                                         fp8_block.scale_values(dy_col), gs)
+        want = jax.jit(gemm_ffi.grouped_wgrad_fp8_block)(want_col, dy_col, gs)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
 @pytest.mark.gpu

@@ -157,3 +157,14 @@ def test_aot_builds_the_registry_without_a_hand_list():
     from jax_grouped_mlp.kernels import aot
 
     assert [name for name, _, _ in aot.variants()] == [v.name for v in registry.VARIANTS]
+
+
+def test_quantize_fp8_block_table_columns():
+    """The fp8_block quantizers' C++ table columns: which variants write the weight tiles
+    transposed (the forward's K-major copy) and which lay the group-aware copy out
+    token-major (what the FP8 weight gradient reads)."""
+    single = {v.mode: (v.rowwise, v.transposed) for v in registry.variants(registry.Family.QUANTIZE_FP8_BLOCK)}
+    assert single == {"tile": ("false", "false"), "row": ("true", "false"), "tile_t": ("false", "true")}
+    pair = {v.mode: (v.col_type, v.col_token_major) for v in registry.variants(registry.Family.QUANTIZE_FP8_BLOCK_PAIR)}
+    assert pair == {"pair": ("ffi::F8E4M3FN", "false"), "pair_bf16": ("ffi::BF16", "false"),
+                    "pair_tm": ("ffi::F8E4M3FN", "true")}

@@ -275,7 +275,7 @@ def _kernel(v: registry.Variant):
         cfg = QuantizeFp8BlockConfig(vec=v.vec, threads=v.threads, mode=v.mode)
         if v.mode in ("tile", "tile_t", "row"):
             return cfg, QuantizeFp8BlockTile(cfg), _quantize_fp8_block_tile_args(transposed=v.mode == "tile_t")
-        return cfg, QuantizeFp8Block(cfg), _quantize_fp8_block_pair_args(v.mode == "pair_bf16")
+        return cfg, QuantizeFp8Block(cfg), _quantize_fp8_block_pair_args(v.mode == "pair_bf16", v.mode == "pair_tm")
     if isinstance(v, registry.DequantizeVariant):
         from jax_grouped_mlp.kernels.dequantize_mxfp8 import DequantizeColMxfp8, DequantizeConfig
 
@@ -311,9 +311,10 @@ def _fake_quantize_pair_args(col_bf16: bool):
             t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
 
 
-def _quantize_fp8_block_pair_args(col_bf16: bool):
+def _quantize_fp8_block_pair_args(col_bf16: bool, col_token_major: bool = False):
     """Fake (x [M, K] bf16, group_sizes, row [M, K] uint8, row_scale [M, KB] uint8,
-    col [M, K] uint8 or bf16, col_scale [NB, K] uint8, stream)."""
+    col [M, K] uint8 or bf16 (``col_token_major``: [K, 128 NB] uint8), col_scale [NB, K]
+    uint8, stream)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -321,9 +322,12 @@ def _quantize_fp8_block_pair_args(col_bf16: bool):
     t = _fake
     m, g, nb, kb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=8)
-    col = cutlass.BFloat16 if col_bf16 else cutlass.Uint8
+    if col_token_major:
+        col = t(cutlass.Uint8, (cute.sym_int32(), cute.sym_int32(divisibility=128)))
+    else:
+        col = t(cutlass.BFloat16 if col_bf16 else cutlass.Uint8, (m, k))
     return (t(cutlass.BFloat16, (m, k)), t(cutlass.Int32, (g,), align=4), t(cutlass.Uint8, (m, k)),
-            t(cutlass.Uint8, (m, kb), align=1), t(col, (m, k)), t(cutlass.Uint8, (nb, k)), make_fake_stream())
+            t(cutlass.Uint8, (m, kb), align=1), col, t(cutlass.Uint8, (nb, k)), make_fake_stream())
 
 
 def _quantize_fp8_block_tile_args(transposed: bool = False):

@@ -8,6 +8,9 @@ Modes, bit for bit the pure-JAX quantizers of ``_src/formats/fp8_block.py``
   "pair_bf16"  (row.data, row.scale, dequantize(col), col.scale)  a transient one (dy,
                                                               dh): the weight gradient
                                                               reads the bf16 values
+  "pair_tm"    "pair", the columnwise data written token-major in whole blocks,
+               ``[K, 128 NB]`` (``fp8_block.token_major_blocks``'s bytes: what the FP8
+               weight gradient reads), so no separate layout pass
   "row"        (row.data, row.scale) alone (an operand of a forward without gradient)
   "tile_t"     "tile", the data written transposed: ``[G, B, A]`` (the K-major copy the
                forward GEMM reads, ``transpose_tiles(quantize_fp8_block(w, (1, 2)))``;
@@ -31,6 +34,8 @@ element of a row < M exactly once, nothing else.
 bytes of a row one store) and writes it transposed: tile column ``c`` as output row
 ``g B + 128 kb + c``, its 16-row chunks at ``a0 / 16 + ..`` (``a0``: the block's first
 row within its expert). Needs ``A % 16 == 0`` (whole 16-byte chunks; the binding checks).
+"pair_tm" does the same with the columnwise copy: tile column ``c`` as row ``128 kb + c``
+of ``col``, columns ``[128 b, 128 b + 128)`` (all 128, zeros past the block's rows).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from jax_grouped_mlp.kernels import byte_tile, ptx
 from jax_grouped_mlp.kernels.group_blocks import GroupBlockConfig, GroupBlockKernel
 
 FP8_BLOCK = 128
-MODES = ("pair", "pair_bf16", "tile", "tile_t", "row")
+MODES = ("pair", "pair_bf16", "pair_tm", "tile", "tile_t", "row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +86,16 @@ class QuantizeFp8Block(GroupBlockKernel):
         group_sizes: cute.Tensor,  # [G] int32
         row: cute.Tensor,  # [M, K] uint8 E4M3, the rowwise data
         row_scale: cute.Tensor,  # [M, cdiv(K, 128)] uint8 E8M0
-        col: cute.Tensor,  # [M, K] uint8 E4M3 ("pair") or bf16 values ("pair_bf16")
+        col: cute.Tensor,  # [M, K] uint8 E4M3 ("pair") or bf16 values ("pair_bf16"); "pair_tm": [K, 128 NB]
         col_scale: cute.Tensor,  # [cdiv(M, 128) + G, K] uint8 E8M0
         stream: cuda.CUstream,
     ):
         tile = (1, self.vec)
+        # "pair_tm": col is [K, 128 NB], written in 16-byte chunks.
+        col_tile = (1, 16) if cutlass.const_expr(self.config.mode == "pair_tm") else tile
         self._launch(
             cute.zipped_divide(x, tile), group_sizes, cute.zipped_divide(row, tile), row_scale,
-            cute.zipped_divide(col, tile), cute.zipped_divide(col_scale, tile), x.shape[0], stream,
+            cute.zipped_divide(col, col_tile), cute.zipped_divide(col_scale, tile), x.shape[0], stream,
         )
 
     @cute.jit
@@ -125,10 +132,10 @@ class QuantizeFp8Block(GroupBlockKernel):
         cute.autovec_copy(o, dst)
 
     @cute.jit
-    def _store_transposed(self, smem, rows: list, rs: list, mask: Uint32, g_out: cute.Tensor, row0: Int32,
-                          nrows: Int32, kb: Int32, k: Int32) -> None:
-        """Mode "tile_t": the tile's E4M3 bytes (``rows``, this thread's, times ``rs``) into
-        ``g_out`` ``((1, 16), (G * B, A / 16))`` transposed, through :mod:`byte_tile`."""
+    def _stage(self, smem, rows: list, rs: list, mask: Uint32) -> cute.Tensor:
+        """The tile's E4M3 bytes (``rows``, this thread's, times the per-column reciprocal
+        scales ``rs``, ANDed with ``mask``) in a :mod:`byte_tile` tile, synchronized: each
+        thread's 8 bytes of a row one store."""
         vec = self.vec
         lanes = self.lanes_per_block
         row_groups = self.threads // lanes
@@ -145,6 +152,13 @@ class QuantizeFp8Block(GroupBlockKernel):
             piece = ((cg * (vec // 4)) ^ byte_tile.swizzle(r)) // (vec // 4)
             cute.autovec_copy(v, pieces[(None, (piece, r))])
         cute.arch.sync_threads()
+        return tile
+
+    @cute.jit
+    def _store_transposed(self, smem, rows: list, rs: list, mask: Uint32, g_out: cute.Tensor, row0: Int32,
+                          nrows: Int32, kb: Int32, k: Int32) -> None:
+        """Mode "tile_t": the tile into ``g_out`` ``((1, 16), (G * B, A / 16))`` transposed."""
+        tile = self._stage(smem, rows, rs, mask)
         a = g_out.shape[1][1] * 16  # A: rows of an expert
         g = row0 // a
         a0 = row0 - g * a
@@ -247,7 +261,13 @@ class QuantizeFp8Block(GroupBlockKernel):
                             out_scale[j] = Uint8(ecol[j])
                         cute.autovec_copy(out_scale, g_col_scale[(None, (b, chunk))])
                 vcol = [ptx.e8m0_value(e) for e in ecol] if mode == "pair_bf16" else []
-                for i in cutlass.range_constexpr(reps):
+                if cutlass.const_expr(mode == "pair_tm"):
+                    # Block b's tile as columns [128 b, 128 b + 128) of rows 128 kb + c of
+                    # col, zeros past its rows (loaded as zeros) and for blocks past the groups.
+                    tile = self._stage(smem, rows, rcol, mask)
+                    byte_tile.store_transposed(tile, g_col, kb * FP8_BLOCK, n_chunks * vec - kb * FP8_BLOCK,
+                                               b * (FP8_BLOCK // 16), FP8_BLOCK, g_col.shape[1][1])
+                for i in cutlass.range_constexpr(reps if mode != "pair_tm" else 0):
                     r = rg + row_groups * i
                     if r < nrows:
                         if valid:

@@ -54,7 +54,9 @@ class Family(enum.Enum):
     FAKE_QUANTIZE_PAIR = ("jgm_fake_quantize_pair", "FAKE_QUANTIZE_PAIR_VARIANTS", ("col_type",))
     DEQUANTIZE = ("jgm_dequantize_mxfp8", "DEQUANTIZE_VARIANTS", ())
     GROUPED_GEMM_FP8_BLOCK = ("jgm_grouped_gemm_fp8_block", "GROUPED_GEMM_FP8_BLOCK_VARIANTS", ())
-    QUANTIZE_FP8_BLOCK_PAIR = ("jgm_quantize_fp8_block_pair", "QUANTIZE_FP8_BLOCK_PAIR_VARIANTS", ("col_type",))
+    QUANTIZE_FP8_BLOCK_PAIR = (
+        "jgm_quantize_fp8_block_pair", "QUANTIZE_FP8_BLOCK_PAIR_VARIANTS", ("col_type", "col_token_major")
+    )
     QUANTIZE_FP8_BLOCK = ("jgm_quantize_fp8_block", "QUANTIZE_FP8_BLOCK_VARIANTS", ("rowwise", "transposed"))
     GROUPED_WGRAD_FP8_BLOCK = ("jgm_grouped_wgrad_fp8_block", "GROUPED_WGRAD_FP8_BLOCK_VARIANTS", ("out_type",))
     TOKEN_MAJOR_BLOCKS = ("jgm_token_major_blocks", "TOKEN_MAJOR_BLOCKS_VARIANTS", ())
@@ -331,19 +333,21 @@ class QuantizeFp8BlockVariant:
 
     mode: "pair" (rowwise 1 x 128 blocks and the group-aware 128-row copy as E4M3,
     ``jgm_quantize_fp8_block_pair``), "pair_bf16" (the same, the group-aware copy as its
-    bf16 values), "tile" (128 x 128 tiles of each group's rows: a weight,
+    bf16 values), "pair_tm" (as "pair", the group-aware copy laid out token-major in whole
+    blocks, as the FP8 weight gradient reads it; built, not yet run on a GPU nor used by
+    the op), "tile" (128 x 128 tiles of each group's rows: a weight,
     ``jgm_quantize_fp8_block``), "tile_t" (the same tiles, each expert's written transposed:
     the K-major copy a forward GEMM reads) or "row" (the rowwise copy alone,
     ``jgm_quantize_fp8_block``).
     vec, threads: bf16 columns per thread, threads per CTA.
     """
 
-    mode: Literal["pair", "pair_bf16", "tile", "tile_t", "row"]
+    mode: Literal["pair", "pair_bf16", "pair_tm", "tile", "tile_t", "row"]
     vec: int = 8
     threads: int = 128
 
     def __post_init__(self) -> None:
-        _check(self.mode in ("pair", "pair_bf16", "tile", "tile_t", "row"), self, "mode")
+        _check(self.mode in ("pair", "pair_bf16", "pair_tm", "tile", "tile_t", "row"), self, "mode")
 
     @property
     def family(self) -> Family:
@@ -365,6 +369,12 @@ class QuantizeFp8BlockVariant:
     def col_type(self) -> str:
         """The group-aware copy's XLA FFI element type (pair modes; a C++ table column)."""
         return "ffi::BF16" if self.mode == "pair_bf16" else "ffi::F8E4M3FN"
+
+    @property
+    def col_token_major(self) -> str:
+        """Whether the group-aware copy is written token-major in whole blocks,
+        ``[K, 128 * (cdiv(M, 128) + G)]`` (mode "pair_tm"; a C++ table column)."""
+        return "true" if self.mode == "pair_tm" else "false"
 
     @property
     def name(self) -> str:
@@ -427,6 +437,7 @@ VARIANTS: tuple[Variant, ...] = (
     QuantizeFp8BlockVariant("tile"),
     QuantizeFp8BlockVariant("row"),
     QuantizeFp8BlockVariant("tile_t"),
+    QuantizeFp8BlockVariant("pair_tm"),  # (session 23: built, not yet run on a GPU)
     # jgm_grouped_wgrad_fp8_block: the binding's default for an output dtype is the first
     # of that dtype. bf16: the ping-pong mainloop (the same bits as the plain one, 1-9 %
     # faster on the H200: wgrad_fp8_block_pp_h200.json), then the plain one; float32 plain.

@@ -94,6 +94,32 @@ def quantize_pair_cuda(
     return row_t, col
 
 
+def quantize_pair_token_major_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[FP8BlockTensor, jax.Array, jax.Array]:
+    """Mode "pair_tm" (built, not yet run on a GPU nor used by the op): ``x``'s rowwise
+    copy and its group-aware copy laid out as the FP8 weight gradient reads it, from one
+    read: ``(quantize_fp8_block(x, 1), data [K, 128 NB] float8_e4m3fn, scale [NB, K]
+    float8_e8m0fnu)``, ``data`` the bytes of ``fp8_block.token_major_blocks`` of
+    ``quantize_fp8_block(x, 0, group_sizes=group_sizes)`` and ``scale`` that tensor's
+    scales. :class:`Unsupported` when the kernel does not take ``x``."""
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else None
+    if not ffi.available() or not pair_variants() or g is None or not _fits(x, g):
+        raise Unsupported(f"quantize_fp8_block_pair kernel: needs bf16 [M, K], K % 8 == 0, got {x.shape=} {x.dtype=}")
+    variant = _mode_variant(pair_variants(), "pair_tm")
+    m, k = x.shape
+    kb, nb = groups.cdiv(k, fp8_block.BLOCK), fp8_block.grouped_scale_rows(m, g)
+    if k * 128 * nb >= 2**31:
+        raise Unsupported(f"quantize_fp8_block_pair kernel (pair_tm): the token-major copy needs 32-bit offsets, got {x.shape=}")
+    out = (
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((m, kb), jnp.float8_e8m0fnu),
+        jax.ShapeDtypeStruct((k, 128 * nb), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((nb, k), jnp.float8_e8m0fnu),
+    )
+    gs = groups.clamp_group_sizes(group_sizes, m)
+    row, row_scale, col, col_scale = jax.ffi.ffi_call(PAIR_TARGET, out)(x, gs, variant=variant)
+    return FP8BlockTensor(data=row, scale=row_scale, axes=(1,)), col, col_scale
+
+
 def quantize_weight_cuda(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
     """``primitives`` "fp8_block_weight" on CUDA: ``quantize_fp8_block(w, (1, 2))`` of a
     bf16 weight ``[G, A, B]`` in one kernel (the weight read as ``[G * A, B]``, each

@@ -764,6 +764,18 @@ def grouped_wgrad_fp8_block(
             raise ValueError(
                 f"{name} was quantized with {t.scale.shape[0] - groups.cdiv(m, 128)} groups, group_sizes has {g}"
             )
+    variant_index = _fp8_wgrad_variant(out_dtype, variant)
+    a, sa = token_major_blocks_cuda(lhs)
+    b, sb = token_major_blocks_cuda(rhs)
+    out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
+    return jax.ffi.ffi_call(GROUPED_WGRAD_FP8_BLOCK_TARGET, out)(
+        a, sa, b, sb, group_sizes, variant=variant_index, rows=np.int64(m)
+    )
+
+
+def _fp8_wgrad_variant(out_dtype, variant: str | None) -> np.int32:
+    """The ``variant`` attribute of the FP8 weight-gradient kernel writing ``out_dtype``
+    (``variant`` by name, or the first compiled one)."""
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
@@ -775,11 +787,47 @@ def grouped_wgrad_fp8_block(
         variant = fits[0] if fits else None
     if variant not in fits:
         raise ValueError(f"variant must be one of the compiled {tuple(fits)} for {out_dtype=}, got {variant=}")
-    a, sa = token_major_blocks_cuda(lhs)
-    b, sb = token_major_blocks_cuda(rhs)
-    out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
+    return np.int32(names.index(variant))
+
+
+def grouped_wgrad_fp8_block_token_major(
+    lhs: tuple[jax.Array, jax.Array],
+    rhs: tuple[jax.Array, jax.Array],
+    group_sizes: jax.Array,
+    *,
+    rows: int,
+    out_dtype=jnp.bfloat16,
+    variant: str | None = None,
+) -> jax.Array:
+    """:func:`grouped_wgrad_fp8_block` on operands already laid out token-major: each of
+    ``lhs``, ``rhs`` is ``(data [K, 128 NB] float8_e4m3fn, scale [NB, K] float32)`` as
+    :func:`token_major_blocks_cuda` returns them (or the quantizer's "pair_tm" mode writes
+    them, scales decoded by ``fp8_block.scale_values``), ``NB = cdiv(rows, 128) + G``, for
+    ``rows`` tokens. The same bits as the layout-from-``[M, K]`` entry.
+
+    Raises:
+      TypeError, ValueError: naming the argument (shapes or dtypes that do not fit
+        ``rows`` and the group count, a bad ``out_dtype`` or ``variant``).
+    """
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
+    group_sizes = _checked_group_sizes(group_sizes, g, rows)
+    nb = fp8_block.grouped_scale_rows(rows, g)
+    dims = {}
+    for name, (data, scale) in (("lhs", lhs), ("rhs", rhs)):
+        if data.dtype != jnp.float8_e4m3fn or data.ndim != 2 or data.shape[1] != 128 * nb:
+            raise ValueError(f"{name}[0] must be float8_e4m3fn [K, 128 * {nb}] (rows={rows}, G={g}), "
+                             f"got {data.dtype} {data.shape}")
+        if scale.dtype != jnp.float32 or scale.shape != (nb, data.shape[0]):
+            raise ValueError(f"{name}[1] must be float32 [{nb}, {data.shape[0]}], got {scale.dtype} {scale.shape}")
+        if data.shape[0] % 8:
+            raise ValueError(f"{name}: K and N must be multiples of 8, got {data.shape[0]}")
+        dims[name] = data.shape[0]
+    if not _fp8_wgrad_fits(rows, dims["lhs"], dims["rhs"], g):
+        raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {rows=} {dims} {g=}")
+    variant_index = _fp8_wgrad_variant(out_dtype, variant)
+    out = jax.ShapeDtypeStruct((g, dims["lhs"], dims["rhs"]), out_dtype)
     return jax.ffi.ffi_call(GROUPED_WGRAD_FP8_BLOCK_TARGET, out)(
-        a, sa, b, sb, group_sizes, variant=np.int32(names.index(variant)), rows=np.int64(m)
+        *lhs, *rhs, group_sizes, variant=variant_index, rows=np.int64(rows)
     )
 
 
