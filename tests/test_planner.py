@@ -204,8 +204,8 @@ def _stack_inputs():
     return x, w1, w2, sizes
 
 
-def _stack_loss(policy):
-    layer = jax.checkpoint(functools.partial(grouped_mlp, recipe="mxfp8"), policy=policy)
+def _stack_loss(policy, recipe: str = "mxfp8"):
+    layer = jax.checkpoint(functools.partial(grouped_mlp, recipe=recipe), policy=policy)
 
     def loss(w1, w2, x, sizes):
         for i in range(LAYERS):
@@ -246,6 +246,28 @@ def test_planned_policy_places_residuals_as_reported(budget_layers, host_bandwid
     transient = sum(b for n, b in plan.residual_bytes.items() if plan.placement[n] != "device")
     on_device = sum(kept[n]["device_bytes"] for n in RESIDUAL_NAMES)
     assert on_device + transient == plan.chosen.device_bytes
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
+def test_residual_bytes_are_what_the_op_keeps(recipe):
+    """The planner sizes each recipe's residuals as the op keeps them: fp8_block's FP8
+    copies with one scale row per group-aware 128-row block, bf16's bf16 copies."""
+    shape = LayerShape(M, H, F, G)
+    per_layer = shape.residual_bytes(recipe)
+    if recipe == "fp8_block":
+        rows = -(-M // 128) + G
+        assert per_layer == {"fc1_input": M * H + rows * H, "activation_input": 2 * M * F,
+                             "fc2_input": M * F + rows * F}
+    x, w1, w2, sizes = _stack_inputs()
+    placement = {"fc1_input": "device", "activation_input": "offload", "fc2_input": "device"}
+    kept = residual_bytes_kept(_stack_loss(offload_policy(**placement), recipe), w1, w2, x, sizes, argnums=(0, 1))
+    for name in RESIDUAL_NAMES:
+        b = LAYERS * per_layer[name]
+        want = (0, b) if placement[name] == "offload" else (b, 0)
+        assert (kept[name]["device_bytes"], kept[name]["host_bytes"]) == want, name
+    plan = plan_offload(tokens=M, hidden=H, ffn=F, num_experts=G, num_layers=LAYERS, budget_bytes=float("inf"),
+                        host_bandwidth=53e9, layer_time=LayerTime.roofline(shape, recipe), recipe=recipe)
+    assert plan.residual_bytes == per_layer and f"recipe={recipe}" in str(plan)
 
 
 def test_planned_policy_gradients_match_no_offload():

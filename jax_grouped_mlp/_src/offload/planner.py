@@ -9,9 +9,10 @@ Cost model (one layer; ``L`` layers, each under its own ``jax.checkpoint``)
 ----------------------------------------------------------------------------
 Bytes per residual, with ``S = cdiv(M, 32) + G`` rows of E8M0 scales::
 
-    recipe   fc1_input             activation_input   fc2_input
-    mxfp8    M*H + S*H  (e4m3+e8m0) 2*M*F  (bf16)      M*F + S*F
-    bf16     2*M*H                  2*M*F              2*M*F
+    recipe     fc1_input             activation_input   fc2_input
+    mxfp8      M*H + S*H  (e4m3+e8m0) 2*M*F  (bf16)      M*F + S*F
+    fp8_block  M*H + S'*H             2*M*F              M*F + S'*F   (S' = cdiv(M, 128) + G)
+    bf16       2*M*H                  2*M*F              2*M*F
 
 Device memory for residuals::
 
@@ -105,12 +106,14 @@ from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
 from jax_grouped_mlp._src.offload.policy import PLACEMENTS, offload_policy
 
 BLOCK = 32  # MXFP8 block: 32 tokens share one e8m0 scale in the columnwise residuals
-RECIPES = ("mxfp8", "bf16")
+# Tokens per e8m0 scale of the FP8 columnwise residuals (group-aware blocks), per recipe.
+SCALE_BLOCK = {"mxfp8": BLOCK, "fp8_block": 128}
+RECIPES = ("mxfp8", "bf16", "fp8_block")
 
 # Ballpark rates of the H200 here (DESIGN.md): an exact MXFP8 grouped GEMM on Hopper
 # lands near half the FP8 rate; bf16 grouped GEMMs near 500 TFLOP/s; HBM3e streams
 # about 4 TB/s in practice. Used only by :meth:`LayerTime.roofline`.
-H200_GEMM_FLOPS = {"mxfp8": 700e12, "bf16": 500e12}
+H200_GEMM_FLOPS = {"mxfp8": 700e12, "bf16": 500e12, "fp8_block": 900e12}
 H200_MEMORY_BANDWIDTH = 4.0e12
 H200_HOST_BANDWIDTH = 53e9  # pinned host <-> device, each way, measured
 
@@ -200,7 +203,7 @@ class LayerShape:
         m, h, f = self.tokens, self.hidden, self.ffn
         if recipe == "bf16":
             return {FC1_INPUT: 2 * m * h, ACTIVATION_INPUT: 2 * m * f, FC2_INPUT: 2 * m * f}
-        scale_rows = -(-m // BLOCK) + self.num_experts  # each group pads its tail block
+        scale_rows = -(-m // SCALE_BLOCK[recipe]) + self.num_experts  # each group pads its tail block
         return {
             FC1_INPUT: m * h + scale_rows * h,
             ACTIVATION_INPUT: 2 * m * f,
@@ -277,7 +280,7 @@ class LayerTime:
         bw = _check_positive_float("memory_bandwidth", memory_bandwidth)
         m, h, f = shape.tokens, shape.hidden, shape.ffn
         gemm = shape.gemm_flops / flops
-        q = 1 if recipe == "mxfp8" else 2  # bytes written per element by a "quantize"
+        q = 2 if recipe == "bf16" else 1  # bytes written per element by a "quantize"
         quant_x = (2 * m * h + 2 * q * m * h) / bw  # read x, write its two operands
         quant_dy = (2 * m * h + 2 * q * m * h) / bw
         dh = (2 * m * f + 4 * m * f + 2 * q * m * f) / bw  # read h and da, write dh twice
@@ -538,7 +541,7 @@ def plan_offload(
       layer_time: one layer's compute, a :class:`LayerTime`
         (:func:`measure_layer_time`, :meth:`LayerTime.roofline`) or its forward+backward
         seconds as a float (split like the roofline).
-      recipe: "mxfp8" or "bf16", as given to :func:`grouped_mlp`.
+      recipe: "mxfp8", "bf16" or "fp8_block", as given to :func:`grouped_mlp`.
       overlap: fraction (0..1) of a layer's forward compute that its copies to the host
         can hide behind; 1 on a GPU with copy engines, near 0 where copies take the
         compute's cores (CPU). Also the fraction of the backward before a residual's
