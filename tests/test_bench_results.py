@@ -127,3 +127,16 @@ def test_fp8_weight_gradient_plot_draws_the_committed_run(tmp_path):
     out = tmp_path / "wgrad.png"
     bench_wgrad.plot_fp8(results, out)
     assert out.stat().st_size > 10_000
+
+
+def test_quantize_plot_draws_the_committed_run(tmp_path):
+    """``bench_quantize.py --plot`` draws the report it writes: here the committed H200
+    run (the PNG beside it was drawn this way)."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_quantize
+
+    results = json.loads((RESULTS / "quantize_byte_tile_h200.json").read_text())["results"]
+    out = tmp_path / "quantize.png"
+    bench_quantize.plot(results, out)
+    assert out.stat().st_size > 10_000
