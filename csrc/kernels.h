@@ -93,6 +93,12 @@ class Check {
                             std::to_string(d)
                       : "");
   }
+  // `what` is at least `lo`.
+  Check& AtLeast(const char* what, int64_t v, int64_t lo) {
+    return Fail(v < lo ? std::string(what) + "=" + std::to_string(v) + " must be at least " +
+                             std::to_string(lo)
+                       : "");
+  }
   // `arg` (untyped: FP8, or a type the variant decides) has element type `want`.
   Check& Type(const char* arg, ffi::DataType got, ffi::DataType want) {
     std::ostringstream m;

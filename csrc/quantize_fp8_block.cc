@@ -82,7 +82,9 @@ ffi::Error Execute(cudaStream_t stream, Bf16R2 x, S32R1 group_sizes, Out<Fp8> da
   Check check("quantize_fp8_block");
   check.Shape("x", x, "[M, K]", {m, k}).Multiple8("K", k);
   if (transposed)
-    check.MultipleOf("M (G * A, the weight's rows)", m, g > 0 ? g : 1)
+    check.AtLeast("G (the weight's groups)", g, 1)
+        .MultipleOf("M (G * A, the weight's rows)", m, g > 0 ? g : 1)
+        .AtLeast("A (the weight's rows per group)", a, 16)
         .MultipleOf("A (the weight's rows per group)", a, 16)
         .Shape("data", *data, "[G * K, M / G]", {g * k, a});
   else

@@ -114,3 +114,13 @@ def test_bench_mlp_interleaved_rounds_give_per_round_ratios(tmp_path):
     np.testing.assert_allclose(skew["vs_uniform_rounds"], ratios, rtol=1e-9)
     assert skew["vs_uniform"] == pytest.approx(float(np.median(ratios)))
     assert equal["ms"] == pytest.approx(float(np.median(equal["rounds_ms"])))
+
+
+def test_bench_mlp_rejects_unknown_candidates(capsys):
+    """A misspelt or renamed ``--only`` name is an error naming it, not a silently
+    skipped column."""
+    import bench_mlp
+
+    with pytest.raises(SystemExit):
+        bench_mlp.main(["--shapes", "tiny", "--only", "grouped_mlp_bf16,grouped_mlp_fp8_block_fp8_wgrad"])
+    assert "grouped_mlp_fp8_block_fp8_wgrad" in capsys.readouterr().err

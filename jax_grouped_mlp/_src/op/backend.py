@@ -31,8 +31,8 @@ class BackendInfo:
       recipes: for each recipe of :func:`jax_grouped_mlp.grouped_mlp`, what its GEMMs
         run on the default device: ``"cuda kernel"`` or ``"pure JAX"``.
         ``"fp8_block"`` runs its forward GEMMs and data gradients on the FP8
-        block-scaled kernel and its weight gradients on the bf16 kernel (on the exactly
-        dequantized operands); its quantizers are kernels too for bf16 input
+        block-scaled kernel and its weight gradients on the FP8 block-scaled
+        weight-gradient kernel; its quantizers are kernels too for bf16 input
         (``fp8_block_pair``, ``fp8_block_weight``; the op quantizes the bf16 copy of
         float32 weights).
     """

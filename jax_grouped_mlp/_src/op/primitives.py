@@ -24,7 +24,8 @@ Operands of the ``fp8_block`` recipe are :class:`FP8BlockTensor` (FP8 data and
 128-block scales, never bf16 values: the Hopper FP8 kernel reads those). Only
 ``grouped_gemm`` and ``grouped_wgrad`` take them on CUDA (:data:`_FP8_BLOCK_CUDA`: the
 FP8 block-scaled GEMM, which promotes its partial sums into float32 every 128 of K, and
-the bf16 wgrad kernel on the exactly dequantized values); :func:`_dispatch` sends any
+the FP8 weight-gradient kernel, or the bf16 one on the exactly dequantized values for
+the pairs the op asks so or the FP8 kernel cannot take); :func:`_dispatch` sends any
 other primitive with such an operand to the reference on every platform. The reference
 dequantizes them (exact) and multiplies with float32 accumulation throughout. The
 recipe's quantizers :func:`fp8_block_pair` (an activation's two copies) and
@@ -88,7 +89,8 @@ def _dispatch(name: OpName, *args, **static):
 
 
 # The primitives whose CUDA implementation takes FP8BlockTensor operands (the FP8
-# block-scaled GEMM, or the bf16 kernels on the exactly dequantized values); the others
+# block-scaled GEMM and weight gradient, or the bf16 kernels on the exactly dequantized
+# values); the others
 # run their reference on such operands on every platform.
 _FP8_BLOCK_CUDA = frozenset({"grouped_gemm", "grouped_wgrad"})
 

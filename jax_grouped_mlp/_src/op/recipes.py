@@ -19,10 +19,10 @@ prepares every operand as an FP8 :class:`FP8BlockTensor` (1 x 128 blocks along K
 activations, 128 x 128 tiles for weights, group-aware 128-row blocks for the
 weight-gradient operands): the form the Hopper FP8 wgmma kernel reads. On CUDA the
 forward GEMMs and data gradients run on it (promotion into float32 every 128 of K) and
-the weight gradients on the bf16 kernel over the exactly dequantized operands, or, with
-``KernelChoices.fp8_block_wgrad``, on the FP8 weight-gradient kernel (promotion every
-128 tokens; ``gemm_ffi.grouped_gemm_cuda``, ``grouped_wgrad_cuda``); elsewhere the GEMM
-primitives multiply the dequantized values with float32 accumulation.
+the weight gradients on the FP8 weight-gradient kernel (promotion every 128 tokens), or,
+with ``KernelChoices(fp8_block_wgrad=False)``, on the bf16 kernel over the exactly
+dequantized operands (``gemm_ffi.grouped_gemm_cuda``, ``grouped_wgrad_cuda``); elsewhere
+the GEMM primitives multiply the dequantized values with float32 accumulation.
 """
 
 from __future__ import annotations
