@@ -14,8 +14,11 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SO=jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so
 T0=$(date +%s); stamp() { echo "[gpu_check_quantize] $1 at +$(( $(date +%s) - T0 ))s"; }
 
-timeout ${TEST_S:-200} python3 -m pytest -q -n 0 -m gpu tests/test_quantize_fp8_block_gpu.py tests/test_dequantize_gpu.py \
-  tests/test_grouped_wgrad_fp8_block_gpu.py --tb=short -p no:cacheprovider --timeout=150 --maxfail=10 -rf 2>&1 \
+# (test_fp8_block.py and test_prepared_weights.py: the op with the FP8 weight gradient on by
+# default and the forward's K-major weight copies, bitwise against prepared weights.)
+timeout ${TEST_S:-300} python3 -m pytest -q -n 0 -m gpu tests/test_quantize_fp8_block_gpu.py tests/test_dequantize_gpu.py \
+  tests/test_grouped_wgrad_fp8_block_gpu.py tests/test_fp8_block.py tests/test_prepared_weights.py \
+  --tb=short -p no:cacheprovider --timeout=150 --maxfail=10 -rf 2>&1 \
   | tee "$OUT/pytest.log" | tail -6
 stamp tests
 
