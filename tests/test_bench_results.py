@@ -116,27 +116,18 @@ def test_check_result_finds_what_is_wrong(change, message):
     assert any(message in e for e in common.check_result(data))
 
 
-def test_fp8_weight_gradient_plot_draws_the_committed_run(tmp_path):
-    """``bench_wgrad.py --fp8-block --plot`` draws the report it writes: here the committed
-    H200 run (the PNG beside it was drawn this way)."""
+@pytest.mark.parametrize("script, plot, result", [
+    ("bench_wgrad", "plot_fp8", "wgrad_fp8_block_h200.json"),  # bench_wgrad.py --fp8-block --plot
+    ("bench_quantize", "plot", "quantize_byte_tile_h200.json"),  # bench_quantize.py --plot
+])
+def test_plot_draws_the_committed_run(tmp_path, script, plot, result):
+    """A benchmark's ``--plot`` draws the report it writes: here a committed H200 run (the
+    PNG beside it was drawn this way)."""
+    import importlib
+
     pytest.importorskip("matplotlib")
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_wgrad
-
-    results = json.loads((RESULTS / "wgrad_fp8_block_h200.json").read_text())["results"]
-    out = tmp_path / "wgrad.png"
-    bench_wgrad.plot_fp8(results, out)
-    assert out.stat().st_size > 10_000
-
-
-def test_quantize_plot_draws_the_committed_run(tmp_path):
-    """``bench_quantize.py --plot`` draws the report it writes: here the committed H200
-    run (the PNG beside it was drawn this way)."""
-    pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_quantize
-
-    results = json.loads((RESULTS / "quantize_byte_tile_h200.json").read_text())["results"]
-    out = tmp_path / "quantize.png"
-    bench_quantize.plot(results, out)
+    results = json.loads((RESULTS / result).read_text())["results"]
+    out = tmp_path / "plot.png"
+    getattr(importlib.import_module(script), plot)(results, out)
     assert out.stat().st_size > 10_000

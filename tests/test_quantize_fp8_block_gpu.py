@@ -103,12 +103,18 @@ def test_pair_group_sizes_and_special_values(rng, keep_col):
 @needs_kernels
 @pytest.mark.parametrize("shape", [(4, 2688 // 8, 1856 // 8), (3, 100, 72), (2, 256, 384), (1, 0, 64)])
 def test_weight_tiles(rng, shape):
+    _check_weight(rng, shape, _weight, _ref_weight, (shape[0] * shape[1], shape[2]), "weight")
+
+
+def _check_weight(rng, shape, fn, ref, data_shape, what: str) -> None:
+    """``fn`` (a weight quantizer binding) against ``ref`` byte for byte on a random
+    ``shape`` weight, its ``data_shape`` data and the scales poisoned twice first."""
     g, a, b = shape
     w = jnp.asarray(_random(rng, g * a, b).reshape(shape) / 64, jnp.bfloat16)
-    want = _ref_weight(w)
+    want = ref(w)
     for value in (0x5A, 0xFF):
-        _poison([(g * a, b), (fp8_block.grouped_scale_rows(g * a, g), -(-b // 128))], value)
-        _assert_same_fp8(jax.block_until_ready(_weight(w)), want, f"weight {shape} (poison {value:#x})")
+        _poison([data_shape, (fp8_block.grouped_scale_rows(g * a, g), -(-b // 128))], value)
+        _assert_same_fp8(jax.block_until_ready(fn(w)), want, f"{what} {shape} (poison {value:#x})")
 
 
 @pytest.mark.gpu
@@ -125,12 +131,7 @@ def test_weight_special_values(rng):
 def test_weight_tiles_k_major(rng, shape):
     """Mode "tile_t": the transposed tiles ``[G, B, A]`` byte for byte, A and B off 128
     (partial tiles: nothing written past A or B), two poisons."""
-    g, a, b = shape
-    w = jnp.asarray(_random(rng, g * a, b).reshape(shape) / 64, jnp.bfloat16)
-    want = _ref_weight_t(w)
-    for value in (0x5A, 0xFF):
-        _poison([(g * b, a), (fp8_block.grouped_scale_rows(g * a, g), -(-b // 128))], value)
-        _assert_same_fp8(jax.block_until_ready(_weight_t(w)), want, f"weight k_major {shape} (poison {value:#x})")
+    _check_weight(rng, shape, _weight_t, _ref_weight_t, (shape[0] * shape[2], shape[1]), "weight k_major")
 
 
 @pytest.mark.gpu

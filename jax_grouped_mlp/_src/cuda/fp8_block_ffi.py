@@ -64,6 +64,30 @@ def _fits(x: jax.Array, num_groups) -> bool:
     return k % 8 == 0 and m * k < 2**31 and fp8_block.grouped_scale_rows(m, num_groups) * k < 2**31
 
 
+def _pair_call(x: jax.Array, group_sizes: jax.Array, mode: str) -> tuple[FP8BlockTensor, jax.Array, jax.Array, jax.Array]:
+    """The pair kernel in ``mode`` ("pair", "pair_bf16", "pair_tm"): ``(row tensor, col
+    data, col scale, clamped group sizes)``, or :class:`Unsupported`."""
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else None
+    if not ffi.available() or not pair_variants() or g is None or not _fits(x, g):
+        raise Unsupported(f"quantize_fp8_block_pair kernel: needs bf16 [M, K], K % 8 == 0, got {x.shape=} {x.dtype=}")
+    variant = _mode_variant(pair_variants(), mode)
+    m, k = x.shape
+    kb, nb = groups.cdiv(k, fp8_block.BLOCK), fp8_block.grouped_scale_rows(m, g)
+    col = {"pair": ((m, k), jnp.float8_e4m3fn), "pair_bf16": ((m, k), jnp.bfloat16),
+           "pair_tm": ((k, 128 * nb), jnp.float8_e4m3fn)}[mode]  # fmt: skip
+    if col[0][0] * col[0][1] >= 2**31:
+        raise Unsupported(f"quantize_fp8_block_pair kernel ({mode}): the column copy needs 32-bit offsets, got {x.shape=}")
+    out = (
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((m, kb), jnp.float8_e8m0fnu),
+        jax.ShapeDtypeStruct(*col),
+        jax.ShapeDtypeStruct((nb, k), jnp.float8_e8m0fnu),
+    )
+    gs = groups.clamp_group_sizes(group_sizes, m)
+    row, row_scale, col_data, col_scale = jax.ffi.ffi_call(PAIR_TARGET, out)(x, gs, variant=variant)
+    return FP8BlockTensor(data=row, scale=row_scale, axes=(1,)), col_data, col_scale, gs
+
+
 def quantize_pair_cuda(
     x: jax.Array, group_sizes: jax.Array, *, keep_col: bool
 ) -> tuple[FP8BlockTensor, FP8BlockTensor | jax.Array]:
@@ -74,24 +98,10 @@ def quantize_pair_cuda(
     dequantized bf16 values (rows past the groups 0). :class:`Unsupported` when the kernel
     does not take ``x``.
     """
-    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else None
-    if not ffi.available() or not pair_variants() or g is None or not _fits(x, g):
-        raise Unsupported(f"quantize_fp8_block_pair kernel: needs bf16 [M, K], K % 8 == 0, got {x.shape=} {x.dtype=}")
-    variant = _mode_variant(pair_variants(), "pair" if keep_col else "pair_bf16")
-    gs = groups.clamp_group_sizes(group_sizes, x.shape[0])
-    m, k = x.shape
-    kb, nb = groups.cdiv(k, fp8_block.BLOCK), fp8_block.grouped_scale_rows(m, g)
-    out = (
-        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((m, kb), jnp.float8_e8m0fnu),
-        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn if keep_col else jnp.bfloat16),
-        jax.ShapeDtypeStruct((nb, k), jnp.float8_e8m0fnu),
-    )
-    row, row_scale, col, col_scale = jax.ffi.ffi_call(PAIR_TARGET, out)(x, gs, variant=variant)
-    row_t = FP8BlockTensor(data=row, scale=row_scale, axes=(1,))
+    row, col, col_scale, gs = _pair_call(x, group_sizes, "pair" if keep_col else "pair_bf16")
     if keep_col:
-        return row_t, FP8BlockTensor(data=col, scale=col_scale, axes=(0,), group_sizes=gs)
-    return row_t, col
+        return row, FP8BlockTensor(data=col, scale=col_scale, axes=(0,), group_sizes=gs)
+    return row, col
 
 
 def quantize_pair_token_major_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[FP8BlockTensor, jax.Array, jax.Array]:
@@ -101,23 +111,8 @@ def quantize_pair_token_major_cuda(x: jax.Array, group_sizes: jax.Array) -> tupl
     float8_e8m0fnu)``, ``data`` the bytes of ``fp8_block.token_major_blocks`` of
     ``quantize_fp8_block(x, 0, group_sizes=group_sizes)`` and ``scale`` that tensor's
     scales. :class:`Unsupported` when the kernel does not take ``x``."""
-    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else None
-    if not ffi.available() or not pair_variants() or g is None or not _fits(x, g):
-        raise Unsupported(f"quantize_fp8_block_pair kernel: needs bf16 [M, K], K % 8 == 0, got {x.shape=} {x.dtype=}")
-    variant = _mode_variant(pair_variants(), "pair_tm")
-    m, k = x.shape
-    kb, nb = groups.cdiv(k, fp8_block.BLOCK), fp8_block.grouped_scale_rows(m, g)
-    if k * 128 * nb >= 2**31:
-        raise Unsupported(f"quantize_fp8_block_pair kernel (pair_tm): the token-major copy needs 32-bit offsets, got {x.shape=}")
-    out = (
-        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((m, kb), jnp.float8_e8m0fnu),
-        jax.ShapeDtypeStruct((k, 128 * nb), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((nb, k), jnp.float8_e8m0fnu),
-    )
-    gs = groups.clamp_group_sizes(group_sizes, m)
-    row, row_scale, col, col_scale = jax.ffi.ffi_call(PAIR_TARGET, out)(x, gs, variant=variant)
-    return FP8BlockTensor(data=row, scale=row_scale, axes=(1,)), col, col_scale
+    row, col, col_scale, _ = _pair_call(x, group_sizes, "pair_tm")
+    return row, col, col_scale
 
 
 def quantize_weight_cuda(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:

@@ -754,8 +754,9 @@ def grouped_wgrad_fp8_block(
         raise ValueError(
             f"lhs, rhs: K and N must be multiples of 8 (16-byte output rows), got K={k} (lhs) and N={n} (rhs)"
         )
-    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0  # else a TypeError below
-    group_sizes = _checked_group_sizes(group_sizes, g, m)
+    g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
+    # (Type-checked here; clamped once, by the token-major entry, right before its call.)
+    _checked_group_sizes(group_sizes, g, m)
     if not _fp8_wgrad_fits(m, k, n, g):
         raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {m=} {n=} {k=} {g=}")
     nblocks = fp8_block.grouped_scale_rows(m, g)
@@ -764,12 +765,10 @@ def grouped_wgrad_fp8_block(
             raise ValueError(
                 f"{name} was quantized with {t.scale.shape[0] - groups.cdiv(m, 128)} groups, group_sizes has {g}"
             )
-    variant_index = _fp8_wgrad_variant(out_dtype, variant)
-    a, sa = token_major_blocks_cuda(lhs)
-    b, sb = token_major_blocks_cuda(rhs)
-    out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return jax.ffi.ffi_call(GROUPED_WGRAD_FP8_BLOCK_TARGET, out)(
-        a, sa, b, sb, group_sizes, variant=variant_index, rows=np.int64(m)
+    _fp8_wgrad_variant(out_dtype, variant)  # (checked before the layout passes)
+    return grouped_wgrad_fp8_block_token_major(
+        token_major_blocks_cuda(lhs), token_major_blocks_cuda(rhs), group_sizes, rows=m, out_dtype=out_dtype,
+        variant=variant,
     )
 
 

@@ -86,16 +86,18 @@ def _weight_gemm(
     """``lhs @ w[g]`` (``transpose_rhs``: ``@ w[g]^T``) with ``w`` prepared by ``recipe``,
     blocked along the GEMM's K (inside the GEMM kernel: ``heuristics.weights_in_gemm``),
     or with ``ready``, that operand already prepared (a transposed one is read as such:
-    the same product, without a transposing pass)."""
+    the same product, without a transposing pass). A recipe whose forward GEMM reads the
+    weight K-major (``Recipe.fprop_weight_k_major``) prepares it so here, as
+    ``prepare_weights`` does."""
+    if ready is None and not transpose_rhs:
+        w_k_major = recipe.fprop_weight_k_major(w)
+        ready = None if w_k_major is None else _Ready(w_k_major, transposed=True)
     if ready is not None:
         return primitives.grouped_gemm(
             lhs, ready.op, group_sizes, out_dtype, transpose_rhs=transpose_rhs != ready.transposed
         )
     if heuristics.weights_in_gemm(choices, recipe, lhs.shape[0], w.shape[0]):
         return primitives.grouped_gemm_qw(lhs, w, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
-    w_k_major = None if transpose_rhs else recipe.fprop_weight_k_major(w)
-    if w_k_major is not None:
-        return primitives.grouped_gemm(lhs, w_k_major, group_sizes, out_dtype, transpose_rhs=True)
     wq = recipe.weight(w, 2 if transpose_rhs else 1)
     return primitives.grouped_gemm(lhs, wq, group_sizes, out_dtype, transpose_rhs=transpose_rhs)
 
