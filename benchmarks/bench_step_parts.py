@@ -28,7 +28,12 @@ which kernels slow down with skew; the JSON has them per part (``by_alpha``,
 ``vs_uniform``). ``--round-to R`` adds, per skewed alpha, the same draw with every size
 moved to a multiple of R (``shapes.rounded_group_sizes``; label ``alpha=1/r128``): with R
 = 128 no GEMM tile and no weight-gradient row slice is partial, so the difference to the
-plain draw is what ragged edges cost, the rest what the uneven distribution costs. The rows marked ``qw`` are the weight GEMMs with in-kernel weight
+plain draw is what ragged edges cost, the rest what the uneven distribution costs.
+``--descending`` adds, per skewed alpha, the same sizes in descending order (label
+``alpha=1/desc``): the kernels' persistent CTAs take tiles round-robin in group order, so
+the difference says what the order of the groups costs (round-robin over non-increasing
+tile costs bounds the imbalance between CTAs by one tile). ``--parts REGEX`` times only
+the parts whose name matches. The rows marked ``qw`` are the weight GEMMs with in-kernel weight
 quantization that the mxfp8 step runs instead of the fused and pass-quantized GEMMs when
 groups are small on average (``heuristics.weights_in_gemm``: Nano's 384 rows per group).
 """
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import sys
 
 import jax
@@ -148,6 +154,9 @@ def main(argv=None) -> int:
                          "or Dirichlet alphas of shapes.router_group_sizes, e.g. inf,1,0.3 (default: inf)")
     ap.add_argument("--round-to", type=int, default=0,
                     help="also time every skewed alpha with its sizes rounded to multiples of this (e.g. 128)")
+    ap.add_argument("--descending", action="store_true",
+                    help="also time every skewed alpha with its sizes sorted in descending order")
+    ap.add_argument("--parts", default=None, help="a regular expression: time only the parts whose name matches")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--samples", type=int, default=5, help="timing samples per part and alpha (median)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the operands and of the skewed group sizes")
@@ -167,6 +176,8 @@ def main(argv=None) -> int:
             if ns.round_to < 0 or m % ns.round_to:
                 raise SystemExit(f"--round-to must divide the {m} rows, got --round-to={ns.round_to}")
             sizes[f"{skew_label(a)}/r{ns.round_to}"] = rounded_group_sizes(sizes[skew_label(a)], ns.round_to)
+        if ns.descending and a != float("inf"):
+            sizes[f"{skew_label(a)}/desc"] = np.sort(sizes[skew_label(a)])[::-1].copy()
     labels = list(sizes)
     fns, ops = _functions(), _operands(m, h, f, g, ns.seed)
     by_alpha: dict[str, dict[str, float]] = {}
@@ -175,6 +186,8 @@ def main(argv=None) -> int:
         print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
     for lab in labels:  # one alpha at a time: its group-size-dependent operands, then every part
         for name, count, fn, args in _parts(fns, ops, jnp.asarray(sizes[lab])):
+            if ns.parts and not re.search(ns.parts, name):
+                continue
             if lab == labels[0]:
                 names.append((name, count))
             ms = by_alpha.setdefault(name, {})[lab] = 1e3 * time_call(fn, *args, iters=ns.iters, samples=ns.samples)

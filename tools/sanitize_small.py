@@ -4,6 +4,11 @@
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py --second-order
 
+``--fp8-block`` instead runs every fp8_block kernel (the pair quantizer in its three modes,
+the weight quantizer in both layouts, the row quantizer, the token-major layout, every
+FP8 GEMM and weight-gradient variant, the weight gradient on the pair's token-major
+copies) on small ragged cases with an empty group and sizes past M.
+
 ``--second-order`` instead runs the op's second-order programs (``jit(grad(grad))`` over
 every argument and ``jit(hessian)`` in probs, both recipes, an empty group and sizes
 past M), the cases of tests/test_adversarial_gpu.py that pytest cannot run under the
@@ -85,6 +90,41 @@ def main() -> int:
     return int(bad > 0)
 
 
+def fp8_block_kernels() -> int:
+    """Every fp8_block kernel once on a small ragged case (``--fp8-block``)."""
+    from jax_grouped_mlp._src.cuda import fp8_block_ffi
+    from jax_grouped_mlp._src.formats import fp8_block
+
+    rng = np.random.default_rng(2)
+    m, k, n = 300, 272, 144  # K and N off 128: partial last blocks
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, n, k)) / 16, jnp.bfloat16)
+    gs = jnp.asarray([100, 0, 150, 200], jnp.int32)  # an empty group; the last overshoots M
+    outs = []
+    x_row, x_col = fp8_block_ffi.quantize_pair_cuda(x, gs, keep_col=True)
+    dy_row, dy_col = fp8_block_ffi.quantize_pair_cuda(dy, gs, keep_col=True)
+    outs += [x_row.data, x_col.data, fp8_block_ffi.quantize_pair_cuda(x, gs, keep_col=False)[1]]
+    _, x_tm, x_tm_scale = fp8_block_ffi.quantize_pair_token_major_cuda(x, gs)
+    _, dy_tm, dy_tm_scale = fp8_block_ffi.quantize_pair_token_major_cuda(dy, gs)
+    wq = fp8_block_ffi.quantize_weight_cuda(w)
+    outs += [wq.data, fp8_block_ffi.quantize_weight_cuda(jnp.swapaxes(w, 1, 2), k_major=True).data]
+    outs += [fp8_block_ffi.quantize_row_cuda(x).data, *gemm_ffi.token_major_blocks_cuda(x_col)]
+    for v in gemm_ffi.grouped_gemm_fp8_block_variants():
+        outs.append(gemm_ffi.grouped_gemm_fp8_block(x_row, wq, gs, variant=v))
+    for v in gemm_ffi.grouped_wgrad_fp8_block_variants():
+        od = registry.variant(v).out_dtype
+        outs.append(gemm_ffi.grouped_wgrad_fp8_block(x_col, dy_col, gs, out_dtype=od, variant=v))
+    ts, ds = (fp8_block.scale_values(fp8_block.FP8BlockTensor(data=c.data, scale=s, axes=(0,), group_sizes=c.group_sizes))
+              for c, s in ((x_col, x_tm_scale), (dy_col, dy_tm_scale)))
+    outs.append(gemm_ffi.grouped_wgrad_fp8_block_token_major((x_tm, ts), (dy_tm, ds), gs, rows=m))
+    jax.block_until_ready(outs)
+    floats = [o for o in outs if jnp.issubdtype(o.dtype, jnp.floating) and o.dtype.itemsize >= 2]
+    bad = sum(int(not np.isfinite(np.asarray(o, np.float32)).all()) for o in floats)
+    print(f"ran {len(outs)} fp8_block kernel outputs, {bad} of {len(floats)} GEMM outputs with non-finite values")
+    return int(bad > 0)
+
+
 def second_order(recipes: tuple[str, ...] = ("mxfp8", "bf16"), which: tuple[str, ...] = ("grad2", "hessian")) -> int:
     """jit(grad of <c, grad>) and jit(hessian) of the op's loss, on the kernels
     (``--recipe R`` and ``--only grad2|hessian`` pick one of each)."""
@@ -121,9 +161,12 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--second-order", action="store_true")
+    ap.add_argument("--fp8-block", action="store_true")
     ap.add_argument("--recipe", choices=["mxfp8", "bf16"], default=None)
     ap.add_argument("--only", choices=["grad2", "hessian"], default=None)
     a = ap.parse_args()
+    if a.fp8_block:
+        sys.exit(fp8_block_kernels())
     if not a.second_order:
         sys.exit(main())
     sys.exit(second_order(*[(v,) if v else d for v, d in ((a.recipe, ("mxfp8", "bf16")), (a.only, ("grad2", "hessian")))]))
