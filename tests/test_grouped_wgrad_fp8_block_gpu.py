@@ -226,7 +226,7 @@ def test_token_major_blocks_is_the_tensor_rearranged(rng, sizes):
         (1500, 2688, 1856, 4, 1500),  # Nano dims: K = 21 and N = 14.5 blocks of 128
         (300, 136, 208, 3, 300),  # K, N not multiples of 128 (nor of the epilogue subtile)
         (5, 128, 128, 2, 5),  # fewer rows than one block
-        (3000, 256, 384, 19, 2900),  # chunks of groups (7 on 132 SMs): two whole, one of 5; blocks counted across them
+        (3000, 256, 384, 19, 2900),  # many groups: blocks counted across them
         (3000, 512, 256, 2, 3000),  # long groups: many blocks a tile
     ],
 )
@@ -260,7 +260,7 @@ def test_group_sizes_zero_skewed_giant_negative(rng, sizes):
 @pytest.mark.parametrize("m,k,n,sizes", [
     (900, 384, 256, [200, 0, 577, 123]),
     (700, 2688, 1856, [129, 1, 570]),
-    (1500, 256, 256, [0, 130, 1, 255, 0, 0, 77, 128, 300, 2, 0, 129, 40, 200, 19, 38]),  # 16 groups: 3 chunks
+    (1500, 256, 256, [0, 130, 1, 255, 0, 0, 77, 128, 300, 2, 0, 129, 40, 200, 19, 38]),  # 16 groups
 ])
 def test_exact_when_sums_are_exact(rng, out_dtype, m, k, n, sizes):
     """Every scale, block and group mapping and the promotion, bit for bit."""

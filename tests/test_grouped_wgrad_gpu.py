@@ -103,8 +103,8 @@ def _check(x, dy, group_sizes, variant=None) -> np.ndarray:
         (777, 1856, 2688, 6, 1200),  # Nano FC2 wgrad dims (K not a multiple of 128), clamped
         (300, 200, 136, 3, 300),  # K, N not multiples of the tile
         (5, 64, 64, 2, 5),  # fewer rows than one slice
-        (3000, 256, 384, 19, 2900),  # chunks of groups (7 on 132 SMs): two whole, one of 5
-        (9000, 128, 256, 130, 9000),  # 130 groups: 18 chunks and a last one of 4
+        (3000, 256, 384, 19, 2900),  # many groups: the group cursor walks far
+        (9000, 128, 256, 130, 9000),  # 130 groups, as at Nano
     ],
 )
 def test_random(rng, variant, m, k, n, g, total):

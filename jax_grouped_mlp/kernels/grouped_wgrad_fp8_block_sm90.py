@@ -31,9 +31,9 @@ Blocks are summed in order in one CTA: bitwise reproducible; an empty group's ti
 store zeros.
 
 Schedule: :class:`~jax_grouped_mlp.kernels.grouped_wgrad_sm90.GroupedWgradSm90`'s
-(every group has the same ``cdiv(K, 128) * cdiv(N, 128)`` output tiles, taken in chunks
-of groups, group inner; persistent CTAs; a forward-only chunk cursor that also counts the
-blocks: :class:`~jax_grouped_mlp.kernels.tile_scheduler.GroupTileScheduler`), its producer
+(every group has the same ``cdiv(K, 128) * cdiv(N, 128)`` output tiles, numbered group
+by group; persistent CTAs; a forward-only group cursor that also counts the blocks:
+:class:`~jax_grouped_mlp.kernels.tile_scheduler.GroupBlockTileScheduler`), its producer
 warp, two consumer warp groups of 64 output rows and its TMA-store epilogue. One pipeline
 stage is one block: 128 x 128 bytes of A and of B.
 """
@@ -52,7 +52,7 @@ from cutlass.pipeline import pipeline_init_wait
 from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_sm90 import SCALE_BLOCK, issue_block
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import SMEM_CAPACITY, StoreTarget, TmaLoad
 from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradSm90, WgradStoreEpilogue
-from jax_grouped_mlp.kernels.tile_scheduler import GroupTileScheduler, TraceTimeObject
+from jax_grouped_mlp.kernels.tile_scheduler import GroupBlockTileScheduler, TraceTimeObject
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,9 @@ class GroupedWgradFp8BlockSm90(GroupedWgradSm90):
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
-        work = GroupBlockWork(group_sizes, rows, m_tiles, group_tiles, total_tiles, bidx, gdim)
+        size0 = cutlass.min(cutlass.max(Int32(group_sizes[0]), Int32(0)), rows)
+
+        work = GroupBlockWork(group_sizes, rows, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
@@ -219,14 +221,14 @@ class GroupedWgradFp8BlockSm90(GroupedWgradSm90):
 
 
 class GroupBlockWork(TraceTimeObject):
-    """One CTA's share of the FP8 weight gradient: :class:`GroupTileScheduler`'s walk
+    """One CTA's share of the FP8 weight gradient: :class:`GroupBlockTileScheduler`'s walk
     (a tile's K is its group's 128-token blocks)."""
 
-    def __init__(self, group_sizes: cute.Tensor, rows, m_tiles, group_tiles, total_tiles, bidx, gdim):
-        self.args = (group_sizes, rows, m_tiles, group_tiles, total_tiles, bidx, gdim)
+    def __init__(self, group_sizes: cute.Tensor, rows, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        self.args = (group_sizes, rows, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
 
-    def scheduler(self, blocks: bool = False) -> GroupTileScheduler:
-        return GroupTileScheduler.create(*self.args, blocks=True)
+    def scheduler(self, blocks: bool = False) -> GroupBlockTileScheduler:
+        return GroupBlockTileScheduler.create(*self.args)
 
 
 class GroupBlockLoads(TraceTimeObject):
@@ -240,7 +242,7 @@ class GroupBlockLoads(TraceTimeObject):
         self.loads = (rows, cols, row_scales, col_scales)
 
     @cute.jit
-    def load_tile(self, mainloop, state, sched: GroupTileScheduler, tile):
+    def load_tile(self, mainloop, state, sched: GroupBlockTileScheduler, tile):
         """Issues the current tile's stages; returns the advanced pipeline ``state``."""
         tile_m, tile_n, tile_k = self.kernel.tile_m, self.kernel.tile_n, self.kernel.tile_k
         at, m_tile, n_tile = tile
@@ -318,7 +320,7 @@ class Fp8WgradMainloop(TraceTimeObject):
         return self.acc
 
     @cute.jit
-    def tile(self, sched: GroupTileScheduler, tile, read, release, work: GroupBlockWork):
+    def tile(self, sched: GroupBlockTileScheduler, tile, read, release, work: GroupBlockWork):
         """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
         tiled_mma, pipe, acc, temp = self.tiled_mma, self.pipe, self.acc, self.temp
         sSA, sSB, sr, sc = self.sSA, self.sSB, self.sr, self.sc
@@ -389,7 +391,7 @@ class Fp8WgradPingPongMainloop(Fp8WgradMainloop):
         return release
 
     @cute.jit
-    def tile(self, sched: GroupTileScheduler, tile, read, release, work: GroupBlockWork):
+    def tile(self, sched: GroupBlockTileScheduler, tile, read, release, work: GroupBlockWork):
         """The current tile's accumulator; returns the advanced ``(read, release)`` states.
 
         Block 0 into temporary 0; then pairs (blocks 2p + 1 into temporary 1 and 2p + 2

@@ -12,13 +12,12 @@ on the device exactly as in the forward kernel (negative -> 0, running sum cut a
 so no memory outside the operands is touched whatever ``group_sizes`` holds.
 
 Work decomposition: every group has the same ``cdiv(K, 128) * cdiv(N, tile_n)`` output
-tiles; tiles are numbered in chunks of a few groups, group inner (so every wave mixes
-store-bound small groups with MMA-bound large ones), and the persistent CTAs take tiles
+tiles; tiles are numbered group by group, and the persistent CTAs take tiles
 ``b, b + grid, ...``. Each tile reduces over its group's rows in ``tile_k`` = 64-row
 slices **in order**, in one CTA, in fp32 registers: no atomics, no split-K, so the
 result is bitwise reproducible. An empty group's tiles skip the mainloop and store
-zeros. The chunk cursor (first group and row of the tile's chunk) moves forward only
-(``tile_scheduler.GroupTileScheduler``).
+zeros. The group cursor (start row of the tile's group) moves forward only: one
+``group_sizes`` load per group passed (``tile_scheduler.GroupTileScheduler``).
 
 Ragged edges: a slice is loaded by TMA from the group's current row whatever the
 group's end (rows past M are zero-filled by TMA). Of a group's last slice only the
@@ -214,7 +213,9 @@ class GroupedWgradSm90(GroupedGemmSm90):
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
-        work = GroupWork(group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim)
+        size0 = cutlass.min(cutlass.max(Int32(group_sizes[0]), Int32(0)), m)
+
+        work = GroupWork(group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
@@ -229,7 +230,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
                 WgradMainloop(self, tiled_mma, mainloop, sA, sB),
                 WgradStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, None), warp_idx),
                 work, tidx - 128,
-                carry_order=("sched.g", "sched.start", "epi_count", "sched.t", "read", "release"),
+                carry_order=("sched.g", "sched.start", "sched.size", "epi_count", "sched.t", "read", "release"),
             )
 
 
@@ -237,8 +238,8 @@ class GroupWork(TraceTimeObject):
     """One CTA's share of the weight gradient (the :class:`TileWork` of
     :class:`GroupTileScheduler`): no fixed stage count, a tile's K is its group's rows."""
 
-    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim):
-        self.args = (group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim)
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        self.args = (group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
 
     def scheduler(self, blocks: bool = False) -> GroupTileScheduler:
         return GroupTileScheduler.create(*self.args)

@@ -202,149 +202,125 @@ class TileWork(TraceTimeObject):
         )
 
 
-# Group counts of the weight gradients' chunks, in order of preference: the first prime that
-# does not divide the grid (so a CTA's tiles of one chunk visit every group of it).
-CHUNK_PRIMES = (7, 5, 11, 13, 3)
-
-
-@cute.jit
-def chunk_groups(gdim) -> Int32:
-    """Groups per chunk of :class:`GroupTileScheduler` for a grid of ``gdim`` CTAs: the first
-    of :data:`CHUNK_PRIMES` that does not divide ``gdim`` (1 if all do)."""
-    c = Int32(1)
-    for p in cutlass.range_constexpr(len(CHUNK_PRIMES)):
-        prime = CHUNK_PRIMES[len(CHUNK_PRIMES) - 1 - p]  # the last assignment is the first fit
-        if gdim % prime != 0:
-            c = Int32(prime)
-    return c
-
-
-class GroupTile:
-    """The group of one weight-gradient tile, as :meth:`GroupTileScheduler.tile_coords`
-    locates it: ``g``, its first row ``start``, its clamped ``size``, its first 128-row
-    block ``blk`` (None unless the scheduler counts blocks) and the scheduler's ``cursor``
-    (its chunk cursor, from which :meth:`GroupTileScheduler.advance` continues). Holds one
-    iteration's values; never loop-carried."""
-
-    BLOCK_ROWS = 128
-
-    def __init__(self, g, start, size, blk, cursor: "GroupTileScheduler"):
-        self.g, self.start, self.size, self.blk, self.cursor = g, start, size, blk, cursor
-
-    def blocks(self):
-        """The group's 128-row blocks, ``cdiv(size, 128)``."""
-        return (self.size + (self.BLOCK_ROWS - 1)) // self.BLOCK_ROWS
-
-
 class GroupTileScheduler:
-    """The weight gradients' walk: every group has the same ``group_tiles`` output tiles
-    (``m_tiles`` row tiles x column tiles, row tile inner), and a tile's cost is its group's
-    rows. CTA ``b`` takes tiles ``b, b + gdim, ...`` below ``num_groups * group_tiles``.
-
-    **Order: chunks of C groups, group inner.** Groups are taken C at a time
-    (:func:`chunk_groups`: C = 7 on 132 SMs; the last chunk has what is left); inside a
-    chunk tile ``i`` is group ``i % C``'s tile ``i // C``. A tile writes a whole output tile
-    (64 KiB in bf16) whatever its group's rows, so a small group's tiles are bound by the
-    store and a large group's by the MMAs: numbered group by group (as before), the whole
-    grid worked on one group at a time, and under router-made sizes it alternated between
-    store-bound and MMA-bound phases (the weight gradient 1.2x slower at Dirichlet(1) with
-    the same tile and row-slice counts; with the sizes in descending order, all small
-    groups last, slower still). With C groups in every wave both overlap. Since C does not
-    divide ``gdim``, each CTA's tiles of a chunk cycle through all its groups, so the CTAs'
-    loads stay even; the chunk's rows (C groups) are what the wave re-reads from L2.
-    The order changes no result: each tile is still reduced by one CTA, its slices in order.
-
-    The chunk cursor ``(g, start[, blk])`` (the chunk's first group, its first row and, with
-    ``blk``, the 128-row blocks before it) moves forward only: one ``group_sizes`` load per
-    group passed, plus up to C - 1 to reach a tile's group inside its chunk. Sizes are
-    clamped as everywhere (negative -> 0, the running sum cut at ``m``).
+    """The weight-gradient kernel's walk: every group has the same ``group_tiles`` output
+    tiles (``m_tiles`` row tiles x column tiles, row tile inner), numbered group by group;
+    CTA ``b`` takes tiles ``b, b + gdim, ...`` below ``num_groups * group_tiles``. The
+    cursor ``(g, start, size)`` (the group of the last located tile, its first row and its
+    clamped size) moves forward only: one ``group_sizes`` load per group passed.
 
     Same use as :class:`SegmentTileScheduler`: ``while sched.valid()``, ``tile_coords()``,
-    ``advance(tile)``.
+    ``advance(tile)``. Here :meth:`tile_coords` moves the cursor to the tile's group (the
+    moved cursor is the tile's first element) and :meth:`advance` continues from it.
     """
 
-    _DYNAMIC = ("g", "start", "blk", "t")  # (the order the consumer loop carries them in)
+    _DYNAMIC = ("g", "start", "size", "t")  # (the order the kernel's loops carried them in)
 
-    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, chunk, t, g, start,
-                 blk=None):
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size):
         self.group_sizes = group_sizes
         self.m = m
         self.m_tiles = m_tiles
         self.group_tiles = group_tiles
         self.total_tiles = total_tiles
         self.gdim = gdim
-        self.chunk = chunk
-        self.t, self.g, self.start, self.blk = t, g, start, blk
+        self.t, self.g, self.start, self.size = t, g, start, size
 
     def _fields(self):
-        return [f for f in self._DYNAMIC if getattr(self, f) is not None]
+        return list(self._DYNAMIC)
 
     def __extract_mlir_values__(self):
         values = []
-        for f in self._fields():
+        for f in self._DYNAMIC:
             values += extract_mlir_values(getattr(self, f))
         return values
 
     def __new_from_mlir_values__(self, values):
         new = copy.copy(self)
-        for f, v in zip(self._fields(), values, strict=True):
+        for f, v in zip(self._DYNAMIC, values, strict=True):
             setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
         return new
 
-    def _with(self, t, g, start, blk) -> "GroupTileScheduler":
+    def _with(self, t, g, start, size) -> "GroupTileScheduler":
         return GroupTileScheduler(
-            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, self.chunk, t, g,
-            start, blk,
+            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, t, g, start, size
         )
 
     @staticmethod
-    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim,
-               blocks: bool = False) -> "GroupTileScheduler":
-        """The cursor at chunk 0 and this CTA's first tile ``bidx`` (``blocks``: also count
-        128-row blocks, the FP8 weight gradient's K coordinate)."""
+    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        """The cursor at group 0 (``size0``: its clamped size) and this CTA's first tile ``bidx``."""
         return GroupTileScheduler(
-            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, chunk_groups(gdim), Int32(bidx), Int32(0),
-            Int32(0), Int32(0) if blocks else None,
+            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, Int32(bidx), Int32(0), Int32(0), size0
         )
 
     def valid(self):
         return self.t < self.total_tiles
 
     @cute.jit
-    def _clamped(self, g, start):
-        return cutlass.min(cutlass.max(Int32(self.group_sizes[g]), Int32(0)), self.m - start)
+    def tile_coords(self):
+        """``(cursor at the tile's group, row tile, column tile)`` of the current tile."""
+        g, start, size = self.g, self.start, self.size
+        target = self.t // self.group_tiles
+        group_sizes, m = self.group_sizes, self.m
+        while g < target:
+            start = start + size
+            g = g + 1
+            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m - start)
+        local = self.t - g * self.group_tiles
+        n_tile = local // self.m_tiles
+        return self._with(self.t, g, start, size), local - n_tile * self.m_tiles, n_tile
+
+    def advance(self, tile) -> "GroupTileScheduler":
+        """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
+        located = tile[0]
+        return self._with(located.t + self.gdim, located.g, located.start, located.size)
+
+
+class GroupBlockTileScheduler(GroupTileScheduler):
+    """:class:`GroupTileScheduler` that also counts 128-row blocks: ``blk`` is the first
+    group-aware block of the cursor's group (the exclusive cumsum of ``cdiv(size, 128)``
+    over the clamped sizes of the groups before it), the FP8 weight gradient's K
+    coordinate (``grouped_wgrad_fp8_block_sm90``). :meth:`blocks` is the group's count."""
+
+    _DYNAMIC = ("g", "start", "size", "blk", "t")
+    BLOCK_ROWS = 128
+
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size, blk):
+        super().__init__(group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size)
+        self.blk = blk
+
+    def _with(self, t, g, start, size, blk=None) -> "GroupBlockTileScheduler":
+        return GroupBlockTileScheduler(
+            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, t, g, start, size,
+            self.blk if blk is None else blk,
+        )
+
+    @staticmethod
+    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+        """The cursor at group 0, block 0 and this CTA's first tile ``bidx``."""
+        return GroupBlockTileScheduler(
+            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, Int32(bidx), Int32(0), Int32(0), size0, Int32(0)
+        )
+
+    def blocks(self):
+        """The cursor's group's 128-row blocks, ``cdiv(size, 128)``."""
+        return (self.size + (self.BLOCK_ROWS - 1)) // self.BLOCK_ROWS
 
     @cute.jit
     def tile_coords(self):
-        """``(GroupTile of the tile's group, row tile, column tile)`` of the current tile."""
-        counting = self.blk is not None
-        rows = GroupTile.BLOCK_ROWS
-        c = self.chunk
-        g0, start0 = self.g, self.start
-        blk0 = self.blk if counting else Int32(0)  # (dead when not counting)
-        chunk_tiles = c * self.group_tiles
-        first = self.t // chunk_tiles * c  # the first group of the tile's chunk
-        while g0 < first:  # forward only: each group passed once
-            size = self._clamped(g0, start0)
-            start0 = start0 + size
-            blk0 = blk0 + (size + (rows - 1)) // rows
-            g0 = g0 + 1
-        local = self.t - g0 // c * chunk_tiles
-        groups = cutlass.min(c, Int32(self.group_sizes.shape[0]) - g0)
-        pos = local // groups
-        g, start, blk = g0, start0, blk0
-        size = self._clamped(g, start)
-        while g < g0 + (local - pos * groups):  # to the tile's group inside the chunk
+        """``(cursor at the tile's group, row tile, column tile)`` of the current tile."""
+        g, start, size, blk = self.g, self.start, self.size, self.blk
+        target = self.t // self.group_tiles
+        group_sizes, m = self.group_sizes, self.m
+        while g < target:
             start = start + size
-            blk = blk + (size + (rows - 1)) // rows
+            blk = blk + (size + (self.BLOCK_ROWS - 1)) // self.BLOCK_ROWS
             g = g + 1
-            size = self._clamped(g, start)
-        n_tile = pos // self.m_tiles
-        cursor = self._with(self.t, g0, start0, blk0 if counting else None)
-        at = GroupTile(g, start, size, blk if counting else None, cursor)
-        return at, pos - n_tile * self.m_tiles, n_tile
+            size = cutlass.min(cutlass.max(Int32(group_sizes[g]), Int32(0)), m - start)
+        local = self.t - g * self.group_tiles
+        n_tile = local // self.m_tiles
+        return self._with(self.t, g, start, size, blk), local - n_tile * self.m_tiles, n_tile
 
-    def advance(self, tile) -> "GroupTileScheduler":
-        """The chunk cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
-        cursor = tile[0].cursor
-        return cursor._with(cursor.t + self.gdim, cursor.g, cursor.start, cursor.blk)
+    def advance(self, tile) -> "GroupBlockTileScheduler":
+        """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
+        located = tile[0]
+        return self._with(located.t + self.gdim, located.g, located.start, located.size, located.blk)
