@@ -132,7 +132,8 @@ def test_backend_info_on_the_h200():
     # MXFP8 tensors, for the public quantize_mxfp8) are XLA fusions since their standalone
     # kernel was removed, and are honestly reported as pure JAX.
     kernels = {"fake_quantize", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw", "grouped_wgrad",
-               "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_weight", "fp8_block_row"}
+               "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_pair_tm", "fp8_block_weight",
+               "fp8_block_row"}
     assert {n for n, p in info.paths.items() if p == backend.KERNEL} == kernels, info
     assert {n for n, p in info.paths.items() if p == backend.REFERENCE} == {"quantize", "quantize_both"}, info
     assert info.reason is None
@@ -145,10 +146,12 @@ def test_backend_info_on_the_h200():
 def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
     """recipe="fp8_block" lowered for CUDA: the forward GEMMs and the data gradients are
     the FP8 block-scaled kernel (4 calls), the weight gradients the FP8 weight-gradient
-    kernel (2) on four token-major layouts; a hidden size off the FP8 GEMM's contract
-    (K % 16) sends the GEMMs that reduce over it to the bf16 kernel instead, on the
-    dequantized operands, and the layout of its operands to XLA."""
-    from jax_grouped_mlp._src.cuda import gemm_ffi
+    kernel (2) on token-major operands: the kept residuals x and srelu(h) laid out by the
+    layout kernel (2), dy and dh written so by the pair quantizer itself (4 pair calls
+    in all); a hidden size off the FP8 GEMM's contract (K % 16) sends the GEMMs that
+    reduce over it to the bf16 kernel instead, on the dequantized operands, and the
+    layout of x to XLA."""
+    from jax_grouped_mlp._src.cuda import fp8_block_ffi, gemm_ffi
 
     if not gemm_ffi.grouped_gemm_fp8_block_variants():
         pytest.skip("this build has no FP8 block-scaled GEMM (fp8_block then takes the bf16 kernel)")
@@ -161,17 +164,20 @@ def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
     text = _cuda_text(grad_fn, *_inputs(rng))
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4, text.count(gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET)
     assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET}(') == 2
-    assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 4  # x, srelu(h), dy, dh
+    assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 2  # x, srelu(h)
+    assert text.count(f'@{fp8_block_ffi.PAIR_TARGET}(') == 4  # x, srelu(h); dy, dh token-major
     assert f'@{gemm_ffi.GROUPED_WGRAD_TARGET}(' not in text
     assert f'@{gemm_ffi.GROUPED_GEMM_TARGET}(' not in text
 
-    # H = 72: FC1 (K = H) and FC2's dgrad (K = H) fall back to the bf16 kernel; x's and
-    # dy's token-major layouts (72 columns, not whole 16-byte chunks) to XLA.
+    # H = 72: FC1 (K = H) and FC2's dgrad (K = H) fall back to the bf16 kernel; x's
+    # token-major layout (72 columns, not whole 16-byte chunks) to XLA; dy's still comes
+    # from its pair quantizer (which takes K % 8 == 0).
     text = _cuda_text(grad_fn, *_inputs(rng, h=72))
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 2
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_TARGET}(') == 2
     assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET}(') == 2
-    assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 2
+    assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 1
+    assert text.count(f'@{fp8_block_ffi.PAIR_TARGET}(') == 4
 
 
 @pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")

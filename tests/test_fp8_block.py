@@ -290,7 +290,7 @@ def test_fp8_weight_gradient_against_the_bf16_one(rng):
     hlo = jax.jit(lambda *a: _run_with(KernelChoices(fp8_block_wgrad=True), *a)).lower(
         x, w1, w2, gs, probs, dy).compile().as_text()
     assert hlo.count('custom_call_target="jgm_grouped_wgrad_fp8_block"') == 2
-    assert hlo.count('custom_call_target="jgm_token_major_blocks"') == 4  # x, srelu(h), dy, dh
+    assert hlo.count('custom_call_target="jgm_token_major_blocks"') == 2  # x, srelu(h) (dy, dh: from pair_tm)
     assert 'custom_call_target="jgm_grouped_wgrad"' not in hlo
 
 
@@ -380,8 +380,11 @@ def test_recipe_keeps_fp8_residuals_and_sends_only_its_gemms_to_cuda(rng, monkey
     jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=jgm.offload_policy("device", "device", "device")),
                             argnums=(0, 1, 2)))(x, w1, w2)
     # (fp8_block_row: the op's undifferentiated forward, which custom_vjp traces too)
-    assert set(calls) == {"grouped_gemm", "grouped_wgrad", "fp8_block_pair", "fp8_block_weight", "fp8_block_row"}, calls
-    assert calls.count("grouped_wgrad") == 2 and calls.count("fp8_block_pair") == 4, calls
+    assert set(calls) == {"grouped_gemm", "grouped_wgrad", "fp8_block_pair", "fp8_block_pair_tm", "fp8_block_weight",
+                          "fp8_block_row"}, calls
+    # x and srelu(h) (kept as [M, K] residuals), dy and dh (token-major, for the weight gradients)
+    assert calls.count("grouped_wgrad") == 2 and calls.count("fp8_block_pair") == 2, calls
+    assert calls.count("fp8_block_pair_tm") == 2, calls
     _, res = jax.vjp(jax.checkpoint(loss, policy=jgm.offload_policy("device", "device", "device")), x, w1, w2)
     leaves = jax.tree_util.tree_leaves(res)
     fp8 = [a for a in leaves if getattr(a, "dtype", None) == jnp.float8_e4m3fn]
@@ -425,9 +428,9 @@ def test_recipe_on_the_gpu_runs_its_kernels(rng):
     hlo = _run.lower(x, w1, w2, gs, probs, dy).compile().as_text()
     assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block"') == 4
     assert hlo.count('custom_call_target="jgm_grouped_wgrad_fp8_block"') == 2  # (KernelChoices.fp8_block_wgrad)
-    assert hlo.count('custom_call_target="jgm_token_major_blocks"') == 4  # x, srelu(h), dy, dh
+    assert hlo.count('custom_call_target="jgm_token_major_blocks"') == 2  # x, srelu(h) (dy, dh: from pair_tm)
     assert 'custom_call_target="jgm_grouped_wgrad"' not in hlo
-    assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 4  # x, srelu(h), dy, dh
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 4  # x, srelu(h), dy, dh (token-major)
     # w1, w2: the forward's K-major tiles and the data gradients' tiles as stored
     assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 4
     out = _run(x, w1, w2, gs, probs, dy)
@@ -471,6 +474,64 @@ def test_recipe_quantizer_primitives(rng):
     g = jax.grad(lambda x: jnp.sum(primitives.fp8_block_pair(x, gs, keep_col=False)[1].astype(jnp.float32) * c))(x)
     want_g = np.where(np.arange(300)[:, None] < 285, np.asarray(jnp.asarray(c, jnp.bfloat16), np.float32), 0)
     np.testing.assert_array_equal(np.asarray(g, np.float32), want_g)
+
+
+@pytest.mark.parametrize("m,k,sizes", [
+    (600, 144, [100, 0, 300, 29]),
+    (640, 256, [5000, -3, 0, 7, 2**30, 1]),  # giant and negative sizes: clamped
+    (300, 136, [128, 1, 171]),
+    (0, 128, [0, 0]),
+])
+def test_token_major_operands(rng, m, k, sizes):
+    """The backward's dy and dh travel token-major (``fp8_block.TokenMajorBlocks``, the
+    quantizer's "pair_tm" output on CUDA): the layout is ``token_major_blocks``'s and
+    reverts exactly; ``fp8_block_pair_token_major`` is ``fp8_block_pair``'s row and
+    column laid out, with straight-through tangents; the weight gradient on token-major
+    operands (both, or one of each) gives the bits of the ``[M, K]`` ones."""
+    from jax_grouped_mlp._src.formats import fp8_block
+    from jax_grouped_mlp._src.op import primitives
+
+    gs = jnp.asarray(np.clip(sizes, -(2**31), 2**31 - 1), jnp.int32)
+    x = jnp.asarray(_random(rng, (m, k), np.float32), jnp.bfloat16)
+    dy = jnp.asarray(_random(rng, (m, 64), np.float32), jnp.bfloat16)
+    row, col = primitives.fp8_block_pair(x, gs, keep_col=True)
+    row_tm, tm = primitives.fp8_block_pair_token_major(x, gs)
+    assert isinstance(tm, fp8_block.TokenMajorBlocks) and tm.rows == m and tm.group_sizes.dtype == jnp.int32
+    np.testing.assert_array_equal(_u8(row_tm.data), _u8(row.data))
+    np.testing.assert_array_equal(_u8(tm.data), _u8(fp8_block.token_major_blocks(col)[0]))
+    np.testing.assert_array_equal(_u8(tm.scale), _u8(col.scale))
+    back = fp8_block.from_token_major(tm)
+    np.testing.assert_array_equal(_u8(back.data), _u8(col.data))
+    np.testing.assert_array_equal(np.asarray(back.group_sizes), np.asarray(col.group_sizes))
+    _, dy_col = primitives.fp8_block_pair(dy, gs, keep_col=True)
+    _, dy_tm = primitives.fp8_block_pair_token_major(dy, gs)
+    want = np.asarray(primitives.grouped_wgrad(col, dy_col, gs, jnp.float32))
+    for lhs, rhs in ((tm, dy_tm), (col, dy_tm), (tm, dy_col)):
+        np.testing.assert_array_equal(np.asarray(primitives.grouped_wgrad(lhs, rhs, gs, jnp.float32)), want)
+    if m:  # straight through, as the [M, K] column: the same gradient bit for bit
+        c = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        deq = lambda t: fp8_block.dequantize_fp8_block(t, jnp.float32)  # noqa: E731
+        via_tm = jax.grad(lambda x: jnp.sum(deq(fp8_block.from_token_major(
+            primitives.fp8_block_pair_token_major(x, gs)[1])) * c))(x)
+        via_col = jax.grad(lambda x: jnp.sum(deq(primitives.fp8_block_pair(x, gs, keep_col=True)[1]) * c))(x)
+        np.testing.assert_array_equal(np.asarray(via_tm, np.float32), np.asarray(via_col, np.float32))
+        assert np.asarray(via_tm, np.float32).any()
+
+
+def test_token_major_operand_errors():
+    from jax_grouped_mlp._src.formats import fp8_block
+
+    gs = jnp.asarray([3, 4], jnp.int32)
+    ok = fp8_block.to_token_major(jgm.quantize_fp8_block(jnp.ones((7, 16), jnp.bfloat16), 0, group_sizes=gs))
+    assert ok.data.shape == (16, 128 * 3) and ok.scale.shape == (3, 16)
+    with pytest.raises(ValueError, match=r"t.scale.shape"):
+        fp8_block.from_token_major(fp8_block.TokenMajorBlocks(ok.data, ok.scale[:2], gs, rows=7))
+    with pytest.raises(TypeError, match=r"t.data must be float8_e4m3fn"):
+        fp8_block.from_token_major(fp8_block.TokenMajorBlocks(ok.data.astype(jnp.bfloat16), ok.scale, gs, rows=7))
+    with pytest.raises(TypeError, match=r"t.group_sizes"):
+        fp8_block.from_token_major(fp8_block.TokenMajorBlocks(ok.data, ok.scale, jnp.ones((2,)), rows=7))
+    with pytest.raises(ValueError, match="group-aware"):
+        fp8_block.to_token_major(jgm.quantize_fp8_block(jnp.ones((7, 16), jnp.bfloat16), 1))
 
 
 @pytest.mark.gpu

@@ -167,6 +167,7 @@ _pair_tm = jax.jit(fp8_block_ffi.quantize_pair_token_major_cuda)
     (640, 256, [5000, -3, 0, 7, 2**30, 1]),  # giant and negative sizes: clamped; blocks past the groups
     (300, 2688, [128, 1, 171]),  # Nano's K; block-boundary sizes
     (77, 8, [77]),  # one column chunk
+    (300, 72, [100, 0, 200]),  # K % 16 == 8: a half chunk at the end (the op's dy at H = 72)
     (0, 128, [0, 0]),  # no rows: all zero
 ])
 def test_pair_token_major(rng, m, k, sizes):
@@ -181,21 +182,24 @@ def test_pair_token_major(rng, m, k, sizes):
     nb = fp8_block.grouped_scale_rows(m, gs.shape[0])
     for value in (0x5A, 0xFF):
         _poison([s for s in ((m, k), (m, -(-k // 128)), (k, 128 * nb), (nb, k)) if all(s)], value)
-        row, data, scale = jax.block_until_ready(_pair_tm(x, gs))
+        row, tm = jax.block_until_ready(_pair_tm(x, gs))
+        data, scale = tm.data, tm.scale
         what = f"pair_tm {x.shape} sizes={sizes} (poison {value:#x})"
+        assert tm.rows == m and np.array_equal(np.asarray(tm.group_sizes), np.asarray(want_col.group_sizes)), what
         _assert_same_fp8(row, want_row, what + " row")
         np.testing.assert_array_equal(_bytes(data), _bytes(want_data), err_msg=what + " token-major data")
         np.testing.assert_array_equal(_bytes(scale), _bytes(want_col.scale), err_msg=what + " scale")
-    if m and k % 16 == 0:
+    if m:
+        # The weight gradient on the token-major copies (both, or one of each) gives the
+        # bits of the [M, K] entry's (which lays both out itself).
         dy = jnp.asarray(_random(rng, m, 64), jnp.bfloat16)
-        _, dy_data, dy_scale = _pair_tm(dy, gs)
+        _, dy_tm = _pair_tm(dy, gs)
         dy_col = _ref_pair(dy, gs)[1]
-        t = fp8_block.FP8BlockTensor(data=want_col.data, scale=scale, axes=(0,), group_sizes=want_col.group_sizes)
-        got = jax.jit(lambda a, sa, b, sb, gs: gemm_ffi.grouped_wgrad_fp8_block_token_major(
-            (a, sa), (b, sb), gs, rows=m))(data, fp8_block.scale_values(t), dy_data,
-                                         fp8_block.scale_values(dy_col), gs)
-        want = jax.jit(gemm_ffi.grouped_wgrad_fp8_block)(want_col, dy_col, gs)
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+        wgrad = jax.jit(gemm_ffi.grouped_wgrad_fp8_block)
+        want = np.asarray(wgrad(want_col, dy_col, gs)).view(np.uint16)
+        for lhs, rhs in ((tm, dy_tm), (want_col, dy_tm), (tm, dy_col)):
+            got = np.asarray(wgrad(lhs, rhs, gs)).view(np.uint16)
+            np.testing.assert_array_equal(got, want, err_msg=f"{what}: wgrad {type(lhs).__name__} x {type(rhs).__name__}")
 
 
 @pytest.mark.gpu

@@ -93,7 +93,6 @@ def main() -> int:
 def fp8_block_kernels() -> int:
     """Every fp8_block kernel once on a small ragged case (``--fp8-block``)."""
     from jax_grouped_mlp._src.cuda import fp8_block_ffi
-    from jax_grouped_mlp._src.formats import fp8_block
 
     rng = np.random.default_rng(2)
     m, k, n = 300, 272, 144  # K and N off 128: partial last blocks
@@ -105,8 +104,8 @@ def fp8_block_kernels() -> int:
     x_row, x_col = fp8_block_ffi.quantize_pair_cuda(x, gs, keep_col=True)
     dy_row, dy_col = fp8_block_ffi.quantize_pair_cuda(dy, gs, keep_col=True)
     outs += [x_row.data, x_col.data, fp8_block_ffi.quantize_pair_cuda(x, gs, keep_col=False)[1]]
-    _, x_tm, x_tm_scale = fp8_block_ffi.quantize_pair_token_major_cuda(x, gs)
-    _, dy_tm, dy_tm_scale = fp8_block_ffi.quantize_pair_token_major_cuda(dy, gs)
+    _, x_tm = fp8_block_ffi.quantize_pair_token_major_cuda(x, gs)
+    _, dy_tm = fp8_block_ffi.quantize_pair_token_major_cuda(dy, gs)
     wq = fp8_block_ffi.quantize_weight_cuda(w)
     outs += [wq.data, fp8_block_ffi.quantize_weight_cuda(jnp.swapaxes(w, 1, 2), k_major=True).data]
     outs += [fp8_block_ffi.quantize_row_cuda(x).data, *gemm_ffi.token_major_blocks_cuda(x_col)]
@@ -115,9 +114,8 @@ def fp8_block_kernels() -> int:
     for v in gemm_ffi.grouped_wgrad_fp8_block_variants():
         od = registry.variant(v).out_dtype
         outs.append(gemm_ffi.grouped_wgrad_fp8_block(x_col, dy_col, gs, out_dtype=od, variant=v))
-    ts, ds = (fp8_block.scale_values(fp8_block.FP8BlockTensor(data=c.data, scale=s, axes=(0,), group_sizes=c.group_sizes))
-              for c, s in ((x_col, x_tm_scale), (dy_col, dy_tm_scale)))
-    outs.append(gemm_ffi.grouped_wgrad_fp8_block_token_major((x_tm, ts), (dy_tm, ds), gs, rows=m))
+    outs.append(gemm_ffi.grouped_wgrad_fp8_block(x_tm, dy_tm, gs))  # already token-major
+    outs.append(gemm_ffi.grouped_wgrad_fp8_block(x_col, dy_tm, gs))  # one of each
     jax.block_until_ready(outs)
     floats = [o for o in outs if jnp.issubdtype(o.dtype, jnp.floating) and o.dtype.itemsize >= 2]
     bad = sum(int(not np.isfinite(np.asarray(o, np.float32)).all()) for o in floats)

@@ -28,7 +28,7 @@ from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.cuda import ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import fp8_block
-from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor, TokenMajorBlocks
 from jax_grouped_mlp.kernels import registry
 
 PAIR_TARGET = "jgm_quantize_fp8_block_pair"
@@ -104,15 +104,14 @@ def quantize_pair_cuda(
     return row, col
 
 
-def quantize_pair_token_major_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[FP8BlockTensor, jax.Array, jax.Array]:
-    """Mode "pair_tm" (built, not yet run on a GPU nor used by the op): ``x``'s rowwise
-    copy and its group-aware copy laid out as the FP8 weight gradient reads it, from one
-    read: ``(quantize_fp8_block(x, 1), data [K, 128 NB] float8_e4m3fn, scale [NB, K]
-    float8_e8m0fnu)``, ``data`` the bytes of ``fp8_block.token_major_blocks`` of
-    ``quantize_fp8_block(x, 0, group_sizes=group_sizes)`` and ``scale`` that tensor's
-    scales. :class:`Unsupported` when the kernel does not take ``x``."""
-    row, col, col_scale, _ = _pair_call(x, group_sizes, "pair_tm")
-    return row, col, col_scale
+def quantize_pair_token_major_cuda(x: jax.Array, group_sizes: jax.Array) -> tuple[FP8BlockTensor, TokenMajorBlocks]:
+    """``primitives`` "fp8_block_pair_tm" on CUDA (mode "pair_tm"): ``x``'s rowwise copy
+    and its group-aware copy already laid out as the FP8 weight gradient reads it, from
+    one read: ``(quantize_fp8_block(x, 1), to_token_major(quantize_fp8_block(x, 0,
+    group_sizes=group_sizes)))``, the same bytes (data ``[K, 128 NB]``, scale ``[NB,
+    K]``). :class:`Unsupported` when the kernel does not take ``x``."""
+    row, col, col_scale, gs = _pair_call(x, group_sizes, "pair_tm")
+    return row, TokenMajorBlocks(data=col, scale=col_scale, group_sizes=gs, rows=x.shape[0])
 
 
 def quantize_weight_cuda(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:

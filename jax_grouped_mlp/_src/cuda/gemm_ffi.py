@@ -250,6 +250,8 @@ def _as_bf16(x) -> jax.Array:
         return ffi.dequantize_cuda(x)  # exact; a kernel for the kept group-aware residuals
     if isinstance(x, fp8_block.FP8BlockTensor):
         return fp8_block.dequantize_fp8_block(x, jnp.bfloat16)  # exact (E4M3 x 2^e fits bf16)
+    if isinstance(x, fp8_block.TokenMajorBlocks):
+        return fp8_block.dequantize_fp8_block(fp8_block.from_token_major(x), jnp.bfloat16)
     return x
 
 
@@ -376,16 +378,24 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
     return out.astype(out_dtype)
 
 
+def _grouped_dims(t) -> tuple:
+    """``(M, K)`` of a group-aware ``fp8_block`` operand, in either layout."""
+    if isinstance(t, fp8_block.TokenMajorBlocks):
+        return t.rows, t.data.shape[0]
+    return tuple(t.data.shape)
+
+
 def _fp8_block_wgrad_pair(lhs, rhs, group_sizes) -> bool:
-    """Whether ``lhs`` and ``rhs`` are group-aware ``fp8_block`` operands the FP8
-    weight-gradient kernel takes (compiled; static shapes within its contract,
-    :func:`_fp8_wgrad_fits`; quantized with as many groups as ``group_sizes`` has)."""
-    fp8 = fp8_block.FP8BlockTensor
-    if not (isinstance(lhs, fp8) and isinstance(rhs, fp8) and lhs.is_grouped and rhs.is_grouped):
+    """Whether ``lhs`` and ``rhs`` are group-aware ``fp8_block`` operands (``[M, K]``
+    tensors or already token-major) the FP8 weight-gradient kernel takes (compiled;
+    static shapes within its contract, :func:`_fp8_wgrad_fits`; quantized with as many
+    groups as ``group_sizes`` has)."""
+    kinds = (fp8_block.FP8BlockTensor, fp8_block.TokenMajorBlocks)
+    if not all(isinstance(t, kinds) and t.is_grouped for t in (lhs, rhs)):
         return False
     if not grouped_wgrad_fp8_block_variants() or jnp.ndim(group_sizes) != 1:
         return False
-    (m, k), (m2, n) = lhs.data.shape, rhs.data.shape
+    (m, k), (m2, n) = _grouped_dims(lhs), _grouped_dims(rhs)
     g = jnp.shape(group_sizes)[0]
     rows = fp8_block.grouped_scale_rows(m, g) if isinstance(m, int) and isinstance(g, int) else None
     return (m == m2 and _fp8_wgrad_fits(m, k, n, g)
@@ -694,8 +704,12 @@ def grouped_wgrad_fp8_block_variants() -> tuple[str, ...]:
 
 
 def _checked_grouped_fp8_block(name: str, t) -> None:
-    """``t`` is a group-aware ``[M, K]`` :class:`FP8BlockTensor` with consistent fields,
-    or a TypeError/ValueError naming ``name``."""
+    """``t`` is a group-aware ``[M, K]`` :class:`FP8BlockTensor` with consistent fields (or
+    one already laid out token-major, ``fp8_block.TokenMajorBlocks``), or a
+    TypeError/ValueError naming ``name``."""
+    if isinstance(t, fp8_block.TokenMajorBlocks):
+        fp8_block.check_token_major(t, name)
+        return
     if not isinstance(t, fp8_block.FP8BlockTensor):
         raise TypeError(
             f"{name} must be a group-aware FP8BlockTensor (quantize_fp8_block(x, 0, group_sizes=...)), "
@@ -709,9 +723,17 @@ def _checked_grouped_fp8_block(name: str, t) -> None:
     fp8_block._check_tensor(t, name)
 
 
+def _token_major_operand(t) -> tuple[jax.Array, jax.Array]:
+    """``(data, float32 scale)`` in the FP8 weight gradient's layout: laid out by
+    :func:`token_major_blocks_cuda` from an ``[M, K]`` tensor, as is when already there."""
+    if isinstance(t, fp8_block.TokenMajorBlocks):
+        return t.data, fp8_block.scale_values(t)
+    return token_major_blocks_cuda(t)
+
+
 def grouped_wgrad_fp8_block(
-    lhs: fp8_block.FP8BlockTensor,
-    rhs: fp8_block.FP8BlockTensor,
+    lhs: fp8_block.FP8BlockTensor | fp8_block.TokenMajorBlocks,
+    rhs: fp8_block.FP8BlockTensor | fp8_block.TokenMajorBlocks,
     group_sizes: jax.Array,
     *,
     out_dtype=jnp.bfloat16,
@@ -726,7 +748,8 @@ def grouped_wgrad_fp8_block(
         ``dy [M, N]``: group-aware 128-row blocks, quantized with these group sizes (the
         blocks are laid out by them). Each is rearranged token-major in whole blocks for
         the kernel (:func:`token_major_blocks_cuda`: one read and one write of its FP8
-        bytes).
+        bytes), unless it comes so already (``fp8_block.TokenMajorBlocks``, as the
+        quantizer's "pair_tm" mode writes dy's and dh's).
       group_sizes: ``[G]`` integers on the device, clamped to ``M``.
       out_dtype: bfloat16 or float32.
       variant: a name of :func:`grouped_wgrad_fp8_block_variants` (default: the one
@@ -745,7 +768,7 @@ def grouped_wgrad_fp8_block(
     """
     _checked_grouped_fp8_block("lhs", lhs)
     _checked_grouped_fp8_block("rhs", rhs)
-    (m, k), (m2, n) = lhs.data.shape, rhs.data.shape
+    (m, k), (m2, n) = _grouped_dims(lhs), _grouped_dims(rhs)
     if not all(isinstance(d, int) for d in (m, k, m2, n)):
         raise ValueError(f"lhs and rhs must have static shapes, got {lhs.data.shape=} {rhs.data.shape=}")
     if m != m2:
@@ -767,7 +790,7 @@ def grouped_wgrad_fp8_block(
             )
     _fp8_wgrad_variant(out_dtype, variant)  # (checked before the layout passes)
     return grouped_wgrad_fp8_block_token_major(
-        token_major_blocks_cuda(lhs), token_major_blocks_cuda(rhs), group_sizes, rows=m, out_dtype=out_dtype,
+        _token_major_operand(lhs), _token_major_operand(rhs), group_sizes, rows=m, out_dtype=out_dtype,
         variant=variant,
     )
 

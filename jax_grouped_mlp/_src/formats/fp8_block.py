@@ -267,6 +267,61 @@ def token_major_blocks(t: FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
     Raises:
       ValueError: ``t`` is not group-aware.
     """
+    tm = to_token_major(t)
+    return tm.data, scale_values(tm)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenMajorBlocks:
+    """A group-aware tensor in :func:`token_major_blocks`'s layout, with its scale bytes:
+    how the backward's dy and dh columns travel from the quantizer that writes this
+    layout directly to the FP8 weight gradient (internal; a pytree, ``rows`` static).
+
+    Attributes:
+      data: float8_e4m3fn ``[K, 128 * NB]``, ``NB = cdiv(rows, 128) + G``.
+      scale: float8_e8m0fnu ``[NB, K]``: the group-aware tensor's scale, unchanged.
+      group_sizes: the int32 ``[G]`` group sizes (clamped to ``rows``).
+      rows: M, the token rows of the tensor this was laid out from.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    group_sizes: jax.Array
+    rows: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def is_grouped(self) -> bool:
+        return True
+
+
+def check_token_major(t: TokenMajorBlocks, arg: str = "t") -> None:
+    """Raises TypeError/ValueError, naming ``arg`` and the field, when ``t``'s fields do
+    not fit together (dtypes; ``data [K, 128 * NB]`` and ``scale [NB, K]`` with ``NB =
+    cdiv(rows, 128) + G``)."""
+    if not isinstance(t, TokenMajorBlocks):
+        raise TypeError(f"{arg} must be a TokenMajorBlocks, got {arg}={type(t).__name__}")
+    gs = t.group_sizes
+    if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 or not jnp.issubdtype(gs.dtype, jnp.integer):
+        raise TypeError(f"{arg}.group_sizes must be a 1-D integer array, got {arg}.group_sizes={gs!r}")
+    if jnp.dtype(t.data.dtype) != jnp.dtype(jnp.float8_e4m3fn) or jnp.ndim(t.data) != 2:
+        raise TypeError(f"{arg}.data must be float8_e4m3fn [K, 128 * NB], got {t.data.dtype} {tuple(t.data.shape)}")
+    if jnp.dtype(t.scale.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
+        raise TypeError(f"{arg}.scale must be float8_e8m0fnu (or its uint8 bytes), got {arg}.scale.dtype={t.scale.dtype}")
+    nb, k = grouped_scale_rows(t.rows, gs.shape[0]), t.data.shape[0]
+    if tuple(t.data.shape) != (k, nb * BLOCK) or tuple(t.scale.shape) != (nb, k):
+        raise ValueError(
+            f"{arg}: rows={t.rows} and {gs.shape[0]} groups need data [K, {nb * BLOCK}] and scale [{nb}, K], "
+            f"got {arg}.data.shape={tuple(t.data.shape)} {arg}.scale.shape={tuple(t.scale.shape)}"
+        )
+
+
+def to_token_major(t: FP8BlockTensor) -> TokenMajorBlocks:
+    """``t`` (group-aware) in :func:`token_major_blocks`'s layout, scales kept as bytes.
+
+    Raises:
+      ValueError: ``t`` is not group-aware.
+    """
     if not isinstance(t, FP8BlockTensor):
         raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}")
     if not t.is_grouped:
@@ -279,7 +334,24 @@ def token_major_blocks(t: FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
     else:
         tiles, _, _ = groups.gather_tiles(t.data, groups.tile_layout(t.group_sizes, m, BLOCK))
         data = tiles.reshape(nblocks * BLOCK, k).T
-    return data, scale_values(t)
+    return TokenMajorBlocks(data=data, scale=t.scale, group_sizes=t.group_sizes, rows=m)
+
+
+def from_token_major(t: TokenMajorBlocks) -> FP8BlockTensor:
+    """The group-aware ``[M, K]`` tensor back from its token-major layout (exact: each
+    row read from its block's column; rows past the groups 0)."""
+    check_token_major(t)
+    m, (k, width) = t.rows, t.data.shape
+    nblocks = width // BLOCK
+    data = jnp.zeros((m, k), jnp.float8_e4m3fn)
+    if m:
+        layout = groups.tile_layout(t.group_sizes, m, BLOCK)
+        block = groups.row_tile_ids(t.group_sizes, m, BLOCK)  # nblocks past the groups
+        inside = block < nblocks
+        b = jnp.minimum(block, nblocks - 1)
+        col = b * BLOCK + jnp.clip(jnp.arange(m, dtype=jnp.int32) - layout.start[b], 0, BLOCK - 1)
+        data = jnp.where(inside[:, None], t.data.T[col], jnp.zeros((), jnp.float8_e4m3fn))
+    return FP8BlockTensor(data=data, scale=t.scale, axes=(0,), group_sizes=t.group_sizes)
 
 
 def scale_values(t: FP8BlockTensor) -> jax.Array:

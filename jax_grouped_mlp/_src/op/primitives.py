@@ -51,15 +51,16 @@ from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import fp8_block, mxfp8
 from jax_grouped_mlp._src.op import reference
 from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
-from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
+from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor, TokenMajorBlocks
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 
-Operand = Union[MXFP8Tensor, FP8BlockTensor, jax.Array]
+Operand = Union[MXFP8Tensor, FP8BlockTensor, TokenMajorBlocks, jax.Array]
 # The quantized operand types (a pytree of data, scale and maybe group sizes).
-QUANTIZED = (MXFP8Tensor, FP8BlockTensor)
+QUANTIZED = (MXFP8Tensor, FP8BlockTensor, TokenMajorBlocks)
 OpName = Literal[
     "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw",
-    "grouped_wgrad", "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_weight", "fp8_block_row",
+    "grouped_wgrad", "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_pair_tm", "fp8_block_weight",
+    "fp8_block_row",
 ]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
@@ -96,11 +97,12 @@ _FP8_BLOCK_CUDA = frozenset({"grouped_gemm", "grouped_wgrad"})
 
 
 def _has_fp8_block(args) -> bool:
-    return any(isinstance(a, FP8BlockTensor) for a in args)
+    return any(isinstance(a, (FP8BlockTensor, TokenMajorBlocks)) for a in args)
 
 
 # Which argument is the group sizes that a primitive's group-aware MXFP8 outputs carry.
-_GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2, "fp8_block_pair": 1}
+_GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2, "fp8_block_pair": 1,
+                    "fp8_block_pair_tm": 1}
 
 
 def _cuda_branch(name: OpName, static: tuple, *args):
@@ -190,6 +192,8 @@ def _as_bf16(x: Operand) -> jax.Array:
         return mxfp8.dequantize(x, jnp.bfloat16)
     if isinstance(x, FP8BlockTensor):
         return fp8_block.dequantize_fp8_block(x, jnp.bfloat16)
+    if isinstance(x, TokenMajorBlocks):
+        return fp8_block.dequantize_fp8_block(fp8_block.from_token_major(x), jnp.bfloat16)
     return x.astype(jnp.bfloat16)
 
 
@@ -345,6 +349,25 @@ def _ref_fp8_block_pair(x: jax.Array, group_sizes: jax.Array, *, keep_col: bool)
     return _with_group_sizes(_st_fp8_block_pair(x, group_sizes, keep_col), group_sizes)
 
 
+@jax.custom_jvp
+def _st_fp8_block_pair_tm(x: jax.Array, group_sizes: jax.Array):
+    row, col = _st_fp8_block_pair(x, group_sizes, True)
+    return row, fp8_block.to_token_major(col)
+
+
+@_st_fp8_block_pair_tm.defjvp
+def _st_fp8_block_pair_tm_jvp(primals, tangents):
+    (row, col), (row_dot, col_dot) = _st_fp8_block_pair_jvp(True, primals, tangents)
+    # The column tangent laid out as the column (float0 group sizes carry no layout).
+    tm_dot = fp8_block.to_token_major(dataclasses.replace(col_dot, group_sizes=col.group_sizes))
+    tm_dot = dataclasses.replace(tm_dot, scale=col_dot.scale, group_sizes=col_dot.group_sizes)
+    return (row, fp8_block.to_token_major(col)), (row_dot, tm_dot)
+
+
+def _ref_fp8_block_pair_tm(x: jax.Array, group_sizes: jax.Array):
+    return _with_group_sizes(_st_fp8_block_pair_tm(x, group_sizes), group_sizes)
+
+
 def _ref_fp8_block_weight(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
     q = _st_fp8_block(w, (1, 2))
     return fp8_block.transpose_tiles(q) if k_major else q
@@ -393,6 +416,7 @@ _REFERENCE: dict[str, Callable] = {
     "fc1_fused": _ref_fc1_fused,
     "dgrad_fused": _ref_dgrad_fused,
     "fp8_block_pair": _ref_fp8_block_pair,
+    "fp8_block_pair_tm": _ref_fp8_block_pair_tm,
     "fp8_block_weight": _ref_fp8_block_weight,
     "fp8_block_row": _ref_fp8_block_row,
 }
@@ -552,6 +576,15 @@ def fp8_block_pair(
     return _dispatch("fp8_block_pair", x, group_sizes, keep_col=keep_col)
 
 
+def fp8_block_pair_token_major(x: jax.Array, group_sizes: jax.Array) -> tuple[FP8BlockTensor, TokenMajorBlocks]:
+    """:func:`fp8_block_pair` with ``keep_col``, the column laid out as the FP8 weight
+    gradient reads it (``fp8_block.to_token_major``): what the backward's dy and dh
+    feed the weight gradient, whose column copy nothing else reads. One kernel on CUDA
+    for bf16 input (the quantizer's "pair_tm" mode writes the layout itself: no ``[M,
+    K]`` column copy, no layout pass); differentiated straight-through."""
+    return _dispatch("fp8_block_pair_tm", x, group_sizes)
+
+
 def fp8_block_weight(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
     """``quantize_fp8_block(w, (1, 2))`` of a ``[G, A, B]`` weight (128 x 128 tiles),
     differentiated straight-through; one kernel on CUDA for bf16 weights.
@@ -571,6 +604,7 @@ def _register_available_kernels() -> None:
         return
     if fp8_block_ffi.pair_variants():
         register_cuda_impl("fp8_block_pair", fp8_block_ffi.quantize_pair_cuda)
+        register_cuda_impl("fp8_block_pair_tm", fp8_block_ffi.quantize_pair_token_major_cuda)
     if fp8_block_ffi.single_variants():
         register_cuda_impl("fp8_block_weight", fp8_block_ffi.quantize_weight_cuda)
         register_cuda_impl("fp8_block_row", fp8_block_ffi.quantize_row_cuda)

@@ -94,15 +94,25 @@ class Recipe(str, enum.Enum):
         (``row_and_col(..., keep_col=True)``) rather than coming as bf16 values."""
         return self is Recipe.FP8_BLOCK
 
-    def row_and_col(self, x: jax.Array, group_sizes: jax.Array, *, keep_col: bool) -> tuple[Operand, Operand]:
+    def row_and_col(
+        self, x: jax.Array, group_sizes: jax.Array, *, keep_col: bool, token_major: bool = False
+    ) -> tuple[Operand, Operand]:
         """``(row(x, 1), col)`` for ``[M, K]``, col blocked along tokens; one pass on CUDA.
 
         ``keep_col``: col is a residual, so it stays FP8 (an :class:`MXFP8Tensor`, or an
         :class:`FP8BlockTensor` in group-aware 128-row blocks for ``fp8_block``);
         otherwise it is used at once and comes as its bf16 values (what the bf16
         weight-gradient kernel reads). ``fp8_block``'s row is an :class:`FP8BlockTensor`.
+
+        ``token_major`` (with ``keep_col``; ``fp8_block`` only): col is read by the FP8
+        weight gradient alone, so it comes laid out as that kernel reads it
+        (``fp8_block.TokenMajorBlocks``, written by the quantizer itself on CUDA): the
+        backward's dy and dh. Not for residuals (the offload planner counts the ``[M,
+        K]`` layout's bytes).
         """
         if self is Recipe.FP8_BLOCK:
+            if keep_col and token_major:
+                return primitives.fp8_block_pair_token_major(x, group_sizes)
             return primitives.fp8_block_pair(x, group_sizes, keep_col=keep_col)
         if self is Recipe.MXFP8:
             return primitives.fake_quantize_pair(x, group_sizes, keep_col_fp8=keep_col)
