@@ -9,8 +9,12 @@ one process, interleaved rounds (the machine drifts), on the same random bf16 op
   fp8_block x pair        ``quantize_pair_cuda(x [M, H], keep_col=True)``: rowwise +
                           group-aware FP8 copies (what the forward does to x; srelu's
                           output ``a [M, F]`` is the same pass, row "a pair")
+  fp8_block dy pair_tm    ``quantize_pair_token_major_cuda(dy [M, H])``: rowwise FP8 + the
+                          group-aware copy written token-major (the FP8 weight gradient's
+                          layout): what the backward does to dy (dh [M, F] likewise)
   fp8_block dy pair_bf16  ``quantize_pair_cuda(dy [M, H], keep_col=False)``: rowwise FP8 +
-                          the group-aware copy's bf16 values (dy; dh [M, F] likewise)
+                          the group-aware copy's bf16 values (dy and dh with the bf16
+                          weight gradient, ``KernelChoices(fp8_block_wgrad=False)``)
   fp8_block w1 tile       ``quantize_weight_cuda(w1 [G, H, F])``: 128 x 128 tiles
   fp8_block w1 tile_t     the same tiles written transposed ``[G, F, H]`` by the kernel
                           (``k_major=True``: the copy the forward GEMM reads)
@@ -66,10 +70,12 @@ def _parts(g: int, rows: int, h: int, f: int, alpha: float, seed: int) -> dict:
     nb = fp8_block.grouped_scale_rows(m, g)
     nb_mx = mxfp8.grouped_scale_rows(m, g)
 
-    def pair_bytes(k: int, keep_col: bool) -> int:
+    def pair_bytes(k: int, keep_col: bool, token_major: bool = False) -> int:
         kb = -(-k // fp8_block.BLOCK)
-        return 2 * m * k + m * k + m * kb + (m * k if keep_col else 2 * m * k) + nb * k
+        col = 128 * nb * k if token_major else (m * k if keep_col else 2 * m * k)
+        return 2 * m * k + m * k + m * kb + col + nb * k
 
+    pair_tm = jax.jit(fp8_block_ffi.quantize_pair_token_major_cuda)
     pair = jax.jit(fp8_block_ffi.quantize_pair_cuda, static_argnames="keep_col")
     x_col = pair(x, gs, keep_col=True)[1]
     x_mx = jax.jit(mxfp8.quantize_mxfp8_grouped)(x, gs)
@@ -79,6 +85,8 @@ def _parts(g: int, rows: int, h: int, f: int, alpha: float, seed: int) -> dict:
     return {
         "fp8_block x pair": (lambda x, gs: pair(x, gs, keep_col=True), (x, gs), pair_bytes(h, True)),
         "fp8_block a pair": (lambda a, gs: pair(a, gs, keep_col=True), (a, gs), pair_bytes(f, True)),
+        "fp8_block dy pair_tm": (pair_tm, (x, gs), pair_bytes(h, True, token_major=True)),
+        "fp8_block dh pair_tm": (pair_tm, (a, gs), pair_bytes(f, True, token_major=True)),
         "fp8_block dy pair_bf16": (lambda x, gs: pair(x, gs, keep_col=False), (x, gs), pair_bytes(h, False)),
         "fp8_block dh pair_bf16": (lambda a, gs: pair(a, gs, keep_col=False), (a, gs), pair_bytes(f, False)),
         "fp8_block w1 tile": (
