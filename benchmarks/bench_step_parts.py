@@ -32,7 +32,9 @@ plain draw is what ragged edges cost, the rest what the uneven distribution cost
 ``--descending`` adds, per skewed alpha, the same sizes in descending order (label
 ``alpha=1/desc``): the kernels' persistent CTAs take tiles round-robin in group order, so
 the difference says what the order of the groups costs (round-robin over non-increasing
-tile costs bounds the imbalance between CTAs by one tile). ``--parts REGEX`` times only
+tile costs bounds the imbalance between CTAs by one tile). Each part is timed at every
+alpha in ``--rounds`` interleaved rounds (default 3; the medians), as ``bench_mlp.py
+--rounds`` does: this machine drifts by 10-15 % over a run. ``--parts REGEX`` times only
 the parts whose name matches. The rows marked ``qw`` are the weight GEMMs with in-kernel weight
 quantization that the mxfp8 step runs instead of the fused and pass-quantized GEMMs when
 groups are small on average (``heuristics.weights_in_gemm``: Nano's 384 rows per group).
@@ -159,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=None, help="a regular expression: time only the parts whose name matches")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--samples", type=int, default=5, help="timing samples per part and alpha (median)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds over the alphas per part (median); 1 times them one after another")
     ap.add_argument("--seed", type=int, default=0, help="seed of the operands and of the skewed group sizes")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ns = ap.parse_args(argv)
@@ -184,17 +188,26 @@ def main(argv=None) -> int:
     names: list[tuple[str, int]] = []
     if len(labels) == 1:  # the one-alpha table, printed as it comes
         print(f"{'part':42s} {'ms':>8s} {'x/step':>6s} {'ms/step':>8s}")
-    for lab in labels:  # one alpha at a time: its group-size-dependent operands, then every part
-        for name, count, fn, args in _parts(fns, ops, jnp.asarray(sizes[lab])):
-            if ns.parts and not re.search(ns.parts, name):
-                continue
-            if lab == labels[0]:
-                names.append((name, count))
-            ms = by_alpha.setdefault(name, {})[lab] = 1e3 * time_call(fn, *args, iters=ns.iters, samples=ns.samples)
+    # Every label's group-size-dependent operands first; then each part at every label in
+    # --rounds interleaved rounds (this machine drifts by 10-15 % over a run: timing one
+    # label after another once put a drift of the run into the skew ratios, e.g. the
+    # weight gradients at 1.14-1.27x where interleaved rounds give 0.97-1.04x).
+    parts_by = {lab: _parts(fns, ops, jnp.asarray(sizes[lab])) for lab in labels}
+    for i, (name, count, _, _) in enumerate(parts_by[labels[0]]):
+        if ns.parts and not re.search(ns.parts, name):
+            continue
+        names.append((name, count))
+        rounds: dict[str, list[float]] = {lab: [] for lab in labels}
+        for _ in range(ns.rounds):
+            for lab in labels:
+                _, _, fn, args = parts_by[lab][i]
+                rounds[lab].append(1e3 * time_call(fn, *args, iters=ns.iters, samples=ns.samples))
+        for lab in labels:
+            ms = by_alpha.setdefault(name, {})[lab] = float(np.median(rounds[lab]))
             if len(labels) == 1:
                 print(f"{name:42s} {ms:8.3f} {count:6d} {ms * count:8.3f}", flush=True)
             else:
-                print(f"  {lab}: {name} {ms:.3f} ms", flush=True)
+                print(f"  {lab}: {name} {ms:.3f} ms (rounds {', '.join(f'{r:.3f}' for r in rounds[lab])})", flush=True)
     totals_by = {lab: {"gemm": 0.0, "fused": 0.0, "quantize": 0.0, "dequantize": 0.0, "fake_quantize": 0.0}
                  for lab in labels}
     skewed = [lab for lab in labels if lab != "uniform"] if "uniform" in labels else []
