@@ -3,11 +3,13 @@ weights prepared by every micro-batch (the op's default) or once per step
 (``prepare_weights`` + ``grouped_mlp(..., prepared=)``).
 
     PYTHONPATH=. python3 benchmarks/bench_grad_accum.py [--shapes nano] [--micro-batches 4]
-        [--recipes mxfp8,bf16,fp8_block] [--master float32] [--alphas inf,1] [--out FILE] [--plot]
+        [--recipes mxfp8,bf16,fp8_block] [--master float32] [--alphas inf,1] [--style in_body] [--out FILE] [--plot]
 
 Same process, same inputs. One step = ``jax.lax.scan`` over ``--micro-batches`` micro-
 batches of the shape's rows (each with its own tokens, group sizes and probs), the
-gradient of the summed loss in ``w1`` and ``w2`` (``--master`` dtype, float32 by default
+gradient of the summed loss (``--style through_scan``, the default: ``grad`` through the
+scan; ``in_body``: each micro-batch's ``grad`` added to accumulators inside the scan, as
+optax's MultiSteps does) in ``w1`` and ``w2`` (``--master`` dtype, float32 by default
 as with an optimizer's master weights) and in each micro-batch's ``x``. Reports ms per
 micro-batch, TFLOP/s (six GEMMs of 2·M·H·F per micro-batch), the compiled temp memory,
 the ratio prepared / per-micro-batch, and each candidate against the bf16 recipe
@@ -32,22 +34,47 @@ from common import MLP_SHAPES, RESULTS, bar_plot, command_line, device_descripti
 from shapes import router_group_sizes, skew_label  # noqa: E402
 
 BASELINE = "bf16/per_micro_batch"
+STYLES = ("through_scan", "in_body")
 
 
-def _step(recipe: str, prepared: bool):
-    """``grad`` of the micro-batches' summed loss in (w1, w2, xs), one jitted program."""
+def _step(recipe: str, prepared: bool, style: str = "through_scan"):
+    """The gradient in (w1, w2, xs) of the micro-batches' summed loss, one jitted program.
 
-    def loss(w1, w2, xs, gss, probs, dys):
+    ``style="through_scan"``: ``grad`` of a function that scans over the micro-batches
+    (XLA transposes the scan and sums the weights' cotangents in its carry).
+    ``"in_body"``: the scan body takes each micro-batch's ``grad`` and adds it to
+    accumulators in the weights' dtype (how optax's MultiSteps and most training loops
+    accumulate). The same gradients up to the order of the additions."""
+
+    def mb_loss(w1, w2, x, gs, p, dy, pw):
+        y = jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, prepared=pw)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+    def through_scan(w1, w2, xs, gss, probs, dys):
+        def loss(w1, w2, xs):
+            pw = jgm.prepare_weights(w1, w2, recipe=recipe) if prepared else None
+
+            def body(total, mb):
+                return total + mb_loss(w1, w2, *mb, pw), None
+
+            return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, gss, probs, dys))[0]
+
+        return jax.grad(loss, argnums=(0, 1, 2))(w1, w2, xs)
+
+    def in_body(w1, w2, xs, gss, probs, dys):
         pw = jgm.prepare_weights(w1, w2, recipe=recipe) if prepared else None
+        grad = jax.grad(mb_loss, argnums=(0, 1, 2))
 
-        def body(total, mb):
-            x, gs, p, dy = mb
-            y = jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, prepared=pw)
-            return total + jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), None
+        def body(acc, mb):
+            dw1, dw2, dx = grad(w1, w2, *mb, pw)
+            return (acc[0] + dw1, acc[1] + dw2), dx
 
-        return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, gss, probs, dys))[0]
+        (dw1, dw2), dxs = jax.lax.scan(body, (jnp.zeros_like(w1), jnp.zeros_like(w2)), (xs, gss, probs, dys))
+        return dw1, dw2, dxs
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style=}")
+    return jax.jit(through_scan if style == "through_scan" else in_body)
 
 
 def _inputs(name: str, micro_batches: int, master: str, alpha: float, seed: int):
@@ -65,16 +92,17 @@ def _inputs(name: str, micro_batches: int, master: str, alpha: float, seed: int)
 
 
 def bench_case(name: str, micro_batches: int, recipes: list[str], master: str, alpha: float,
-               iters: int, seed: int) -> dict:
+               iters: int, seed: int, style: str = "through_scan") -> dict:
     args, flops = _inputs(name, micro_batches, master, alpha, seed)
     g, rows, h, f = MLP_SHAPES[name]
     res: dict = {"groups": g, "rows_per_micro_batch": g * rows, "hidden": h, "ffn": f, "micro_batches": micro_batches,
-                 "master_dtype": master, "skew": skew_label(alpha), "flops_per_micro_batch": flops}
+                 "master_dtype": master, "skew": skew_label(alpha), "flops_per_micro_batch": flops,
+                 "style": style}
     for recipe in recipes:
         for prepared in (False, True):
             cname = f"{recipe}/{'prepared_once' if prepared else 'per_micro_batch'}"
             try:
-                compiled = _step(recipe, prepared).lower(*args).compile()
+                compiled = _step(recipe, prepared, style).lower(*args).compile()
                 mem = compiled.memory_analysis()
                 sec = time_call(compiled, *args, iters=iters, warmup=1, samples=3) / micro_batches
                 res[cname] = {"ms": sec * 1e3, "tflops": flops / sec / 1e12,
@@ -99,6 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", default="mxfp8,bf16,fp8_block")
     ap.add_argument("--master", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--alphas", default="inf", help="group-size skews: inf (equal sizes) and Dirichlet alphas")
+    ap.add_argument("--style", default="through_scan", choices=STYLES,
+                    help="through_scan: grad of the scanned loss; in_body: each micro-batch's grad added to "
+                         "accumulators in the scan body")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "grad_accum.json")
@@ -112,7 +143,7 @@ def main(argv=None) -> int:
     for name in ns.shapes.split(","):
         for alpha in (float(a) for a in ns.alphas.split(",") if a):
             key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"
-            results[key] = bench_case(name, ns.micro_batches, recipes, ns.master, alpha, ns.iters, ns.seed)
+            results[key] = bench_case(name, ns.micro_batches, recipes, ns.master, alpha, ns.iters, ns.seed, ns.style)
     write_result(ns.out, command=command, results=results)
     if ns.plot:
         title = f"grad accumulation, ms per micro-batch, {device_description()['device_kind']}"

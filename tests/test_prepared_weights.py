@@ -190,6 +190,29 @@ def test_bench_grad_accum_smoke(tmp_path):
     assert case["micro_batches"] == 2 and case["master_dtype"] == "float32"
     assert case["bf16/per_micro_batch"]["vs_bf16_per_micro_batch"] == 1.0
     assert case["bf16/prepared_once"]["vs_per_micro_batch"] > 0
+    assert case["style"] == "through_scan"
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_bench_grad_accum_styles_agree(prepared):
+    """The benchmark's two ways of accumulating (grad through the scan; each micro-batch's
+    grad added in the scan body) give the same gradients: the second is the same training
+    step written as optax's MultiSteps writes it."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_grad_accum
+
+    args, _ = bench_grad_accum._inputs("tiny", 3, "float32", 1.0, 0)
+    through = bench_grad_accum._step("bf16", prepared, "through_scan")(*args)
+    in_body = bench_grad_accum._step("bf16", prepared, "in_body")(*args)
+    for a, b in zip(through, in_body):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    assert np.asarray(through[0]).any()
+    with pytest.raises(ValueError, match="style must be one of"):
+        bench_grad_accum._step("bf16", prepared, "sideways")
 
 
 @pytest.mark.gpu
