@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ns = ap.parse_args(argv)
     alphas = _alphas(ns.alpha)
+    if ns.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got --rounds={ns.rounds}")
     dims = tuple(int(d) for d in ns.dims.split(",")) if ns.dims else MLP_SHAPES[ns.shape]
     g, rows, h, f = dims
     m = g * rows
@@ -228,7 +230,9 @@ def main(argv=None) -> int:
             totals_by[lab][kind] += by_alpha[name][lab] * count
         report["parts"][name] = entry
     report["ms_per_step"] = totals_by[labels[0]]
-    extra = {"shape": report["shape"], "ms_per_step": report["ms_per_step"]}
+    extra = {"shape": report["shape"], "ms_per_step": report["ms_per_step"], "rounds": ns.rounds}
+    if ns.parts:  # the totals then cover the matching parts only
+        extra["parts_filter"] = ns.parts
     if len(labels) > 1:
         extra["alphas"] = labels
         extra["seed"] = ns.seed

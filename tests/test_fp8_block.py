@@ -519,7 +519,9 @@ def test_token_major_operands(rng, m, k, sizes):
 
 
 def test_token_major_operand_errors():
+    from jax_grouped_mlp._src.cuda import gemm_ffi
     from jax_grouped_mlp._src.formats import fp8_block
+    from jax_grouped_mlp._src.op import primitives
 
     gs = jnp.asarray([3, 4], jnp.int32)
     ok = fp8_block.to_token_major(jgm.quantize_fp8_block(jnp.ones((7, 16), jnp.bfloat16), 0, group_sizes=gs))
@@ -532,6 +534,11 @@ def test_token_major_operand_errors():
         fp8_block.from_token_major(fp8_block.TokenMajorBlocks(ok.data, ok.scale, jnp.ones((2,)), rows=7))
     with pytest.raises(ValueError, match="group-aware"):
         fp8_block.to_token_major(jgm.quantize_fp8_block(jnp.ones((7, 16), jnp.bfloat16), 1))
+    with pytest.raises(ValueError, match=r"^rhs: rows=7"):  # errors name the weight gradient's operand
+        primitives.grouped_wgrad(ok, fp8_block.TokenMajorBlocks(ok.data, ok.scale[:2], gs, rows=7), gs, jnp.float32)
+    # The weight gradient's layout entry passes an already laid-out tensor through.
+    data, scale = gemm_ffi.token_major_blocks_cuda(ok)
+    assert data is ok.data and scale.dtype == jnp.float32 and scale.shape == (3, 16)
 
 
 @pytest.mark.gpu

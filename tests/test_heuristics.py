@@ -81,6 +81,22 @@ def _qw_best(sizes) -> int:
     return min(heuristics.QW_TILE_COSTS, key=lambda t: heuristics.qw_tiles_cost(sizes, t))
 
 
+def test_dy_dh_token_major_rule():
+    """dy and dh go token-major only for fp8_block with the FP8 weight gradient, bf16 dy,
+    a static M and H, F inside that kernel's contract."""
+    on, off = heuristics.DEFAULT, heuristics.KernelChoices(fp8_block_wgrad=False)
+    rule = heuristics.dy_dh_token_major
+    assert rule(on, "fp8_block", 49152, 2688, 1856, 128, "bfloat16")
+    assert not rule(off, "fp8_block", 49152, 2688, 1856, 128, "bfloat16")
+    for recipe in ("mxfp8", "bf16"):
+        assert not rule(on, recipe, 49152, 2688, 1856, 128, "bfloat16")
+    assert not rule(on, "fp8_block", 49152, 2688, 1856, 128, "float32")  # the pair kernel takes bf16
+    assert not rule(on, "fp8_block", object(), 2688, 1856, 128, "bfloat16")  # a symbolic M
+    assert not rule(on, "fp8_block", 4096, 100, 1856, 8, "bfloat16")  # H % 8
+    assert not rule(on, "fp8_block", 4096, 2688, 1852, 8, "bfloat16")  # F % 8
+    assert not rule(on, "fp8_block", 2**20, 4096, 4096, 8, "bfloat16")  # a laid-out copy of 2^31 bytes
+
+
 def test_qw_tiles_cost_counts_tiles():
     """ceil(g / tile) tiles per group, the 384 tile cheaper when it holds at most 192 tokens."""
     full, half = heuristics.QW_TILE_COSTS[384]

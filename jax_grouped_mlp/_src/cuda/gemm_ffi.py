@@ -245,13 +245,13 @@ def _grouped_gemm_qw_call(lhs, w, group_sizes, choice, variants: tuple[str, ...]
     return jax.ffi.ffi_call(GROUPED_GEMM_QW_TARGET, out)(lhs, w, group_sizes, choice, variants=attr)
 
 
-def _as_bf16(x) -> jax.Array:
+def _as_bf16(x, name: str = "x") -> jax.Array:
     if isinstance(x, MXFP8Tensor):
         return ffi.dequantize_cuda(x)  # exact; a kernel for the kept group-aware residuals
     if isinstance(x, fp8_block.FP8BlockTensor):
         return fp8_block.dequantize_fp8_block(x, jnp.bfloat16)  # exact (E4M3 x 2^e fits bf16)
     if isinstance(x, fp8_block.TokenMajorBlocks):
-        return fp8_block.dequantize_fp8_block(fp8_block.from_token_major(x), jnp.bfloat16)
+        return fp8_block.dequantize_fp8_block(fp8_block.from_token_major(x, name), jnp.bfloat16)
     return x
 
 
@@ -374,7 +374,7 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
     if _fp8_block_wgrad_pair(lhs, rhs, group_sizes):
         out = grouped_wgrad_fp8_block(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
     else:
-        out = grouped_wgrad_bf16_cuda(_as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=kernel_dtype)
+        out = grouped_wgrad_bf16_cuda(_as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=kernel_dtype)
     return out.astype(out_dtype)
 
 
@@ -723,14 +723,6 @@ def _checked_grouped_fp8_block(name: str, t) -> None:
     fp8_block._check_tensor(t, name)
 
 
-def _token_major_operand(t) -> tuple[jax.Array, jax.Array]:
-    """``(data, float32 scale)`` in the FP8 weight gradient's layout: laid out by
-    :func:`token_major_blocks_cuda` from an ``[M, K]`` tensor, as is when already there."""
-    if isinstance(t, fp8_block.TokenMajorBlocks):
-        return t.data, fp8_block.scale_values(t)
-    return token_major_blocks_cuda(t)
-
-
 def grouped_wgrad_fp8_block(
     lhs: fp8_block.FP8BlockTensor | fp8_block.TokenMajorBlocks,
     rhs: fp8_block.FP8BlockTensor | fp8_block.TokenMajorBlocks,
@@ -770,9 +762,9 @@ def grouped_wgrad_fp8_block(
     _checked_grouped_fp8_block("rhs", rhs)
     (m, k), (m2, n) = _grouped_dims(lhs), _grouped_dims(rhs)
     if not all(isinstance(d, int) for d in (m, k, m2, n)):
-        raise ValueError(f"lhs and rhs must have static shapes, got {lhs.data.shape=} {rhs.data.shape=}")
+        raise ValueError(f"lhs and rhs must have static shapes, got [M, K] = {(m, k)} (lhs) and {(m2, n)} (rhs)")
     if m != m2:
-        raise ValueError(f"row mismatch: lhs.data.shape={lhs.data.shape} vs rhs.data.shape={rhs.data.shape}")
+        raise ValueError(f"row mismatch: lhs has {m} rows ([M, K] = {(m, k)}), rhs {m2} ([M, N] = {(m2, n)})")
     if k % 8 or n % 8:
         raise ValueError(
             f"lhs, rhs: K and N must be multiples of 8 (16-byte output rows), got K={k} (lhs) and N={n} (rhs)"
@@ -790,7 +782,7 @@ def grouped_wgrad_fp8_block(
             )
     _fp8_wgrad_variant(out_dtype, variant)  # (checked before the layout passes)
     return grouped_wgrad_fp8_block_token_major(
-        _token_major_operand(lhs), _token_major_operand(rhs), group_sizes, rows=m, out_dtype=out_dtype,
+        token_major_blocks_cuda(lhs), token_major_blocks_cuda(rhs), group_sizes, rows=m, out_dtype=out_dtype,
         variant=variant,
     )
 
@@ -861,16 +853,21 @@ def token_major_blocks_variants() -> tuple[str, ...]:
     return ffi.variants("TOKEN_MAJOR_BLOCKS_VARIANTS")
 
 
-def token_major_blocks_cuda(t: fp8_block.FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
+def token_major_blocks_cuda(t: fp8_block.FP8BlockTensor | fp8_block.TokenMajorBlocks) -> tuple[jax.Array, jax.Array]:
     """:func:`fp8_block.token_major_blocks` (same bytes), the data by the CUDA kernel
     (``kernels/token_major_blocks.py``: one read and one write of the FP8 bytes) when it is
     compiled, ``K % 16 == 0`` and the result has fewer than 2^31 elements, else by the XLA
-    gather and transpose (several times slower on the H200).
+    gather and transpose (several times slower on the H200). A tensor already laid out
+    (``fp8_block.TokenMajorBlocks``, the pair quantizer's "pair_tm" output) comes back as
+    it is, with its scales decoded.
 
     Raises:
-      TypeError, ValueError: ``t`` is not a group-aware FP8BlockTensor (naming ``t``).
+      TypeError, ValueError: ``t`` is neither a group-aware FP8BlockTensor nor a
+        consistent TokenMajorBlocks (naming ``t``).
     """
     _checked_grouped_fp8_block("t", t)
+    if isinstance(t, fp8_block.TokenMajorBlocks):
+        return t.data, fp8_block.scale_values(t)
     m, k = t.data.shape
     g = t.group_sizes.shape[0]
     names = token_major_blocks_variants()

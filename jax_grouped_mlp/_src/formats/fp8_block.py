@@ -281,7 +281,8 @@ class TokenMajorBlocks:
     Attributes:
       data: float8_e4m3fn ``[K, 128 * NB]``, ``NB = cdiv(rows, 128) + G``.
       scale: float8_e8m0fnu ``[NB, K]``: the group-aware tensor's scale, unchanged.
-      group_sizes: the int32 ``[G]`` group sizes (clamped to ``rows``).
+      group_sizes: the int32 ``[G]`` group sizes as passed (every consumer clamps them to
+        ``rows``, as the layout does).
       rows: M, the token rows of the tensor this was laid out from.
     """
 
@@ -337,10 +338,11 @@ def to_token_major(t: FP8BlockTensor) -> TokenMajorBlocks:
     return TokenMajorBlocks(data=data, scale=t.scale, group_sizes=t.group_sizes, rows=m)
 
 
-def from_token_major(t: TokenMajorBlocks) -> FP8BlockTensor:
+def from_token_major(t: TokenMajorBlocks, arg: str = "t") -> FP8BlockTensor:
     """The group-aware ``[M, K]`` tensor back from its token-major layout (exact: each
-    row read from its block's column; rows past the groups 0)."""
-    check_token_major(t)
+    row read from its block's column; rows past the groups 0). ``arg`` names ``t`` in
+    errors."""
+    check_token_major(t, arg)
     m, (k, width) = t.rows, t.data.shape
     nblocks = width // BLOCK
     data = jnp.zeros((m, k), jnp.float8_e4m3fn)
@@ -354,7 +356,7 @@ def from_token_major(t: TokenMajorBlocks) -> FP8BlockTensor:
     return FP8BlockTensor(data=data, scale=t.scale, axes=(0,), group_sizes=t.group_sizes)
 
 
-def scale_values(t: FP8BlockTensor) -> jax.Array:
+def scale_values(t: FP8BlockTensor | TokenMajorBlocks) -> jax.Array:
     """``t``'s scales as float32 values ``2**(e - 127)`` (NaN for 0xFF), ``scale``'s shape."""
     return mxfp8._scale_value(jax.lax.bitcast_convert_type(t.scale, jnp.uint8))
 

@@ -42,8 +42,9 @@ class KernelChoices:
       qw_max_rows_per_group: "small groups" for ``quantize_weights_in_gemm``: at most
         this many rows per group on average.
       fp8_block_wgrad: ``fp8_block``'s weight gradients multiply the FP8 copies on the
-        FP8 weight-gradient kernel (the default: dy's and dh's token-blocked copies stay
-        FP8, and all four operands take a token-major layout pass); False: the bf16
+        FP8 weight-gradient kernel (the default: the kept x and srelu(h) copies take a
+        token-major layout pass, dy's and dh's come token-major from their quantizer,
+        :func:`dy_dh_token_major`); False: the bf16
         weight-gradient kernel on their exactly dequantized values (the same products;
         only the summation differs: the FP8 accumulator sums each 128-token block with
         fewer bits than float32, 6.9e-4 norm-wise apart on the H200). On the H200 the
@@ -98,6 +99,22 @@ def fuse_fc1(choices: KernelChoices, recipe: str, fuse: bool, x_shape: Sequence,
         fuse and recipe == "mxfp8" and all(isinstance(d, int) for d in x_shape)
         and not weights_in_gemm(choices, recipe, x_shape[0], num_groups)
     )
+
+
+def dy_dh_token_major(choices: KernelChoices, recipe: str, m, h: int, f: int, num_groups: int,
+                      dy_dtype: str) -> bool:
+    """Whether the backward quantizes dy and dh straight into the FP8 weight gradient's
+    token-major layout (``fp8_block`` with ``choices.fp8_block_wgrad``): only where the
+    pair quantizer writes it (bfloat16 dy; dh always is) and the weight-gradient kernel
+    takes it (a static M; H and F multiples of 8; fewer than 2^31 bytes in each laid-out
+    copy ``[K, 128 * (cdiv(M, 128) + G)]``). Elsewhere the copies stay ``[M, K]``: the
+    weight gradient lays them out with its own kernel, or runs the bf16 kernel on their
+    dequantized values, where a token-major copy would only be gathered back. Same bits
+    either way."""
+    if recipe != "fp8_block" or not choices.fp8_block_wgrad or not isinstance(m, int) or dy_dtype != "bfloat16":
+        return False
+    width = 128 * (-(-m // 128) + num_groups)
+    return h % 8 == 0 and f % 8 == 0 and max(h, f) * width < 2**31
 
 
 def fuse_dgrad(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:

@@ -228,8 +228,10 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     a_col = _with_leaves(a_col, leaves[: len(a_leaves)])
     x_col = _with_leaves(x_col, leaves[len(a_leaves):])
     wgrad_fp8 = recipe.wgrad_reads_fp8 and choices.fp8_block_wgrad
-    # (With the FP8 weight gradient, dy's and dh's columns come laid out for it.)
-    dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=wgrad_fp8, token_major=wgrad_fp8)
+    # (Where the FP8 weight gradient takes them, dy's and dh's columns come laid out for it.)
+    token_major = heuristics.dy_dh_token_major(choices, recipe.value, dy.shape[0], dy.shape[1], h.shape[1],
+                                               group_sizes.shape[0], str(jnp.dtype(dy.dtype)))
+    dy_row, dy_col = recipe.row_and_col(dy, group_sizes, keep_col=wgrad_fp8, token_major=token_major)
     if heuristics.fuse_dgrad(choices, recipe, dy.shape[0], w2.shape[0]):
         # One kernel: the FC2 dgrad, dSReLU, dprobs and both MXFP8 copies of dh.
         w2q = _weight(recipe, w2, 2, w2_ready)
@@ -237,7 +239,7 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     else:
         da = _weight_gemm(dy_row, w2, group_sizes, recipe, choices, jnp.bfloat16, transpose_rhs=True, ready=w2_ready)
         dh, dprobs = srelu_scaled_grad(da, h, probs)
-        dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=wgrad_fp8, token_major=wgrad_fp8)
+        dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=wgrad_fp8, token_major=token_major)
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
     if isinstance(dh_row, QUANTIZED):
         # (The FP8 data alone order it the same. With the E8M0 scales in the barrier,

@@ -187,13 +187,13 @@ def _sequential_kernel(name: OpName, static: tuple) -> Callable:
     return call
 
 
-def _as_bf16(x: Operand) -> jax.Array:
+def _as_bf16(x: Operand, name: str = "x") -> jax.Array:
     if isinstance(x, MXFP8Tensor):
         return mxfp8.dequantize(x, jnp.bfloat16)
     if isinstance(x, FP8BlockTensor):
         return fp8_block.dequantize_fp8_block(x, jnp.bfloat16)
     if isinstance(x, TokenMajorBlocks):
-        return fp8_block.dequantize_fp8_block(fp8_block.from_token_major(x), jnp.bfloat16)
+        return fp8_block.dequantize_fp8_block(fp8_block.from_token_major(x, name), jnp.bfloat16)
     return x.astype(jnp.bfloat16)
 
 
@@ -215,7 +215,7 @@ def _ref_grouped_gemm_qw(
 
 def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
     return reference.ragged_transpose_matmul(
-        _as_bf16(lhs), _as_bf16(rhs), group_sizes, out_dtype=out_dtype
+        _as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=out_dtype
     )
 
 
@@ -360,7 +360,7 @@ def _st_fp8_block_pair_tm_jvp(primals, tangents):
     (row, col), (row_dot, col_dot) = _st_fp8_block_pair_jvp(True, primals, tangents)
     # The column tangent laid out as the column (float0 group sizes carry no layout).
     tm_dot = fp8_block.to_token_major(dataclasses.replace(col_dot, group_sizes=col.group_sizes))
-    tm_dot = dataclasses.replace(tm_dot, scale=col_dot.scale, group_sizes=col_dot.group_sizes)
+    tm_dot = dataclasses.replace(tm_dot, group_sizes=col_dot.group_sizes)
     return (row, fp8_block.to_token_major(col)), (row_dot, tm_dot)
 
 
