@@ -344,9 +344,13 @@ def main(argv=None) -> dict:
                           f"{1e3 * times[-1]:.1f} ms", file=sys.stdout)  # fmt: skip
             if manager is not None:
                 # save() copies the arrays to host before it returns (the writing is
-                # asynchronous), so the next step may donate them.
+                # asynchronous), so the next step may donate them. The history is copied
+                # here: the asynchronous write would otherwise see the next steps'
+                # entries appended to the same lists (a checkpoint of step 3 holding step
+                # 4's loss; seen once in CI).
+                saved = {key: list(values) for key, values in history.items()}
                 manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                           history=ocp.args.JsonSave(history)),
+                                                           history=ocp.args.JsonSave(saved)),
                              force=step == args.steps)  # fmt: skip
     if manager is not None:
         manager.wait_until_finished()
