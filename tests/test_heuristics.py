@@ -95,6 +95,9 @@ def test_dy_dh_token_major_rule():
     assert not rule(on, "fp8_block", 4096, 100, 1856, 8, "bfloat16")  # H % 8
     assert not rule(on, "fp8_block", 4096, 2688, 1852, 8, "bfloat16")  # F % 8
     assert not rule(on, "fp8_block", 2**20, 4096, 4096, 8, "bfloat16")  # a laid-out copy of 2^31 bytes
+    assert not rule(on, "fp8_block", 4096, 8192, 8192, 64, "bfloat16")  # an output [G, H, F] of 2^32 elements
+    # The same contract the weight gradient's binding checks.
+    assert heuristics.fp8_wgrad_fits(49152, 2688, 1856, 128) and not heuristics.fp8_wgrad_fits(49152, 2688, 1852, 128)
 
 
 def test_qw_tiles_cost_counts_tiles():

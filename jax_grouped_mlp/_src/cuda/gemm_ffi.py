@@ -388,7 +388,7 @@ def _grouped_dims(t) -> tuple:
 def _fp8_block_wgrad_pair(lhs, rhs, group_sizes) -> bool:
     """Whether ``lhs`` and ``rhs`` are group-aware ``fp8_block`` operands (``[M, K]``
     tensors or already token-major) the FP8 weight-gradient kernel takes (compiled;
-    static shapes within its contract, :func:`_fp8_wgrad_fits`; quantized with as many
+    static shapes within its contract, :func:`heuristics.fp8_wgrad_fits`; quantized with as many
     groups as ``group_sizes`` has)."""
     kinds = (fp8_block.FP8BlockTensor, fp8_block.TokenMajorBlocks)
     if not all(isinstance(t, kinds) and t.is_grouped for t in (lhs, rhs)):
@@ -398,18 +398,8 @@ def _fp8_block_wgrad_pair(lhs, rhs, group_sizes) -> bool:
     (m, k), (m2, n) = _grouped_dims(lhs), _grouped_dims(rhs)
     g = jnp.shape(group_sizes)[0]
     rows = fp8_block.grouped_scale_rows(m, g) if isinstance(m, int) and isinstance(g, int) else None
-    return (m == m2 and _fp8_wgrad_fits(m, k, n, g)
+    return (m == m2 and heuristics.fp8_wgrad_fits(m, k, n, g)
             and lhs.scale.shape[0] == rows and rhs.scale.shape[0] == rows)  # fmt: skip
-
-
-def _fp8_wgrad_fits(m, k: int, n: int, g: int) -> bool:
-    """The FP8 weight gradient's shape contract: static sizes, K and N multiples of 8,
-    fewer than 2^31 elements in each token-major operand ``[K or N, 128 * NB]`` and in
-    the output."""
-    if not all(isinstance(d, int) for d in (m, k, n, g)):
-        return False
-    width = 128 * fp8_block.grouped_scale_rows(m, g)
-    return k % 8 == 0 and n % 8 == 0 and k * width < _MAX and n * width < _MAX and g * k * n < _MAX
 
 
 # ---- FC1 with the fused epilogue (csrc/grouped_gemm_fc1.cc) ----
@@ -772,7 +762,7 @@ def grouped_wgrad_fp8_block(
     g = jnp.shape(group_sizes)[0] if jnp.ndim(group_sizes) == 1 else 0
     # (Type-checked here; clamped once, by the token-major entry, right before its call.)
     _checked_group_sizes(group_sizes, g, m)
-    if not _fp8_wgrad_fits(m, k, n, g):
+    if not heuristics.fp8_wgrad_fits(m, k, n, g):
         raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {m=} {n=} {k=} {g=}")
     nblocks = fp8_block.grouped_scale_rows(m, g)
     for name, t in (("lhs", lhs), ("rhs", rhs)):
@@ -836,7 +826,7 @@ def grouped_wgrad_fp8_block_token_major(
         if data.shape[0] % 8:
             raise ValueError(f"{name}: K and N must be multiples of 8, got {data.shape[0]}")
         dims[name] = data.shape[0]
-    if not _fp8_wgrad_fits(rows, dims["lhs"], dims["rhs"], g):
+    if not heuristics.fp8_wgrad_fits(rows, dims["lhs"], dims["rhs"], g):
         raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {rows=} {dims} {g=}")
     variant_index = _fp8_wgrad_variant(out_dtype, variant)
     out = jax.ShapeDtypeStruct((g, dims["lhs"], dims["rhs"]), out_dtype)
@@ -871,7 +861,7 @@ def token_major_blocks_cuda(t: fp8_block.FP8BlockTensor | fp8_block.TokenMajorBl
     m, k = t.data.shape
     g = t.group_sizes.shape[0]
     names = token_major_blocks_variants()
-    if not names or k % 16 or not _fp8_wgrad_fits(m, k, 8, g):
+    if not names or k % 16 or not heuristics.fp8_wgrad_fits(m, k, 8, g):
         return fp8_block.token_major_blocks(t)
     gs = _checked_group_sizes(t.group_sizes, g, m)
     out = jax.ShapeDtypeStruct((k, fp8_block.grouped_scale_rows(m, g) * 128), jnp.float8_e4m3fn)

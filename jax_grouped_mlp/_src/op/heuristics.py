@@ -101,20 +101,28 @@ def fuse_fc1(choices: KernelChoices, recipe: str, fuse: bool, x_shape: Sequence,
     )
 
 
+def fp8_wgrad_fits(m, k: int, n: int, g: int) -> bool:
+    """The FP8 weight gradient's shape contract: static sizes, K and N multiples of 8,
+    fewer than 2^31 elements in each token-major operand ``[K or N, 128 * (cdiv(M, 128)
+    + G)]`` and in the output ``[G, K, N]``."""
+    if not all(isinstance(d, int) for d in (m, k, n, g)):
+        return False
+    width = 128 * (-(-m // 128) + g)
+    return k % 8 == 0 and n % 8 == 0 and k * width < 2**31 and n * width < 2**31 and g * k * n < 2**31
+
+
 def dy_dh_token_major(choices: KernelChoices, recipe: str, m, h: int, f: int, num_groups: int,
                       dy_dtype: str) -> bool:
     """Whether the backward quantizes dy and dh straight into the FP8 weight gradient's
     token-major layout (``fp8_block`` with ``choices.fp8_block_wgrad``): only where the
     pair quantizer writes it (bfloat16 dy; dh always is) and the weight-gradient kernel
-    takes it (a static M; H and F multiples of 8; fewer than 2^31 bytes in each laid-out
-    copy ``[K, 128 * (cdiv(M, 128) + G)]``). Elsewhere the copies stay ``[M, K]``: the
+    takes both (:func:`fp8_wgrad_fits` for dW1 and dW2). Elsewhere the copies stay ``[M, K]``: the
     weight gradient lays them out with its own kernel, or runs the bf16 kernel on their
     dequantized values, where a token-major copy would only be gathered back. Same bits
     either way."""
-    if recipe != "fp8_block" or not choices.fp8_block_wgrad or not isinstance(m, int) or dy_dtype != "bfloat16":
+    if recipe != "fp8_block" or not choices.fp8_block_wgrad or dy_dtype != "bfloat16":
         return False
-    width = 128 * (-(-m // 128) + num_groups)
-    return h % 8 == 0 and f % 8 == 0 and max(h, f) * width < 2**31
+    return fp8_wgrad_fits(m, h, f, num_groups) and fp8_wgrad_fits(m, f, h, num_groups)
 
 
 def fuse_dgrad(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:
