@@ -74,6 +74,7 @@ def _candidates() -> dict:
         "grouped_mlp_mxfp8_weight_passes_unfused_fc1": _weight_passes(fuse_fc1_epilogue=False),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
         "grouped_mlp_fp8_block": lambda *a: jgm.grouped_mlp(*a, recipe="fp8_block"),
+        "grouped_mlp_fp8_block_unfused_fc1": lambda *a: jgm.grouped_mlp(*a, recipe="fp8_block", fuse_fc1_epilogue=False),
         "grouped_mlp_fp8_block_bf16_wgrad": _fp8_block_bf16_wgrad,
         "ragged_dot_bf16": ragged_dot_mlp,
     }

@@ -51,6 +51,7 @@ PYBIND11_MODULE(_kernels, m) {
         JGM_ADD("jgm_grouped_gemm_fc1", JgmGroupedGemmFc1);
         JGM_ADD("jgm_grouped_gemm_dgrad", JgmGroupedGemmDgrad);
         JGM_ADD("jgm_grouped_gemm_fp8_block", JgmGroupedGemmFp8Block);
+        JGM_ADD("jgm_grouped_gemm_fp8_block_fc1", JgmGroupedGemmFp8BlockFc1);
         JGM_ADD("jgm_quantize_fp8_block_pair", JgmQuantizeFp8BlockPair);
         JGM_ADD("jgm_quantize_fp8_block", JgmQuantizeFp8Block);
         JGM_ADD("jgm_grouped_wgrad_fp8_block", JgmGroupedWgradFp8Block);
@@ -70,6 +71,7 @@ PYBIND11_MODULE(_kernels, m) {
   JGM_NAMES(GROUPED_GEMM_FC1_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_DGRAD_VARIANTS);
   JGM_NAMES(GROUPED_GEMM_FP8_BLOCK_VARIANTS);
+  JGM_NAMES(GROUPED_GEMM_FP8_BLOCK_FC1_VARIANTS);
   JGM_NAMES(QUANTIZE_FP8_BLOCK_PAIR_VARIANTS);
   JGM_NAMES(QUANTIZE_FP8_BLOCK_VARIANTS);
   JGM_NAMES(GROUPED_WGRAD_FP8_BLOCK_VARIANTS);

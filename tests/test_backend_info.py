@@ -144,14 +144,15 @@ def test_backend_info_on_the_h200():
 
 @pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
 def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
-    """recipe="fp8_block" lowered for CUDA: the forward GEMMs and the data gradients are
-    the FP8 block-scaled kernel (4 calls), the weight gradients the FP8 weight-gradient
-    kernel (2) on token-major operands: the kept residuals x and srelu(h) laid out by the
-    layout kernel (2), dy and dh written so by the pair quantizer itself (4 pair calls
-    in all); a hidden size off the FP8 GEMM's contract (K % 16) sends the GEMMs that
-    reduce over it to the bf16 kernel instead, on the dequantized operands, and the
-    layout of x to XLA."""
-    from jax_grouped_mlp._src.cuda import fp8_block_ffi, gemm_ffi
+    """recipe="fp8_block" lowered for CUDA: FC1 is the FP8 block-scaled kernel with its
+    epilogue (srelu(h)'s two copies), FC2 and the data gradients the plain one (3 calls),
+    the weight gradients the FP8 weight-gradient kernel (2) on token-major operands: the
+    kept residuals x and srelu(h) laid out by the layout kernel (2), dy and dh written so
+    by the pair quantizer itself (3 pair calls in all: x, dy, dh); a hidden size off the
+    FP8 GEMM's contract (K % 16) sends the GEMMs that reduce over it to the bf16 kernel
+    instead, on the dequantized operands (FC1 then unfused: its GEMM and srelu(h)'s pair
+    quantizer), and the layout of x to XLA."""
+    from jax_grouped_mlp._src.cuda import fp8_block_fc1_ffi, fp8_block_ffi, gemm_ffi
 
     if not gemm_ffi.grouped_gemm_fp8_block_variants():
         pytest.skip("this build has no FP8 block-scaled GEMM (fp8_block then takes the bf16 kernel)")
@@ -162,10 +163,12 @@ def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
 
     fake_gpus("9.0")
     text = _cuda_text(grad_fn, *_inputs(rng))
-    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4, text.count(gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET)
+    fused = 1 if fp8_block_fc1_ffi.variants() else 0  # (a build without the FC1 epilogue composes it)
+    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4 - fused, text.count(gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET)
+    assert text.count(f'@{fp8_block_fc1_ffi.TARGET}(') == fused
     assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET}(') == 2
     assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 2  # x, srelu(h)
-    assert text.count(f'@{fp8_block_ffi.PAIR_TARGET}(') == 4  # x, srelu(h); dy, dh token-major
+    assert text.count(f'@{fp8_block_ffi.PAIR_TARGET}(') == 4 - fused  # x, (srelu(h)); dy, dh token-major
     assert f'@{gemm_ffi.GROUPED_WGRAD_TARGET}(' not in text
     assert f'@{gemm_ffi.GROUPED_GEMM_TARGET}(' not in text
 
@@ -174,6 +177,7 @@ def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
     # from its pair quantizer (which takes K % 8 == 0).
     text = _cuda_text(grad_fn, *_inputs(rng, h=72))
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 2
+    assert f'@{fp8_block_fc1_ffi.TARGET}(' not in text
     assert text.count(f'@{gemm_ffi.GROUPED_GEMM_TARGET}(') == 2
     assert text.count(f'@{gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET}(') == 2
     assert text.count(f'@{gemm_ffi.TOKEN_MAJOR_BLOCKS_TARGET}(') == 1
@@ -187,7 +191,7 @@ def test_fp8_block_prepared_weights_need_no_transpose_on_cuda(rng, fake_gpus):
     program; nor without ``prepared``, where the weight quantizer writes the K-major
     copy itself (``fp8_block_weight(w, k_major=True)``), except for a weight whose rows
     are not whole 16-byte chunks (its tiles are then transposed by XLA)."""
-    from jax_grouped_mlp._src.cuda import fp8_block_ffi, gemm_ffi
+    from jax_grouped_mlp._src.cuda import fp8_block_fc1_ffi, fp8_block_ffi, gemm_ffi
 
     if not gemm_ffi.grouped_gemm_fp8_block_variants():
         pytest.skip("this build has no FP8 block-scaled GEMM")
@@ -202,7 +206,10 @@ def test_fp8_block_prepared_weights_need_no_transpose_on_cuda(rng, fake_gpus):
     fp8_transposes = re.compile(r"stablehlo\.transpose[^\n]*-> tensor<3x(?:96x64|64x96)xf8E4M3FN>")
     pw = jgm.prepare_weights(w1, w2, recipe="fp8_block")
     text = _cuda_text(grad_fn, x, w1, w2, gs, p, pw)
-    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') == 4
+    # (FC1 with its epilogue reads the prepared K-major copy too)
+    fused = text.count(f'@{fp8_block_fc1_ffi.TARGET}(')
+    assert fused == (1 if fp8_block_fc1_ffi.variants() else 0)
+    assert text.count(f'@{gemm_ffi.GROUPED_GEMM_FP8_BLOCK_TARGET}(') + fused == 4
     assert not fp8_transposes.findall(text)
     unprepared = _cuda_text(lambda x, w1, w2, gs, p: grad_fn(x, w1, w2, gs, p, None), x, w1, w2, gs, p)
     assert not fp8_transposes.findall(unprepared)

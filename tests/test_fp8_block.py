@@ -4,6 +4,8 @@ the rule (written here, sharing nothing with the library), and ``grouped_mlp(rec
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -272,6 +274,30 @@ def test_fp8_weight_gradient_choice_changes_no_bits_off_cuda(rng):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@functools.partial(jax.jit, static_argnames="fuse")
+def _run_fused(x, w1, w2, gs, probs, dy, fuse: bool):
+    y, vjp = jax.vjp(lambda *a: jgm.grouped_mlp(*a[:3], gs, a[3], recipe="fp8_block", fuse_fc1_epilogue=fuse),
+                     x, w1, w2, probs)
+    return y, vjp(dy)
+
+
+@pytest.mark.parametrize("case", ["zeros_and_skew", "unaligned"])
+def test_fused_fc1_gives_the_unfused_bits(rng, case):
+    """FC1 with its epilogue (``primitives.fp8_block_fc1``: h and both copies of srelu(h)
+    from one kernel on CUDA) changes no bit of the output or of any gradient, with and
+    without a gradient (on CPU both paths compose the same reference primitives; on the
+    GPU the fused kernel is bitwise the FP8 GEMM followed by the pair quantizer)."""
+    x, w1, w2, gs, probs, dy = make_inputs(rng, m=320, h=256, f=384, sizes=SIZES[case])
+    fused = jax.tree_util.tree_leaves(_run_fused(x, w1, w2, gs, probs, dy, True))
+    plain = jax.tree_util.tree_leaves(_run_fused(x, w1, w2, gs, probs, dy, False))
+    for a, b in zip(fused, plain):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    fwd = jax.jit(lambda fuse, *a: jgm.grouped_mlp(*a[:3], gs, a[3], recipe="fp8_block", fuse_fc1_epilogue=fuse),
+                  static_argnums=0)
+    np.testing.assert_array_equal(np.asarray(fwd(True, x, w1, w2, probs), np.float32),
+                                  np.asarray(fwd(False, x, w1, w2, probs), np.float32))
+
+
 @pytest.mark.gpu
 def test_fp8_weight_gradient_against_the_bf16_one(rng):
     """On the GPU the FP8 weight-gradient kernel gives the bf16 kernel's weight gradients
@@ -381,10 +407,14 @@ def test_recipe_keeps_fp8_residuals_and_sends_only_its_gemms_to_cuda(rng, monkey
                             argnums=(0, 1, 2)))(x, w1, w2)
     # (fp8_block_row: the op's undifferentiated forward, which custom_vjp traces too)
     assert set(calls) == {"grouped_gemm", "grouped_wgrad", "fp8_block_pair", "fp8_block_pair_tm", "fp8_block_weight",
-                          "fp8_block_row"}, calls
-    # x and srelu(h) (kept as [M, K] residuals), dy and dh (token-major, for the weight gradients)
-    assert calls.count("grouped_wgrad") == 2 and calls.count("fp8_block_pair") == 2, calls
+                          "fp8_block_row", "fp8_block_fc1"}, calls
+    # x (kept as an [M, K] residual; srelu(h)'s copies come from FC1's kernel), dy and dh
+    # (token-major, for the weight gradients)
+    assert calls.count("grouped_wgrad") == 2 and calls.count("fp8_block_pair") == 1, calls
     assert calls.count("fp8_block_pair_tm") == 2, calls
+    # FC1 with its epilogue (the forward rule, and the op's undifferentiated forward); FC2
+    # and both data gradients on the plain GEMM
+    assert calls.count("fp8_block_fc1") == 2 and calls.count("grouped_gemm") == 4, calls
     _, res = jax.vjp(jax.checkpoint(loss, policy=jgm.offload_policy("device", "device", "device")), x, w1, w2)
     leaves = jax.tree_util.tree_leaves(res)
     fp8 = [a for a in leaves if getattr(a, "dtype", None) == jnp.float8_e4m3fn]
@@ -426,11 +456,12 @@ def test_recipe_on_the_gpu_runs_its_kernels(rng):
     step (12.5%) away (H200, jax 0.11.2: 1.4% on one output with the reference GEMMs)."""
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
     hlo = _run.lower(x, w1, w2, gs, probs, dy).compile().as_text()
-    assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block"') == 4
+    assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block"') == 3  # FC2 and both data gradients
+    assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block_fc1"') == 1  # FC1 and srelu(h)'s copies
     assert hlo.count('custom_call_target="jgm_grouped_wgrad_fp8_block"') == 2  # (KernelChoices.fp8_block_wgrad)
     assert hlo.count('custom_call_target="jgm_token_major_blocks"') == 2  # x, srelu(h) (dy, dh: from pair_tm)
     assert 'custom_call_target="jgm_grouped_wgrad"' not in hlo
-    assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 4  # x, srelu(h), dy, dh (token-major)
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block_pair"') >= 3  # x, dy, dh (token-major)
     # w1, w2: the forward's K-major tiles and the data gradients' tiles as stored
     assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 4
     out = _run(x, w1, w2, gs, probs, dy)
@@ -549,7 +580,8 @@ def test_forward_without_gradient_runs_the_kernels(rng):
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
     fwd = jax.jit(lambda x, w1, w2, probs: jgm.grouped_mlp(x, w1, w2, gs, probs, recipe="fp8_block"))
     hlo = fwd.lower(x, w1, w2, probs).compile().as_text()
-    assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 4  # x, srelu(h); w1, w2
+    assert hlo.count('custom_call_target="jgm_quantize_fp8_block"') >= 3  # x; w1, w2 (srelu(h): FC1's kernel)
+    assert hlo.count('custom_call_target="jgm_grouped_gemm_fp8_block_fc1"') == 1
     assert 'custom_call_target="jgm_quantize_fp8_block_pair"' not in hlo
     y, _ = _run(x, w1, w2, gs, probs, dy)
     assert rel_err(fwd(x, w1, w2, probs), y) < 1e-2

@@ -70,6 +70,9 @@ def test_fused_epilogue_rules():
     assert not heuristics.fuse_fc1(off, MX, True, (object(), 32), 4)  # symbolic M
     assert not heuristics.fuse_fc1(DEFAULT, MX, True, (64, 32), 4)  # small groups: weights in the GEMM
     assert heuristics.fuse_fc1(DEFAULT, MX, True, (4 * 1024, 32), 4)
+    # fp8_block: its FC1 kernel has the epilogue too (the weights are never quantized in the GEMM).
+    assert heuristics.fuse_fc1(DEFAULT, "fp8_block", True, (64, 32), 4)
+    assert not heuristics.fuse_fc1(DEFAULT, "fp8_block", False, (64, 32), 4)
     assert heuristics.fuse_dgrad(off, MX, 64, 4)
     assert not heuristics.fuse_dgrad(DEFAULT, MX, 64, 4)
     assert heuristics.fuse_dgrad(DEFAULT, MX, 4 * 1024, 4)

@@ -5,6 +5,7 @@
     compute-sanitizer --tool memcheck python3 tools/sanitize_small.py --second-order
 
 ``--fp8-block`` instead runs every fp8_block kernel (the pair quantizer in its three modes,
+the FC1-epilogue GEMM,
 the weight quantizer in both layouts, the row quantizer, the token-major layout, every
 FP8 GEMM and weight-gradient variant, the weight gradient on the pair's token-major
 copies) on small ragged cases with an empty group and sizes past M.
@@ -92,7 +93,7 @@ def main() -> int:
 
 def fp8_block_kernels() -> int:
     """Every fp8_block kernel once on a small ragged case (``--fp8-block``)."""
-    from jax_grouped_mlp._src.cuda import fp8_block_ffi
+    from jax_grouped_mlp._src.cuda import fp8_block_fc1_ffi, fp8_block_ffi
 
     rng = np.random.default_rng(2)
     m, k, n = 300, 272, 144  # K and N off 128: partial last blocks
@@ -111,6 +112,10 @@ def fp8_block_kernels() -> int:
     outs += [fp8_block_ffi.quantize_row_cuda(x).data, *gemm_ffi.token_major_blocks_cuda(x_col)]
     for v in gemm_ffi.grouped_gemm_fp8_block_variants():
         outs.append(gemm_ffi.grouped_gemm_fp8_block(x_row, wq, gs, variant=v))
+    probs = jnp.asarray(rng.uniform(-1, 1, m), jnp.float32)
+    for v in fp8_block_fc1_ffi.variants():  # FC1 with its epilogue: h and a's two copies
+        h, a_row, a_col = fp8_block_fc1_ffi.grouped_gemm_fp8_block_fc1(x_row, wq, gs, probs, variant=v)
+        outs += [h, a_row.data, a_row.scale, a_col.data, a_col.scale]
     for v in gemm_ffi.grouped_wgrad_fp8_block_variants():
         od = registry.variant(v).out_dtype
         outs.append(gemm_ffi.grouped_wgrad_fp8_block(x_col, dy_col, gs, out_dtype=od, variant=v))

@@ -129,6 +129,22 @@ def _grouped_gemm_fp8_block_args():
             cutlass.Int32(132), make_fake_stream())
 
 
+def _grouped_gemm_fp8_block_fc1_args():
+    """Fake (lhs, rhs, lhs_scale, rhs_scale, h [M, N] bf16 as :func:`_grouped_gemm_fp8_block_args`,
+    a_row [M, N] uint8, a_row_scale [M, NB] uint8, a_col [M, N] uint8, a_col_scale [BB, N]
+    uint8, probs [M] f32, group_sizes, num_ctas, stream)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    t = _fake
+    lhs, rhs, sa, sb, h, group_sizes, num_ctas, stream = _grouped_gemm_fp8_block_args()
+    m, n = h.shape
+    nb, bb = cute.sym_int32(), cute.sym_int32()
+    return (lhs, rhs, sa, sb, h, t(cutlass.Uint8, (m, n), (1, 0)), t(cutlass.Uint8, (m, nb), (1, 0), align=1),
+            t(cutlass.Uint8, (m, n), (1, 0)), t(cutlass.Uint8, (bb, n), (1, 0), align=1),
+            t(cutlass.Float32, (m,), (0,), align=4), group_sizes, num_ctas, stream)
+
+
 def _grouped_gemm_fc1_args():
     """Fake (lhs [M, K], rhs (N, K, G) N-contiguous, h [M, N], a_row [M, N] bf16, a_col [M, N]
     uint8, a_scale [NB, N] uint8, probs [M] f32, group_sizes, num_ctas, stream)."""
@@ -231,6 +247,13 @@ def _kernel(v: registry.Variant):
 
             return cfg, GroupedGemmDgradSm90(cfg), _grouped_gemm_dgrad_args()
         return cfg, GroupedGemmSm90(cfg), _grouped_gemm_args(v.rhs_k_major)
+    if isinstance(v, registry.Fp8BlockFc1Variant):
+        from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_fc1_sm90 import (
+            Fp8BlockFc1Config, GroupedGemmFp8BlockFc1Sm90,
+        )
+
+        cfg = Fp8BlockFc1Config(tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m)
+        return cfg, GroupedGemmFp8BlockFc1Sm90(cfg), _grouped_gemm_fp8_block_fc1_args()
     if isinstance(v, registry.Fp8BlockGemmVariant):
         from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_sm90 import Fp8BlockGemmConfig, GroupedGemmFp8BlockSm90
 

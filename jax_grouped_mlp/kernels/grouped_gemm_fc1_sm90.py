@@ -51,6 +51,7 @@ one block of the group layout, cut short at the group's end.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -65,6 +66,14 @@ from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 BLOCK = 32  # MXFP8 block
 VEC = 8  # elements per thread vector (16 bytes of bf16)
+
+
+def load_words(src: cute.Tensor) -> list:
+    """8 bf16 of a staged subtile (one 16-byte shared-memory read) -> 4 packed words."""
+    rv = cute.make_rmem_tensor((VEC,), BFloat16)
+    cute.autovec_copy(src, rv)
+    rw = cute.recast_tensor(rv, Uint32)
+    return [rw[w] for w in range(VEC // 2)]
 
 
 class Mxfp8EpiloguePasses:
@@ -85,11 +94,8 @@ class Mxfp8EpiloguePasses:
         return thr.partition_S(sC), thr.partition_D(cute.make_identity_tensor(self.epi_tile))
 
     def _load_words(self, src: cute.Tensor):
-        """8 bf16 of the staged subtile (one 16-byte shared-memory read) -> 4 packed words."""
-        rv = cute.make_rmem_tensor((VEC,), BFloat16)
-        cute.autovec_copy(src, rv)
-        rw = cute.recast_tensor(rv, Uint32)
-        return [rw[w] for w in range(VEC // 2)]
+        """:func:`load_words`."""
+        return load_words(src)
 
     @cute.jit
     def _row_pass(self, tSG_s, tSG_cC, g_row, p_row, row0, gcol0, rows_valid, cols_valid):
@@ -301,42 +307,24 @@ class Fc1Epilogue(StoreEpilogue):
         stores for partial ones), then per subtile the row and column passes of ``a`` from
         the same staged shared-memory subtile. Returns the new subtile count."""
         row_off, rows_valid, n_tile = tile
-        out, extra, tile_m, warp_idx = self.out, self.extra, self.kernel.tile_m, self.warp_idx
+        extra = self.extra
         row0 = sched.row0 + row_off
         col0 = n_tile * self.kernel.tile_n
         p_row = self.kernel._load_probs(extra.probs, self.s2g[3], row0, rows_valid)
         p_col = self.kernel._load_probs(extra.probs, self.col_read[1], row0, rows_valid)
-        n = out.mOut.shape[1]
         in_group = sched.seg < sched.group_sizes.shape[0]
         blk0 = sched.blk0 + row_off // BLOCK
-        _, _, tSG_sC, tSG_cC = self.s2g
+        passes = functools.partial(self._passes, (p_row, p_col, row0, rows_valid, in_group, blk0))
+        return self._store_subtiles(row0, rows_valid, col0, n_tile, epi_count, passes)
+
+    @cute.jit
+    def _passes(self, tile_args, e: int, buf, tSG_s, gcol0, cols_valid):
+        """The row and column passes over staged subtile ``e`` (buffer ``buf``)."""
+        p_row, p_col, row0, rows_valid, in_group, blk0 = tile_args
+        extra = self.extra
         tCR_sC, tCR_cC = self.col_read
-        full = rows_valid == tile_m
-        gTile = cute.local_tile(cute.domain_offset((row0, 0), out.mOutTma), (tile_m, self.kernel.tile_n), (0, n_tile))
-        tma_part = self.kernel._tma_store_partition(out.tma_atom, out.sC, gTile)
-        epi_num = tma_part[2]
-        if rows_valid < tile_m:  # partial tile
-            if warp_idx == self.kernel.epi_store_warp:
-                # Earlier TMA stores may still read the buffers about to be overwritten
-                # (the first subtile's barrier publishes this wait).
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        for e in cutlass.range_constexpr(epi_num):
-            buf = self.kernel._stage_subtile(self.epi, e, epi_count)
-            # stmatrix writes go through the generic proxy; TMA reads async.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.kernel.epi_barrier.arrive_and_wait()
-            gcol0 = col0 + e * EPI_N
-            cols_valid = n - gcol0
-            tSG_s = tSG_sC[(None, None, None, buf)]
-            if full:
-                self.kernel._tma_store_subtile(self.epi, out.tma_atom, tma_part, e, buf, warp_idx)
-            else:
-                self.kernel._store_subtile_rows(self.s2g, tSG_s, out.mOut, row0, gcol0, rows_valid, cols_valid)
-            self.kernel._row_pass(tSG_s, tSG_cC, extra.g_row, p_row, row0, gcol0, rows_valid, cols_valid)
-            self.kernel._col_pass(
-                tCR_sC[(None, None, None, buf)], tCR_cC, extra.g_col, extra.g_scale, p_col, row0, gcol0, rows_valid,
-                cols_valid, in_group, blk0, self.lane,
-            )
-            # Every thread is done reading this buffer before it is written again.
-            self.kernel.epi_barrier.arrive_and_wait()
-        return epi_count + epi_num
+        self.kernel._row_pass(tSG_s, self.s2g[3], extra.g_row, p_row, row0, gcol0, rows_valid, cols_valid)
+        self.kernel._col_pass(
+            tCR_sC[(None, None, None, buf)], tCR_cC, extra.g_col, extra.g_scale, p_col, row0, gcol0, rows_valid,
+            cols_valid, in_group, blk0, self.lane,
+        )

@@ -799,6 +799,42 @@ class StoreEpilogue(TraceTimeObject):
             )
         return epi_count
 
+    @cute.jit
+    def _store_subtiles(self, row0: Int32, rows_valid: Int32, col0: Int32, n_tile, epi_count, passes):
+        """The tile as :meth:`store_tile` writes it, subtile by subtile, with
+        ``passes(e, tSG_s, gcol0, cols_valid)`` run on each staged subtile ``e`` after its
+        store (the fused epilogues' extra outputs, read from the same staged values), and a
+        barrier before the buffer is reused. Returns the new subtile count."""
+        out, warp_idx = self.out, self.warp_idx
+        tile_m = self.kernel.tile_m
+        n = out.mOut.shape[1]
+        tSG_sC = self.s2g[2]
+        full = rows_valid == tile_m
+        gTile = cute.local_tile(cute.domain_offset((row0, 0), out.mOutTma), (tile_m, self.kernel.tile_n), (0, n_tile))
+        tma_part = self.kernel._tma_store_partition(out.tma_atom, out.sC, gTile)
+        epi_num = tma_part[2]
+        if rows_valid < tile_m:  # partial tile
+            if warp_idx == self.kernel.epi_store_warp:
+                # Earlier TMA stores may still read the buffers about to be overwritten
+                # (the first subtile's barrier publishes this wait).
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        for e in cutlass.range_constexpr(epi_num):
+            buf = self.kernel._stage_subtile(self.epi, e, epi_count)
+            # stmatrix writes go through the generic proxy; TMA reads async.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.kernel.epi_barrier.arrive_and_wait()
+            gcol0 = col0 + e * EPI_N
+            cols_valid = n - gcol0
+            tSG_s = tSG_sC[(None, None, None, buf)]
+            if full:
+                self.kernel._tma_store_subtile(self.epi, out.tma_atom, tma_part, e, buf, warp_idx)
+            else:
+                self.kernel._store_subtile_rows(self.s2g, tSG_s, out.mOut, row0, gcol0, rows_valid, cols_valid)
+            passes(e, buf, tSG_s, gcol0, cols_valid)
+            # Every thread is done reading this buffer before it is written again.
+            self.kernel.epi_barrier.arrive_and_wait()
+        return epi_count + epi_num
+
     def finish(self):
         """Waits for the last TMA stores."""
         self.epi[5].producer_tail()

@@ -460,3 +460,17 @@ def transpose_bytes_4x4(w0, w1, w2, w3) -> list:
     lo01, lo23 = prmt(w0, w1, 0x5140), prmt(w2, w3, 0x5140)  # (0,0) (1,0) (0,1) (1,1) / rows 2, 3
     hi01, hi23 = prmt(w0, w1, 0x7362), prmt(w2, w3, 0x7362)  # (0,2) (1,2) (0,3) (1,3) / rows 2, 3
     return [prmt(lo01, lo23, 0x5410), prmt(lo01, lo23, 0x7632), prmt(hi01, hi23, 0x5410), prmt(hi01, hi23, 0x7632)]
+
+
+@dsl_user_op
+def bf16x2_from_f32(f0: Float32, f1: Float32, *, loc=None, ip=None) -> Uint32:
+    """``(bf16(f0), bf16(f1))`` packed (``f0`` in the low half), round to nearest even:
+    the rounding of the epilogues' staging (``.to(bf16)``) on a pair of accumulators."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(f0).ir_value(loc=loc, ip=ip), Float32(f1).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.bf16x2.f32 $0, $2, $1;",
+            "=r,f,f",
+        )
+    )

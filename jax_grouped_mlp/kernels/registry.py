@@ -54,6 +54,7 @@ class Family(enum.Enum):
     FAKE_QUANTIZE_PAIR = ("jgm_fake_quantize_pair", "FAKE_QUANTIZE_PAIR_VARIANTS", ("col_type",))
     DEQUANTIZE = ("jgm_dequantize_mxfp8", "DEQUANTIZE_VARIANTS", ())
     GROUPED_GEMM_FP8_BLOCK = ("jgm_grouped_gemm_fp8_block", "GROUPED_GEMM_FP8_BLOCK_VARIANTS", ())
+    GROUPED_GEMM_FP8_BLOCK_FC1 = ("jgm_grouped_gemm_fp8_block_fc1", "GROUPED_GEMM_FP8_BLOCK_FC1_VARIANTS", ())
     QUANTIZE_FP8_BLOCK_PAIR = (
         "jgm_quantize_fp8_block_pair", "QUANTIZE_FP8_BLOCK_PAIR_VARIANTS", ("col_type", "col_token_major")
     )
@@ -284,6 +285,19 @@ class Fp8BlockGemmVariant:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8BlockFc1Variant(Fp8BlockGemmVariant):
+    """``GroupedGemmFp8BlockFc1Sm90`` (``kernels/grouped_gemm_fp8_block_fc1_sm90.py``,
+    ``jgm_grouped_gemm_fp8_block_fc1``): :class:`Fp8BlockGemmVariant`'s GEMM writing ``h``
+    and both ``fp8_block`` copies of ``a = probs * relu(h)**2`` (the FC1 epilogue)."""
+
+    family: ClassVar[Family] = Family.GROUPED_GEMM_FP8_BLOCK_FC1
+
+    @property
+    def name(self) -> str:
+        return super().name + "_fc1"
+
+
+@dataclasses.dataclass(frozen=True)
 class Fp8BlockWgradVariant(_WgradOutput):
     """``GroupedWgradFp8BlockSm90`` (``kernels/grouped_wgrad_fp8_block_sm90.py``,
     ``jgm_grouped_wgrad_fp8_block``): ``out[g] = lhs_g^T @ rhs_g`` on the group-aware
@@ -383,7 +397,7 @@ class QuantizeFp8BlockVariant:
 
 Variant = Union[
     GemmVariant, QwGemmVariant, WgradVariant, FakeQuantizeVariant, DequantizeVariant, Fp8BlockGemmVariant,
-    QuantizeFp8BlockVariant, Fp8BlockWgradVariant, TokenMajorVariant,
+    Fp8BlockFc1Variant, QuantizeFp8BlockVariant, Fp8BlockWgradVariant, TokenMajorVariant,
 ]
 
 
@@ -431,6 +445,9 @@ VARIANTS: tuple[Variant, ...] = (
     # jgm_grouped_gemm_fp8_block (the op picks by N: gemm_ffi.fp8_block_default_variant)
     Fp8BlockGemmVariant(tile_n=128, stages=6),
     Fp8BlockGemmVariant(tile_n=256, stages=4),
+    # jgm_grouped_gemm_fp8_block_fc1 (picked by N as the plain GEMM is)
+    Fp8BlockFc1Variant(tile_n=128, stages=6),
+    Fp8BlockFc1Variant(tile_n=256, stages=4),
     # jgm_quantize_fp8_block_pair, jgm_quantize_fp8_block
     QuantizeFp8BlockVariant("pair"),
     QuantizeFp8BlockVariant("pair_bf16"),

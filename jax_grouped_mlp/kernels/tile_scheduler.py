@@ -16,7 +16,8 @@ the emitted code is the one they had); the problem (``group_sizes``, ``m``, ``n_
 ``gdim``) and the tiling constants ride along at trace time.
 
 ``blocks=True`` also carries ``blk0``: the number of 32-row MXFP8 blocks of all earlier
-segments (the FC1 epilogue's scale row of a tile's first block).
+segments (the FC1 epilogue's scale row of a tile's first block); ``blocks=128`` counts
+128-row blocks instead (the ``fp8_block`` FC1 epilogue: a tile is then one block).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class SegmentTileScheduler:
     _DYNAMIC = ("t", "seg", "tile0", "row0", "rows", "tiles", "blk0")
 
     def __init__(self, group_sizes: cute.Tensor, m, n_tiles, gdim, seg_tile: int, panel_m: int,
-                 t, seg, tile0, row0, rows, tiles, blk0=None):
+                 t, seg, tile0, row0, rows, tiles, blk0=None, block_rows: int = BLOCK):
+        self.block_rows = block_rows  # rows per counted block (blk0), trace time
         self.group_sizes = group_sizes
         self.m = m
         self.n_tiles = n_tiles
@@ -107,11 +109,12 @@ class SegmentTileScheduler:
 
     @staticmethod
     def create(group_sizes: cute.Tensor, m, n_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0,
-               blocks: bool = False) -> "SegmentTileScheduler":
-        """The cursor at this CTA's first tile ``bidx``; ``seg0`` from :meth:`first_segment`."""
+               blocks: bool | int = False) -> "SegmentTileScheduler":
+        """The cursor at this CTA's first tile ``bidx``; ``seg0`` from :meth:`first_segment`.
+        ``blocks``: count blocks of :data:`BLOCK` rows (True) or of that many rows (an int)."""
         start = SegmentTileScheduler(
             group_sizes, m, n_tiles, gdim, seg_tile, panel_m, Int32(bidx), Int32(0), Int32(0), Int32(0),
-            seg0[0], seg0[1], Int32(0) if blocks else None,
+            seg0[0], seg0[1], Int32(0) if blocks else None, BLOCK if blocks is True else int(blocks or BLOCK),
         )
         return start._seek(start.t)
 
@@ -135,7 +138,7 @@ class SegmentTileScheduler:
             while t - seg_tile0 >= seg_tiles:
                 seg_tile0 = seg_tile0 + seg_tiles
                 seg_row0 = seg_row0 + seg_rows
-                seg_blk0 = seg_blk0 + (seg_rows + (BLOCK - 1)) // BLOCK
+                seg_blk0 = seg_blk0 + (seg_rows + (self.block_rows - 1)) // self.block_rows
                 seg = seg + 1
                 seg_rows = segment_rows(group_sizes, seg, seg_row0, m)
                 seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
@@ -143,7 +146,7 @@ class SegmentTileScheduler:
                     seg_tiles = Int32(BIG)
         return SegmentTileScheduler(
             group_sizes, m, n_tiles, self.gdim, self.seg_tile, self.panel_m, t, seg, seg_tile0, seg_row0,
-            seg_rows, seg_tiles, seg_blk0,
+            seg_rows, seg_tiles, seg_blk0, self.block_rows,
         )
 
     def advance(self, tile=None) -> "SegmentTileScheduler":
@@ -194,8 +197,9 @@ class TileWork(TraceTimeObject):
         self.panel_m = panel_m
         self.seg0 = seg0
 
-    def scheduler(self, blocks: bool = False):
-        """A role's scheduler at this CTA's first tile (``blocks``: also count MXFP8 blocks)."""
+    def scheduler(self, blocks: bool | int = False):
+        """A role's scheduler at this CTA's first tile (``blocks``: also count blocks,
+        :meth:`SegmentTileScheduler.create`)."""
         return SegmentTileScheduler.create(
             self.group_sizes, self.m, self.n_tiles, self.bidx, self.gdim, self.seg_tile, self.panel_m, self.seg0,
             blocks=blocks,

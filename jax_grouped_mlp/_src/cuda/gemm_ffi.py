@@ -576,7 +576,9 @@ def grouped_gemm_fp8_block_variants() -> tuple[str, ...]:
     return ffi.variants("GROUPED_GEMM_FP8_BLOCK_VARIANTS")
 
 
-def fp8_block_default_variant(n: int, names: tuple[str, ...]) -> str | None:
+def fp8_block_default_variant(
+    n: int, names: tuple[str, ...], family: registry.Family = registry.Family.GROUPED_GEMM_FP8_BLOCK
+) -> str | None:
     """The FP8 block-scaled GEMM for ``N`` output columns: the widest tile that covers N
     with no more 128-column blocks than N needs (``cdiv(N, 128)`` a multiple of its
     width / 128: no tile with a skipped half), else the first of ``names``.
@@ -584,8 +586,9 @@ def fp8_block_default_variant(n: int, names: tuple[str, ...]) -> str | None:
     A 256-wide tile (two 128-column halves sharing the A stage) was 4 % faster at
     8 x (8192 x 4096 -> 4096) and 4 % slower at Nano FC1 (N = 1856, whose last tile
     has its second half skipped) on the H200 (``benchmarks/results/fp8_block_gemm_n256_h200.json``).
+    ``family``: whose variants ``names`` are (the FC1-epilogue kernels are picked alike).
     """
-    known = [v for v in names if v in registry.names(registry.Family.GROUPED_GEMM_FP8_BLOCK)]
+    known = [v for v in names if v in registry.names(family)]
     blocks = -(-n // 128)
     fits = [v for v in known if blocks % (registry.variant(v).tile_n // 128) == 0]
     if fits:
@@ -604,6 +607,26 @@ def _checked_fp8_block_operand(name: str, t, rank: int, axes: tuple[int, ...], l
             f"{name}.data.shape={jnp.shape(t.data)} {name}.axes={t.axes} grouped={t.is_grouped}"
         )
     fp8_block._check_tensor(t, name)
+
+
+def checked_fp8_block_gemm_operands(lhs, rhs) -> tuple[int, int, int, int]:
+    """``(M, K, G, N)`` of an FP8 block-scaled GEMM's operands (``lhs [M, K]`` in 1 x 128
+    blocks, ``rhs [G, N, K]`` in 128 x 128 tiles, static shapes, the same K), or a
+    TypeError/ValueError naming the argument."""
+    _checked_fp8_block_operand("lhs", lhs, 2, (1,), "[M, K] blocked along K (quantize_fp8_block(x, axis=1))")
+    _checked_fp8_block_operand(
+        "rhs", rhs, 3, (1, 2), "[G, N, K] in 128 x 128 tiles (quantize_fp8_block(w, axis=(1, 2)))"
+    )
+    m, k = lhs.data.shape
+    g, n, k2 = rhs.data.shape
+    if not all(isinstance(d, int) for d in (m, k, g, n, k2)):
+        raise ValueError(f"lhs and rhs must have static shapes, got {lhs.data.shape=} {rhs.data.shape=}")
+    if k != k2:
+        raise ValueError(
+            f"contraction mismatch: lhs.data.shape={lhs.data.shape} vs rhs.data.shape={rhs.data.shape} "
+            "(rhs is [G, N, K])"
+        )
+    return m, k, g, n
 
 
 def grouped_gemm_fp8_block(
@@ -643,19 +666,7 @@ def grouped_gemm_fp8_block(
         blocking, contraction mismatch, K or N off the contract, too large).
       RuntimeError: the extension is not built.
     """
-    _checked_fp8_block_operand("lhs", lhs, 2, (1,), "[M, K] blocked along K (quantize_fp8_block(x, axis=1))")
-    _checked_fp8_block_operand(
-        "rhs", rhs, 3, (1, 2), "[G, N, K] in 128 x 128 tiles (quantize_fp8_block(w, axis=(1, 2)))"
-    )
-    m, k = lhs.data.shape
-    g, n, k2 = rhs.data.shape
-    if not all(isinstance(d, int) for d in (m, k, g, n, k2)):
-        raise ValueError(f"lhs and rhs must have static shapes, got {lhs.data.shape=} {rhs.data.shape=}")
-    if k != k2:
-        raise ValueError(
-            f"contraction mismatch: lhs.data.shape={lhs.data.shape} vs rhs.data.shape={rhs.data.shape} "
-            "(rhs is [G, N, K])"
-        )
+    m, k, g, n = checked_fp8_block_gemm_operands(lhs, rhs)
     if k % 16:
         raise ValueError(f"lhs: K must be a multiple of 16 (16-byte FP8 rows), got K={k} (lhs.data.shape={lhs.data.shape})")
     if n % 8:

@@ -90,13 +90,13 @@ def weights_in_gemm(choices: KernelChoices, recipe: str, m, num_groups: int) -> 
 def fuse_fc1(choices: KernelChoices, recipe: str, fuse: bool, x_shape: Sequence, num_groups: int) -> bool:
     """Whether FC1 runs as one kernel with its epilogue (``primitives.fc1_fused``).
 
-    The caller asked for it (``fuse``, the public ``fuse_fc1_epilogue``), the MXFP8
-    recipe, static shapes (the unfused forward needs no group-aware quantization, which
-    wants a static row count), and weights quantized by a pass (the epilogue kernel
-    takes a quantized weight).
+    The caller asked for it (``fuse``, the public ``fuse_fc1_epilogue``), the MXFP8 or
+    ``fp8_block`` recipe (``primitives.fp8_block_fc1``), static shapes (the unfused forward
+    needs no group-aware quantization, which wants a static row count), and weights
+    quantized by a pass (the epilogue kernel takes a quantized weight).
     """
     return (
-        fuse and recipe == "mxfp8" and all(isinstance(d, int) for d in x_shape)
+        fuse and recipe in ("mxfp8", "fp8_block") and all(isinstance(d, int) for d in x_shape)
         and not weights_in_gemm(choices, recipe, x_shape[0], num_groups)
     )
 

@@ -129,6 +129,26 @@ def _fc1(x_row, w1, group_sizes, probs, recipe: Recipe, choices: KernelChoices, 
     return h, a
 
 
+def _fuses_fc1(recipe: Recipe, fuse: bool, choices: KernelChoices, x_shape, num_groups: int,
+               prepared: PreparedWeights | None) -> bool:
+    """Whether FC1 runs with its epilogue in one kernel (:func:`_fc1_fused`): the
+    heuristics' choice, and for ``fp8_block`` a K-major FC1 weight (what its GEMM reads;
+    prepared weights stored otherwise take the unfused path)."""
+    if not heuristics.fuse_fc1(choices, recipe.value, fuse, x_shape, num_groups):
+        return False
+    ready = _fprop_ready(prepared, "w1")
+    return recipe is not Recipe.FP8_BLOCK or ready is None or ready.transposed
+
+
+def _fc1_fused(recipe: Recipe, x_row, w1, group_sizes, probs, ready: _Ready | None):
+    """FC1, the scaled srelu and both copies of ``a`` from one kernel: ``(h, a_row, a_col)``,
+    the same bits as :func:`_fc1` followed by ``recipe.row_and_col(a, keep_col=True)``."""
+    if recipe is Recipe.FP8_BLOCK:
+        w1_k_major = ready.op if ready is not None else recipe.fprop_weight_k_major(w1)
+        return primitives.fp8_block_fc1(x_row, w1_k_major, group_sizes, probs)
+    return primitives.fc1_fused(x_row, _weight(recipe, w1, 1, ready), group_sizes, probs)
+
+
 def _fc2(a_row, w2, group_sizes, recipe: Recipe, choices: KernelChoices, out_dtype, ready=None):
     return _weight_gemm(a_row, w2, group_sizes, recipe, choices, out_dtype, ready=ready)
 
@@ -153,9 +173,8 @@ def _mlp(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool, ch
     # the other choices stay the heuristics'.)
     w1, w2 = _weights_for_gemms(w1, w2, prepared)
     x = _exact(x)  # as the forward rule quantizes it: the same bits with and without grad
-    if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
-        w1q = _weight(recipe, w1, 1, _fprop_ready(prepared, "w1"))
-        _, a_row, _ = primitives.fc1_fused(recipe.row(x, 1), w1q, group_sizes, probs)
+    if _fuses_fc1(recipe, fuse, choices, x.shape, w1.shape[0], prepared):
+        _, a_row, _ = _fc1_fused(recipe, recipe.row(x, 1), w1, group_sizes, probs, _fprop_ready(prepared, "w1"))
     else:
         _, a = _fc1(recipe.row(x, 1), w1, group_sizes, probs, recipe, choices, _fprop_ready(prepared, "w1"))
         a_row = recipe.row(a, 1)
@@ -188,11 +207,10 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
     w_dtypes = (jnp.zeros((0,), w1.dtype), jnp.zeros((0,), w2.dtype))
     w1, w2 = _weights_for_gemms(w1, w2, prepared)
     x_row, x_col = recipe.row_and_col(_exact(x), group_sizes, keep_col=True)
-    if heuristics.fuse_fc1(choices, recipe, fuse, x.shape, w1.shape[0]):
-        # One kernel: h and both MXFP8 copies of a. a_col's tag rebuilds it from the
-        # tagged h when it is recomputed, so this kernel is never rerun for it.
-        w1q = _weight(recipe, w1, 1, _fprop_ready(prepared, "w1"))
-        h, a_row, a_col = primitives.fc1_fused(x_row, w1q, group_sizes, probs)
+    if _fuses_fc1(recipe, fuse, choices, x.shape, w1.shape[0], prepared):
+        # One kernel: h and both copies of a. a_col's tag rebuilds it from the tagged h
+        # when it is recomputed, so this kernel is never rerun for it.
+        h, a_row, a_col = _fc1_fused(recipe, x_row, w1, group_sizes, probs, _fprop_ready(prepared, "w1"))
     else:
         h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices, _fprop_ready(prepared, "w1"))
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
@@ -303,12 +321,13 @@ def grouped_mlp(
         ``"fp8_block"``'s four data GEMMs run on the FP8 block-scaled kernel (FP8 wgmma,
         promoted into float32 every 128 of K) when K % 16 == 0 and N % 8 == 0, its
         weight gradients on the FP8 block-scaled weight-gradient kernel (promoted every
-        128 tokens); its quantizers are kernels and the activation a separate pass (no
-        fused epilogues yet). Elsewhere the GEMMs multiply the dequantized values with
+        128 tokens); its quantizers are kernels, FC1's kernel writes ``a``'s two copies
+        itself (``fuse_fc1_epilogue``) and the FC2 dgrad's activation backward is a
+        separate pass. Elsewhere the GEMMs multiply the dequantized values with
         float32 accumulation.
-      fuse_fc1_epilogue: with ``"mxfp8"`` on CUDA, FC1's kernel also writes ``a``'s
-        two MXFP8 copies (FC2's operand and the "fc2_input" residual), so no separate
-        pass reads ``h`` again. Same numbers either way, and no effect on what the
+      fuse_fc1_epilogue: with ``"mxfp8"`` or ``"fp8_block"`` on CUDA, FC1's kernel also
+        writes ``a``'s two quantized copies (FC2's operand and the "fc2_input"
+        residual), so no separate pass reads ``h`` again. Same numbers either way, and no effect on what the
         remat policy costs: recomputing "fc2_input" always rebuilds it from
         "activation_input" by one elementwise pass, never by rerunning FC1. No
         effect when the groups are small (at most 512 rows on average,

@@ -60,7 +60,7 @@ QUANTIZED = (MXFP8Tensor, FP8BlockTensor, TokenMajorBlocks)
 OpName = Literal[
     "quantize", "fake_quantize", "quantize_both", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw",
     "grouped_wgrad", "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_pair_tm", "fp8_block_weight",
-    "fp8_block_row",
+    "fp8_block_row", "fp8_block_fc1",
 ]
 
 _CUDA_IMPLS: dict[str, Callable] = {}
@@ -93,7 +93,7 @@ def _dispatch(name: OpName, *args, **static):
 # block-scaled GEMM and weight gradient, or the bf16 kernels on the exactly dequantized
 # values); the others
 # run their reference on such operands on every platform.
-_FP8_BLOCK_CUDA = frozenset({"grouped_gemm", "grouped_wgrad"})
+_FP8_BLOCK_CUDA = frozenset({"grouped_gemm", "grouped_wgrad", "fp8_block_fc1"})
 
 
 def _has_fp8_block(args) -> bool:
@@ -102,7 +102,7 @@ def _has_fp8_block(args) -> bool:
 
 # Which argument is the group sizes that a primitive's group-aware MXFP8 outputs carry.
 _GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2, "fp8_block_pair": 1,
-                    "fp8_block_pair_tm": 1}
+                    "fp8_block_pair_tm": 1, "fp8_block_fc1": 2}
 
 
 def _cuda_branch(name: OpName, static: tuple, *args):
@@ -397,6 +397,19 @@ def _dgrad_composed(gemm: Callable, quantize_pair: Callable, dy_row: Operand, w2
     return dh_row, dh_col, dprobs
 
 
+def _fp8_block_fc1_composed(gemm: Callable, pair: Callable, lhs: Operand, rhs: Operand, group_sizes: jax.Array,
+                            probs: jax.Array):
+    """FC1 of the ``fp8_block`` recipe (``rhs`` the K-major ``[G, N, K]`` weight), the
+    activation and its two ``fp8_block`` copies, unfused (as :func:`_fc1_composed`)."""
+    h = gemm(lhs, rhs, group_sizes, out_dtype=jnp.dtype(jnp.bfloat16), transpose_rhs=True)
+    a_row, a_col = pair(srelu_scaled(h, probs), group_sizes, keep_col=True)
+    return h, a_row, a_col
+
+
+def _ref_fp8_block_fc1(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
+    return _fp8_block_fc1_composed(_ref_grouped_gemm, _ref_fp8_block_pair, lhs, rhs, group_sizes, probs)
+
+
 def _ref_fc1_fused(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
     return _fc1_composed(_ref_grouped_gemm, _ref_fake_quantize_pair, lhs, rhs, group_sizes, probs)
 
@@ -419,6 +432,7 @@ _REFERENCE: dict[str, Callable] = {
     "fp8_block_pair_tm": _ref_fp8_block_pair_tm,
     "fp8_block_weight": _ref_fp8_block_weight,
     "fp8_block_row": _ref_fp8_block_row,
+    "fp8_block_fc1": _ref_fp8_block_fc1,
 }
 
 
@@ -441,6 +455,10 @@ def _fallback_dgrad_fused(dy_row: Operand, w2: Operand, group_sizes: jax.Array, 
     return _dgrad_composed(grouped_gemm, fake_quantize_pair, dy_row, w2, group_sizes, h, probs)
 
 
+def _fallback_fp8_block_fc1(lhs: Operand, rhs: Operand, group_sizes: jax.Array, probs: jax.Array):
+    return _fp8_block_fc1_composed(grouped_gemm, fp8_block_pair, lhs, rhs, group_sizes, probs)
+
+
 def _fallback_fp8_block_weight(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
     """A K-major copy the kernel cannot write itself (``A % 16 != 0``): the kernel's tiles
     as stored, transposed by XLA; else the reference."""
@@ -458,6 +476,7 @@ _FALLBACK: dict[str, Callable] = {
     "grouped_gemm_qw": _fallback_grouped_gemm_qw,
     "fc1_fused": _fallback_fc1_fused,
     "dgrad_fused": _fallback_dgrad_fused,
+    "fp8_block_fc1": _fallback_fp8_block_fc1,
 }
 
 
@@ -552,6 +571,24 @@ def dgrad_fused(
     return _dispatch("dgrad_fused", dy_row, w2, group_sizes, h, probs)
 
 
+def fp8_block_fc1(
+    lhs: FP8BlockTensor, rhs_k_major: FP8BlockTensor, group_sizes: jax.Array, probs: jax.Array
+) -> tuple[jax.Array, FP8BlockTensor, FP8BlockTensor]:
+    """:func:`fc1_fused` for the ``fp8_block`` recipe, from one kernel on CUDA.
+
+    ``h = grouped_gemm(lhs, rhs_k_major, transpose_rhs=True)`` in bf16 (``lhs [M, K]`` in
+    1 x 128 blocks, ``rhs_k_major`` the FC1 weight stored K-major ``[G, N, K]`` in 128 x
+    128 tiles, as ``fp8_block_weight(w1, k_major=True)`` makes it), ``a =
+    srelu_scaled(h, probs)`` and ``fp8_block_pair(a, group_sizes, keep_col=True)``:
+    ``(h, a_row, a_col)``, bit for bit the unfused composition on CUDA (elsewhere the
+    reference GEMM, which sums in another order). Without the kernel in the extension, the
+    composition of the dispatched primitives (each still a kernel where one fits).
+    """
+    if cuda_impl("fp8_block_fc1") is None:
+        return _fallback_fp8_block_fc1(lhs, rhs_k_major, group_sizes, probs)
+    return _dispatch("fp8_block_fc1", lhs, rhs_k_major, group_sizes, probs)
+
+
 def fp8_block_quantize(x: jax.Array, axis: int | tuple[int, int]) -> FP8BlockTensor:
     """``quantize_fp8_block(x, axis)`` (1 x 128 blocks along ``axis``, or 128 x 128 tiles
     over a pair of axes), differentiated straight-through. The 1 x 128 blocks of a
@@ -598,7 +635,7 @@ def fp8_block_weight(w: jax.Array, *, k_major: bool = False) -> FP8BlockTensor:
 
 def _register_available_kernels() -> None:
     """Plugs in whatever the CUDA extension provides (nothing when it is not built)."""
-    from jax_grouped_mlp._src.cuda import ffi, fp8_block_ffi, gemm_ffi
+    from jax_grouped_mlp._src.cuda import ffi, fp8_block_fc1_ffi, fp8_block_ffi, gemm_ffi
 
     if not ffi.available():
         return
@@ -622,6 +659,8 @@ def _register_available_kernels() -> None:
         register_cuda_impl("fc1_fused", gemm_ffi.fc1_fused_cuda)
     if gemm_ffi.grouped_gemm_dgrad_variants():
         register_cuda_impl("dgrad_fused", gemm_ffi.dgrad_fused_cuda)
+    if fp8_block_fc1_ffi.variants():
+        register_cuda_impl("fp8_block_fc1", fp8_block_fc1_ffi.fp8_block_fc1_cuda)
 
 
 _register_available_kernels()
