@@ -268,8 +268,9 @@ def test_fp8_weight_gradient_choice_changes_no_bits_off_cuda(rng):
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["unaligned"])
     cpu = jax.devices("cpu")[0]
     args = jax.device_put((x, w1, w2, gs, probs, dy), cpu)
-    fp8 = jax.tree_util.tree_leaves(_run_with(KernelChoices(fp8_block_wgrad=True), *args))
-    bf16 = jax.tree_util.tree_leaves(_run_with(KernelChoices(fp8_block_wgrad=False), *args))
+    with jax.default_device(cpu):  # (on a GPU machine too: every array of the op on the CPU)
+        fp8 = jax.tree_util.tree_leaves(_run_with(KernelChoices(fp8_block_wgrad=True), *args))
+        bf16 = jax.tree_util.tree_leaves(_run_with(KernelChoices(fp8_block_wgrad=False), *args))
     for a, b in zip(fp8, bf16):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -353,12 +354,16 @@ def test_recipe_semantics_exact(rng):
     wgrad operands), up to float32 summation and bf16 rounding of outputs (measured
     0.1-0.2%). That the blocks are 128 wide (not MXFP8's 32, which round these inputs
     the same way unless a block spans 2**14) is the quantizer tests' and
-    test_recipe_keeps_fp8_residuals_and_takes_the_reference's job."""
+    test_recipe_keeps_fp8_residuals_and_takes_the_reference's job. On the CPU even on a GPU
+    machine: the FP8 wgmma sums each 128-block with fewer bits than float32
+    (test_recipe_on_the_gpu_runs_its_kernels holds the GPU to its float64 bands)."""
     m, h, f, sizes = 300, 192, 160, [0, 130, 150, 20]
-    x, w1, w2, gs, probs, dy = make_inputs(rng, m, h, f, sizes=sizes)
-    stripe = jnp.asarray(np.exp2(np.repeat(rng.integers(-9, 3, size=h // 32), 32)), jnp.bfloat16)
+    cpu = jax.devices("cpu")[0]
+    x, w1, w2, gs, probs, dy = jax.device_put(make_inputs(rng, m, h, f, sizes=sizes), cpu)
+    stripe = jax.device_put(jnp.asarray(np.exp2(np.repeat(rng.integers(-9, 3, size=h // 32), 32)), jnp.bfloat16), cpu)
     x, dy = x * stripe, dy * stripe
-    y, (dx, dw1, dw2, dp) = _run(x, w1, w2, gs, probs, dy)
+    with jax.default_device(cpu):
+        y, (dx, dw1, dw2, dp) = _run(x, w1, w2, gs, probs, dy)
     p = np.asarray(probs, np.float64)
     w1q, w2q = _dq(w1, (1, 2)), _dq(w2, (1, 2))
     ry, rdx, rdp = (np.zeros((m, h)), np.zeros((m, h)), np.zeros(m))
