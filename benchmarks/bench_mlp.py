@@ -28,7 +28,9 @@ import numpy as np
 import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, time_call, write_result  # noqa: E402
+from common import (  # noqa: E402
+    MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, round_order, time_call, write_result,
+)
 from shapes import ALPHAS, router_group_sizes, skew_label  # noqa: E402
 
 
@@ -155,8 +157,9 @@ def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), al
 def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, ...], alphas: list[float],
                             rounds: int) -> dict:
     """Skewed steps against the equal-sizes step, measured in ``rounds`` interleaved rounds
-    (every candidate at every skew once per round, after compiling all of them), so that
-    clock drift on a shared machine hits both sides of a ratio alike. Each entry's ``ms``
+    (every candidate at every skew once per round, after compiling all of them, in the
+    order of :func:`round_order`), so that clock drift on a shared machine hits both sides
+    of a ratio alike. Each entry's ``ms``
     is the median over rounds; a skewed entry's ``vs_uniform`` is the median of the
     per-round ratios and ``vs_uniform_rounds`` lists them."""
     keyed = {}
@@ -164,8 +167,11 @@ def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, .
         key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"
         keyed[key] = (alpha, *compile_shape(name, seed, only, alpha))
     times: dict = {(k, c): [] for k, (_, _, jobs) in keyed.items() for c, j in jobs.items() if not isinstance(j, str)}
-    for _ in range(rounds):
-        for (key, cname), out in list(times.items()):
+    for r in range(rounds):
+        for key, cname in round_order(list(times), r):
+            if (key, cname) not in times:  # (failed in an earlier round)
+                continue
+            out = times[key, cname]
             compiled, args = keyed[key][2][cname]
             try:
                 out.append(time_call(compiled, *args, iters=iters, warmup=1, samples=1))
@@ -205,7 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--alphas", default=",".join(str(a) for a in ALPHAS),
                     help="group-size skews to run each shape at: inf (equal sizes) and Dirichlet alphas")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="above 1: time every skew of a shape in this many interleaved rounds (medians; "
+                    help="above 1: time every skew of a shape in this many interleaved rounds, the order "
+                         "reversed every other round (use an even number; medians; "
                          "the skew ratios per round), with the equal sizes first in --alphas")
     ns = ap.parse_args(argv)
     alphas = [float(a) for a in ns.alphas.split(",") if a]

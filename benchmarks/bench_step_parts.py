@@ -56,7 +56,9 @@ from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import primitives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import MLP_SHAPES, RESULTS, command_line, device_description, time_call, write_result  # noqa: E402
+from common import (  # noqa: E402
+    MLP_SHAPES, RESULTS, command_line, device_description, round_order, time_call, write_result,
+)
 from shapes import rounded_group_sizes, router_group_sizes, skew_label  # noqa: E402
 
 
@@ -200,8 +202,8 @@ def main(argv=None) -> int:
             continue
         names.append((name, count))
         rounds: dict[str, list[float]] = {lab: [] for lab in labels}
-        for _ in range(ns.rounds):
-            for lab in labels:
+        for r in range(ns.rounds):
+            for lab in round_order(labels, r):
                 _, _, fn, args = parts_by[lab][i]
                 rounds[lab].append(1e3 * time_call(fn, *args, iters=ns.iters, samples=ns.samples))
         for lab in labels:

@@ -257,3 +257,12 @@ def bar_plot(shapes: dict, metric: str, ylabel: str, title: str, path: pathlib.P
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def round_order(jobs: list, r: int) -> list:
+    """The order of round ``r``'s timings: ``jobs`` as listed in even rounds, reversed in odd
+    ones. On the H200 a step's place in the round moved it by up to ~0.3 ms (the one timed
+    right after another program ran slower: docs/notes/2026-12-04-fp8-block-fc1-epilogue.md),
+    so a fixed order biased every ratio between candidates; alternating it cancels that
+    over an even number of rounds."""
+    return list(reversed(jobs)) if r % 2 else list(jobs)

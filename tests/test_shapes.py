@@ -116,6 +116,28 @@ def test_bench_mlp_interleaved_rounds_give_per_round_ratios(tmp_path):
     assert equal["ms"] == pytest.approx(float(np.median(equal["rounds_ms"])))
 
 
+def test_interleaved_rounds_alternate_their_order(tmp_path, monkeypatch):
+    """``--rounds``: odd rounds time the jobs in reverse (``common.round_order``), so no
+    candidate or skew always runs right after the same other program (on the H200 that
+    place moved a step by ~0.3 ms)."""
+    import bench_mlp
+    import common
+
+    assert common.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert common.round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    calls = []
+    real = bench_mlp.time_call
+
+    def recording(fn, *args, **kw):
+        calls.append(fn)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(bench_mlp, "time_call", recording)
+    bench_mlp.main(["--shapes", "tiny", "--alphas", "inf,1", "--only", "grouped_mlp_bf16,ragged_dot_bf16", "--iters", "1",
+                    "--rounds", "2", "--out", str(tmp_path / "mlp.json")])
+    assert len(calls) == 8 and calls[4:] == calls[:4][::-1], calls
+
+
 def test_bench_mlp_rejects_unknown_candidates(capsys):
     """A misspelt or renamed ``--only`` name is an error naming it, not a silently
     skipped column."""
