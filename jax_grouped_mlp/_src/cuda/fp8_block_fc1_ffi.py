@@ -31,12 +31,6 @@ def variants() -> tuple[str, ...]:
     return ffi.variants("GROUPED_GEMM_FP8_BLOCK_FC1_VARIANTS")
 
 
-def _e8m0(s: jax.Array) -> jax.Array:
-    if jnp.dtype(s.dtype) == jnp.dtype(jnp.float8_e8m0fnu):
-        return s
-    return jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
-
-
 def grouped_gemm_fp8_block_fc1(
     lhs: FP8BlockTensor,
     rhs: FP8BlockTensor,
@@ -63,8 +57,6 @@ def grouped_gemm_fp8_block_fc1(
       RuntimeError: the extension is not built.
     """
     m, k, g, n = gemm_ffi.checked_fp8_block_gemm_operands(lhs, rhs)
-    if k % 16 or n % 8:
-        raise ValueError(f"lhs, rhs: K must be a multiple of 16 and N of 8, got K={k} N={n}")
     rows = fp8_block.grouped_scale_rows(m, g)
     if m * k >= _MAX or m * n >= _MAX or g * n * k >= _MAX or rows * n >= _MAX:
         raise Unsupported(f"grouped_gemm_fp8_block_fc1: every array needs < 2^31 elements, got {m=} {n=} {k=} {g=}")
@@ -88,7 +80,7 @@ def grouped_gemm_fp8_block_fc1(
         jax.ShapeDtypeStruct((rows, n), jnp.float8_e8m0fnu),
     )
     h, row, row_scale, col, col_scale = jax.ffi.ffi_call(TARGET, out)(
-        lhs.data, _e8m0(lhs.scale), rhs.data, _e8m0(rhs.scale), gs, probs, variant=np.int32(names.index(variant))
+        lhs.data, gemm_ffi.as_e8m0(lhs.scale), rhs.data, gemm_ffi.as_e8m0(rhs.scale), gs, probs, variant=np.int32(names.index(variant))
     )
     a_row = FP8BlockTensor(data=row, scale=row_scale, axes=(1,))
     return h, a_row, FP8BlockTensor(data=col, scale=col_scale, axes=(0,), group_sizes=gs)

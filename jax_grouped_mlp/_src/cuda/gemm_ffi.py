@@ -611,8 +611,8 @@ def _checked_fp8_block_operand(name: str, t, rank: int, axes: tuple[int, ...], l
 
 def checked_fp8_block_gemm_operands(lhs, rhs) -> tuple[int, int, int, int]:
     """``(M, K, G, N)`` of an FP8 block-scaled GEMM's operands (``lhs [M, K]`` in 1 x 128
-    blocks, ``rhs [G, N, K]`` in 128 x 128 tiles, static shapes, the same K), or a
-    TypeError/ValueError naming the argument."""
+    blocks, ``rhs [G, N, K]`` in 128 x 128 tiles, static shapes, the same K, K % 16 == 0
+    and N % 8 == 0), or a TypeError/ValueError naming the argument."""
     _checked_fp8_block_operand("lhs", lhs, 2, (1,), "[M, K] blocked along K (quantize_fp8_block(x, axis=1))")
     _checked_fp8_block_operand(
         "rhs", rhs, 3, (1, 2), "[G, N, K] in 128 x 128 tiles (quantize_fp8_block(w, axis=(1, 2)))"
@@ -626,7 +626,18 @@ def checked_fp8_block_gemm_operands(lhs, rhs) -> tuple[int, int, int, int]:
             f"contraction mismatch: lhs.data.shape={lhs.data.shape} vs rhs.data.shape={rhs.data.shape} "
             "(rhs is [G, N, K])"
         )
+    if k % 16:
+        raise ValueError(f"lhs: K must be a multiple of 16 (16-byte FP8 rows), got K={k} (lhs.data.shape={lhs.data.shape})")
+    if n % 8:
+        raise ValueError(f"rhs: N must be a multiple of 8 (16-byte bf16 output rows), got N={n} (rhs.data.shape={rhs.data.shape})")
     return m, k, g, n
+
+
+def as_e8m0(scale: jax.Array) -> jax.Array:
+    """E8M0 scale bytes as the ``float8_e8m0fnu`` the FFI handlers take (a bitcast of uint8)."""
+    if jnp.dtype(scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):
+        return scale
+    return jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu)
 
 
 def grouped_gemm_fp8_block(
@@ -667,10 +678,6 @@ def grouped_gemm_fp8_block(
       RuntimeError: the extension is not built.
     """
     m, k, g, n = checked_fp8_block_gemm_operands(lhs, rhs)
-    if k % 16:
-        raise ValueError(f"lhs: K must be a multiple of 16 (16-byte FP8 rows), got K={k} (lhs.data.shape={lhs.data.shape})")
-    if n % 8:
-        raise ValueError(f"rhs: N must be a multiple of 8 (16-byte bf16 output rows), got N={n} (rhs.data.shape={rhs.data.shape})")
     if m * k >= _MAX or m * n >= _MAX or g * n * k >= _MAX:
         raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {m=} {n=} {k=} {g=}")
     if not ffi.available():
@@ -682,14 +689,9 @@ def grouped_gemm_fp8_block(
     if variant not in names:
         raise ValueError(f"variant must be one of the compiled {names}, got {variant=}")
 
-    def e8m0(s):
-        return s if jnp.dtype(s.dtype) == jnp.dtype(jnp.float8_e8m0fnu) else jax.lax.bitcast_convert_type(
-            s, jnp.float8_e8m0fnu
-        )
-
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     return jax.ffi.ffi_call(GROUPED_GEMM_FP8_BLOCK_TARGET, out)(
-        lhs.data, e8m0(lhs.scale), rhs.data, e8m0(rhs.scale), group_sizes, variant=np.int32(names.index(variant))
+        lhs.data, as_e8m0(lhs.scale), rhs.data, as_e8m0(rhs.scale), group_sizes, variant=np.int32(names.index(variant))
     )
 
 
