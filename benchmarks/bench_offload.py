@@ -102,7 +102,8 @@ NAMED_POLICIES = {
     "all_recompute": ("recompute", "recompute", "recompute"),
 }
 POLICIES = NAMED_POLICIES | offload_bars.ALL27  # "d-o-r": fc1_input device, activation_input offload, ...
-LAYOUTS = ("loop", "scan", "stack", "layer_scan")
+LAYOUTS = ("loop", "scan", "stack", "layer_scan", "layer_scan_xla")
+SCANNED = ("layer_scan", "layer_scan_xla")  # layer_scan with its own copies (CUDA), and with XLA's
 # Run order: what the bar and the temp-memory question need first, in case a run is cut short.
 RUN_ORDER = ["all_device", "all_offload", "all_recompute", "fc1_input_offload", "activation_input_offload",
              "fc2_input_offload", "default", "d-d-d", "o-o-o", "r-r-r"]  # fmt: skip
@@ -147,7 +148,8 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
     ``layout="scan"``: ``params`` is ``(w1 (L, G, H, F), w2 (L, G, F, H))`` and
     ``jax.lax.scan`` runs the layer over them; ``layout="stack"``: the loop's list run by
     ``layer_stack``; ``layout="layer_scan"``: the scan's stacked weights run by
-    ``layer_scan``. Every layout gets the same values. ``param_dtype``: the weights'
+    ``layer_scan`` (``layer_scan_xla``: with XLA's own host copies instead of its CUDA
+    store's, ``host_store.xla_copies``). Every layout gets the same values. ``param_dtype``: the weights'
     dtype ("float32": master weights, which the op rounds to bf16 per use, and whose
     bf16 copies become residuals of the backward pass).
     ``prevent_cse`` is ``jax.checkpoint``'s: its default (True) puts every residual
@@ -159,6 +161,7 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
 
     from jax_grouped_mlp._src.op.mlp import grouped_mlp
     from jax_grouped_mlp._src.offload.policy import offload_policy
+    from jax_grouped_mlp._src.offload import host_store
     from jax_grouped_mlp._src.offload.scan_stack import layer_scan
     from jax_grouped_mlp._src.offload.stack import layer_stack
 
@@ -189,8 +192,13 @@ def make_stack(shape: dict, layers: int, recipe: str, ragged: bool, seed: int = 
                     x = x + layer(x, w1, w2, sizes, probs)
                 return jnp.mean(x.astype(jnp.float32) ** 2)
 
-        elif layout in ("stack", "layer_scan"):
+        elif layout in ("stack", *SCANNED):
             run = layer_stack if layout == "stack" else layer_scan
+            if layout == "layer_scan_xla":
+
+                def run(*a, **k):
+                    with host_store.xla_copies():
+                        return layer_scan(*a, **k)
 
             def one(p, x, sizes, probs):
                 return x + grouped_mlp(x, p[0], p[1], sizes, probs, recipe=recipe)
@@ -322,13 +330,13 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
     # of a loop, once for a scan's body (one layer); normalized here to per layer and per step.
     # (layer_scan's body keeps its copies on the device for one iteration: the plain
     # scan's body shows what the policy puts where)
-    traced_loss = loss_for(label, "scan") if layout == "layer_scan" else loss
+    traced_loss = loss_for(label, "scan") if layout in SCANNED else loss
     report = residual_report(jax.grad(traced_loss, argnums=(0, 1)), *args)
     row["traced"] = {
         n: {"placement": r.placement, "device_bytes": r.device_bytes, "host_bytes": r.host_bytes}
         for n, r in report.items()
     }
-    per = {"loop": layers, "scan": 1, "stack": layers, "layer_scan": 1}[layout]  # layers the traced bytes cover
+    per = {"loop": layers, "scan": 1, "stack": layers, "layer_scan": 1, "layer_scan_xla": 1}[layout]  # layers the traced bytes cover
     dev = sum(report[n].device_bytes for n in RESIDUAL_NAMES if n in report)
     host = sum(report[n].host_bytes for n in RESIDUAL_NAMES if n in report)
     x = args[1]
@@ -340,7 +348,7 @@ def measure_policy(label: str, stack, opts, layout: str = "loop", layers: int | 
     }  # fmt: skip
     row["device_residual_bytes"] = dev // per * layers  # all layers of the step
     row["host_residual_bytes"] = host // per * layers
-    if layout == "layer_scan":  # the last two layers keep what the policy offloads on the device
+    if layout in SCANNED:  # the last two layers keep what the policy offloads on the device
         kept = min(layers, 2)
         row["device_residual_bytes"], row["host_residual_bytes"] = dev * layers + host * kept, host * (layers - kept)
 

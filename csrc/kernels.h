@@ -322,3 +322,8 @@ JGM_DECLARE_HANDLERS(JgmQuantizeFp8BlockPair);
 JGM_DECLARE_HANDLERS(JgmQuantizeFp8Block);
 JGM_DECLARE_HANDLERS(JgmGroupedWgradFp8Block);
 JGM_DECLARE_HANDLERS(JgmTokenMajorBlocks);
+// layer_scan's host store (host_store.cc): host state, never in a CUDA graph.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostPutStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostPutDone);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostGetStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostGetDone);

@@ -56,6 +56,14 @@ PYBIND11_MODULE(_kernels, m) {
         JGM_ADD("jgm_quantize_fp8_block", JgmQuantizeFp8Block);
         JGM_ADD("jgm_grouped_wgrad_fp8_block", JgmGroupedWgradFp8Block);
         JGM_ADD("jgm_token_major_blocks", JgmTokenMajorBlocks);
+        for (auto [target, execute] : {std::pair{"jgm_host_put_start", JgmHostPutStart},
+                                       std::pair{"jgm_host_put_done", JgmHostPutDone},
+                                       std::pair{"jgm_host_get_start", JgmHostGetStart},
+                                       std::pair{"jgm_host_get_done", JgmHostGetDone}}) {
+          py::dict handlers;  // execute only, never command-buffer compatible (host state)
+          handlers["execute"] = Capsule(execute);
+          d[target] = handlers;
+        }
         return d;
       },
       py::arg("cuda_graphs") = true,

@@ -35,7 +35,7 @@ from jax import lax
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from jax_grouped_mlp._src.offload import stack
+from jax_grouped_mlp._src.offload import host_store, stack
 from jax_grouped_mlp._src.op import residuals
 from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
 
@@ -103,6 +103,7 @@ def layer_scan(
     if not any(_offloaded(ckpt_policy, p0, x, tuple(args), _pullback_avals(ckpt_defer, p0, x, tuple(args)))):
         return run(params, x, tuple(args))  # nothing offloaded (or only by JAX itself): nothing to pipeline
     host_kind = recorder.host_kind()
+    store = host_store.for_this_platform()  # None: XLA's own host copies
     first, inner = _Layout(), _Layout()  # layer 0's, and the scanned layers'
 
     @jax.custom_vjp
@@ -139,9 +140,17 @@ def layer_scan(
 
                 def body(carry, i):  # layer i (1 .. L-2); indexing the parameters copies none of them
                     x, previous = carry
+                    if store is None:
+                        x, off, keep = one_layer(layer_params(params, i), x, args, inner)
+                        # The previous layer's copies out run while this layer computes.
+                        return (x, off), (residuals.to_host(previous, memory_kind=host_kind), keep)
+                    # The store's copies out of the previous layer start before this layer
+                    # and are waited for after it (they run on the store's own stream).
+                    serial = store.put_start(previous)
+                    x, serial = lax.optimization_barrier((x, serial))
                     x, off, keep = one_layer(layer_params(params, i), x, args, inner)
-                    # The previous layer's copies out run while this layer computes.
-                    return (x, off), (residuals.to_host(previous, memory_kind=host_kind), keep)
+                    store.put_done(previous, serial, jax.tree.leaves(x))
+                    return (x, off), (serial, keep)
 
                 (x, off), (saved["host"], saved["keep"]) = lax.scan(body, (x, off), jnp.arange(1, length - 1))
             saved["off"] = off  # layer L-2's: on the device (the backward needs them second)
@@ -168,12 +177,18 @@ def layer_scan(
 
             def step(carry, xs):  # layer i (L-2 .. 1)
                 dy, d_args, grads, current = carry
-                i, before, keep = xs  # layer i - 1's host copies, layer i's other arrays
-                # Layer i - 1's copies back, read as the scan's own input slices (at the
-                # loop counter): XLA issues them as asynchronous host dynamic-slices.
-                following = residuals.to_device_p.bind(*before, memory_kind="device")
+                i, before, keep = xs  # layer i - 1's host copies (or serial), layer i's other arrays
+                if store is None:
+                    # Layer i - 1's copies back, read as the scan's own input slices (at the
+                    # loop counter): XLA issues them as asynchronous host dynamic-slices.
+                    following = list(residuals.to_device_p.bind(*before, memory_kind="device"))
+                else:  # the store's copies back run beside this layer's pullback
+                    following = store.get_start(before, current)
+                    dy, following = lax.optimization_barrier((dy, following))
                 d_p, dy, *d_a = pullback_of(i, current, keep, inner)(dy)
-                return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), list(following)), None
+                if store is not None:
+                    following = store.get_done(following, before, jax.tree.leaves(dy))
+                return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), following), None
 
             xs = (jnp.arange(1, length - 1), saved["host"], saved["keep"])  # host: layers 0..L-3, keep: 1..L-2
             (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current), xs, reverse=True)
