@@ -21,11 +21,10 @@ it needs them: the next layer waits for each copy out, and every copy back is ex
 
 The copies: on a CUDA GPU (with the extension built) ``layer_scan`` issues them itself,
 through a host store (``host_store.py``): custom calls that copy on CUDA streams of their
-own and make XLA's stream wait only where the arrays are needed or their buffers reused.
-XLA's own host copies inside a ``while`` loop are scheduled next to their users, so every
-one was exposed (docs/notes/2026-12-03-layer-scan.md). With the store, layer ``L-2`` also
-runs outside the loops: layer ``L-3``'s copies out then overlap layers ``L-2`` and ``L-1``
-forward, and its copies back layers ``L-1`` and ``L-2`` backward. Elsewhere (the CPU, or
+own and make XLA's stream wait only at the end of the layer they overlap. XLA's own host
+copies inside a ``while`` loop are scheduled next to their users, so every one of them
+was exposed (docs/notes/2026-12-03-layer-scan.md; measured with the store:
+docs/notes/2026-12-04-layer-scan-host-store.md). Elsewhere (the CPU, or
 ``JGM_LAYER_SCAN_STREAMS=0``) the copies are XLA's, as described above.
 
 The arithmetic is that of the same layers in a loop of ``jax.checkpoint`` (the same
@@ -148,56 +147,34 @@ def layer_scan(
     def layer_params(params, i):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), params)
 
-    # With the store, layer L-2 also runs outside the scans: layer L-3's copies out then
-    # overlap layers L-2 and L-1 forward, and its copies back layers L-1 and L-2 backward
-    # (outside a loop a copy may stay in flight across layers: no loop state holds it).
-    peel = store is not None and length > 2
-    scanned_end = length - 2 if peel else length - 1  # the scans run layers 1 .. scanned_end - 1
-
-    def copies_out(previous, x):
-        """Starts the store's copies of ``previous`` (the layer before's offloaded arrays)
-        before the work on ``x``: their serial, and ``x`` tied to it."""
-        serial = store.put_start(previous)
-        x, serial = lax.optimization_barrier((x, serial))
-        return serial, x
-
     def fwd(params, x, args):
         saved: dict = {"params": params, "args": args}
-        pending = None
         if length > 1:
             x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args, first)
-            if scanned_end > 1:
+            if length > 2:
 
-                def body(carry, i):  # layer i; indexing the parameters copies none of them
+                def body(carry, i):  # layer i (1 .. L-2); indexing the parameters copies none of them
                     x, previous = carry
                     if store is None:
                         x, off, keep = one_layer(layer_params(params, i), x, args, inner)
                         # The previous layer's copies out run while this layer computes.
                         return (x, off), (residuals.to_host(previous, memory_kind=host_kind), keep)
-                    # The store's copies of the previous layer run on its own stream while
-                    # this layer computes; XLA's stream waits for them after it.
-                    serial, x = copies_out(previous, x)
+                    # The store's copies out of the previous layer start before this layer
+                    # and are waited for after it (they run on the store's own stream).
+                    serial = store.put_start(previous)
+                    x, serial = lax.optimization_barrier((x, serial))
                     x, off, keep = one_layer(layer_params(params, i), x, args, inner)
                     store.put_done(previous, serial, jax.tree.leaves(x))
                     return (x, off), (serial, keep)
 
-                (x, off), (saved["host"], saved["keep"]) = lax.scan(body, (x, off), jnp.arange(1, scanned_end))
-            if peel:  # layer L-2, while layer L-3's copies go out
-                saved["serial_peeled"], x = copies_out(off, x)
-                pending = off
-                x, off, saved["keep_peeled"] = one_layer(layer_params(params, length - 2), x, args, inner)
+                (x, off), (saved["host"], saved["keep"]) = lax.scan(body, (x, off), jnp.arange(1, length - 1))
             saved["off"] = off  # layer L-2's: on the device (the backward needs them second)
         y, saved["last"] = jax.vjp(ckpt_keep, layer_params(params, length - 1), x, *args)
-        if pending is not None:
-            store.put_done(pending, saved["serial_peeled"], jax.tree.leaves(y))
         return y, saved
 
     def bwd(saved, dy):
         params, args = saved["params"], saved["args"]
         args_flat = jax.tree.leaves(args)
-        if peel:  # layer L-3's copies back, beside layers L-1 and L-2
-            following = store.get_start(saved["serial_peeled"], saved["off"])
-            dy, following = lax.optimization_barrier((dy, following))
         d_last, dy, *d_args = saved["last"](dy)
         # The parameters' gradients, written layer by layer into one stacked buffer.
         grads = _put(jax.tree.map(_zeros_like, params), d_last, length - 1)
@@ -211,13 +188,9 @@ def layer_scan(
             return jax.tree_util.tree_unflatten(layout.tree, leaves)
 
         current = saved["off"]
-        if peel:
-            d_p, dy, *d_a = pullback_of(length - 2, current, saved["keep_peeled"], inner)(dy)
-            d_args, grads = jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, length - 2)
-            current = store.get_done(following, saved["serial_peeled"], jax.tree.leaves(dy))
-        if scanned_end > 1:
+        if length > 2:
 
-            def step(carry, xs):  # layer i (scanned_end - 1 .. 1)
+            def step(carry, xs):  # layer i (L-2 .. 1)
                 dy, d_args, grads, current = carry
                 i, before, keep = xs  # layer i - 1's host copies (or serial), layer i's other arrays
                 if store is None:
@@ -232,8 +205,7 @@ def layer_scan(
                     following = store.get_done(following, before, jax.tree.leaves(dy))
                 return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), following), None
 
-            # host: layers 0 .. scanned_end - 2, keep: 1 .. scanned_end - 1
-            xs = (jnp.arange(1, scanned_end), saved["host"], saved["keep"])
+            xs = (jnp.arange(1, length - 1), saved["host"], saved["keep"])  # host: layers 0..L-3, keep: 1..L-2
             (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current), xs, reverse=True)
         d_0, dy, *d_a = pullback_of(0, current, saved["keep0"], first)(dy)
         return _put(grads, d_0, 0), dy, tuple(jax.tree.map(stack._add, d_args, d_a))
