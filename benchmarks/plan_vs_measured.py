@@ -49,7 +49,7 @@ def compare(run: dict, host_bandwidth: float | None = None) -> list[dict]:
                 tokens=shape["tokens"], hidden=shape["hidden"], ffn=shape["ffn"], num_experts=shape["experts"],
                 num_layers=n, budget_bytes=math.inf, host_bandwidth=bandwidth,
                 layer_time=base["step_time_s"] / layers, recipe=shape.get("recipe", "mxfp8"),
-                layout={"stack": "layer_stack"}.get(layout, layout),
+                layout={"stack": "layer_stack"}.get(layout, layout),  # layer_scan_xla: XLA's copies
             )  # fmt: skip
 
         lo = min(run["layer_counts"])

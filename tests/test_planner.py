@@ -368,19 +368,31 @@ def test_layer_stack_model():
 
 
 def test_layer_scan_model():
-    """``layout="layer_scan"``: the last two layers keep their offloaded residuals on
-    the device, the other layers' copies each way are exposed; the hand-computed step
-    for all-offload; one layer offloads nothing."""
-    loop, scan = _nano_plan(), _nano_plan(layout="layer_scan")
-    assert scan.layout == "layer_scan"
-    for a, b in zip(sorted(loop.candidates, key=lambda c: c.label()), sorted(scan.candidates, key=lambda c: c.label())):
+    """``layout="layer_scan"`` (its CUDA copies) and ``"layer_scan_xla"`` (XLA's): the
+    last two layers keep their offloaded residuals on the device; the other layers'
+    copies hide as under ``layer_stack`` with the library's copies, and are exposed each
+    way with XLA's; hand-computed steps for all-offload; one layer offloads nothing."""
+    loop, stack = _nano_plan(), _nano_plan(layout="layer_stack")
+    scan, xla = _nano_plan(layout="layer_scan"), _nano_plan(layout="layer_scan_xla")
+    assert (scan.layout, xla.layout) == ("layer_scan", "layer_scan_xla")
+    key = lambda c: c.label()  # noqa: E731
+    for a, b, c in zip(sorted(loop.candidates, key=key), sorted(scan.candidates, key=key),
+                       sorted(xla.candidates, key=key)):  # fmt: skip
         offloaded = sum(scan.residual_bytes[n] for n in RESIDUAL_NAMES if a.placement[n] == "offload")
-        assert b.host_bytes == 6 * offloaded and b.device_bytes == a.device_bytes + 2 * offloaded, a.label()
-    c = scan.candidate(fc1_input="offload", activation_input="offload", fc2_input="offload")
+        for d in (b, c):
+            assert d.host_bytes == 6 * offloaded and d.device_bytes == a.device_bytes + 2 * offloaded, a.label()
+    every = dict(fc1_input="offload", activation_input="offload", fc2_input="offload")
     t = sum(scan.residual_bytes.values()) / 53e9
-    assert c.step_time == pytest.approx(8 * scan.layer_time.total + 6 * 2 * t, rel=1e-12)
-    one = _nano_plan(layout="layer_scan", num_layers=1)
-    assert all(c.host_bytes == 0 and c.exposed_transfer == 0 for c in one.candidates)
+    lt = scan.layer_time
+    assert xla.candidate(**every).step_time == pytest.approx(8 * lt.total + 6 * 2 * t, rel=1e-12)
+    exposed = max(0.0, t - lt.forward) + max(0.0, t - lt.backward)
+    assert scan.candidate(**every).step_time == pytest.approx(8 * lt.total + 6 * exposed, rel=1e-12)
+    # per offloading layer, what layer_stack exposes
+    s = stack.candidate(**every)
+    assert scan.candidate(**every).exposed_transfer / 6 == pytest.approx(s.exposed_transfer / 7, rel=1e-12)
+    for layout in ("layer_scan", "layer_scan_xla"):
+        one = _nano_plan(layout=layout, num_layers=1)
+        assert all(c.host_bytes == 0 and c.exposed_transfer == 0 for c in one.candidates)
 
 
 def test_loop_reloads_hide_behind_the_backward_before_their_first_read():

@@ -69,9 +69,16 @@ count against the device memory::
               + max(0, transfer - overlap * (backward + recompute))
     step_time = L * (forward + backward + recompute) + (L - 1) * exposed
 
-Under :func:`layer_scan` (``layout="layer_scan"``) the last two layers keep their offloaded
+Under :func:`layer_scan` (``layout="layer_scan"``, on a CUDA GPU: the copies are the
+library's own, on streams beside XLA's) the last two layers keep their offloaded
 residuals on the device (two more layers' worth count against the device memory) and
-the other layers' copies, out and back, run in the loop's iterations beside the compute
+each other layer's copies hide as under :func:`layer_stack`: out behind the next
+layer's forward, back behind the next layer's backward::
+
+    step_time = L * (forward + backward + recompute) + (L - 2) * exposed   (layer_stack's exposed)
+
+``layout="layer_scan_xla"`` is :func:`layer_scan` with XLA's own host copies (the CPU,
+or ``JGM_LAYER_SCAN_STREAMS=0``): they run in the loop's iterations beside the compute
 without overlapping it (XLA schedules host-memory slices in loop bodies so; measured
 on the H200, docs/offload.md)::
 
@@ -119,8 +126,9 @@ H200_HOST_BANDWIDTH = 53e9  # pinned host <-> device, each way, measured
 
 
 # How the checkpointed layers run (``plan_offload(layout=...)``): a Python loop, a
-# ``jax.lax.scan``, :func:`layer_stack`, :func:`layer_scan`.
-LAYOUTS = ("loop", "scan", "layer_stack", "layer_scan")
+# ``jax.lax.scan``, :func:`layer_stack`, :func:`layer_scan` (its CUDA copies), and
+# :func:`layer_scan` with XLA's copies.
+LAYOUTS = ("loop", "scan", "layer_stack", "layer_scan", "layer_scan_xla")
 
 # The fraction of a layer's backward pass (its GEMMs, in the op's order) that runs
 # before each residual is first read: "activation_input" feeds the first kernel (the
@@ -483,10 +491,14 @@ def predict(
         # behind the next layer's backward; the last layer offloads nothing.
         offloading, extra = num_layers - 1, offloaded
         exposed = out + max(0.0, transfer - overlap * (layer_time.backward + recompute))
-    else:  # layer_scan
+    elif layout == "layer_scan":
         # The last two layers keep what the policy offloads on the device; the others'
-        # copies run inside loop iterations, out and back, next to the compute and not
-        # overlapping it (XLA schedules them so; measured on the H200).
+        # copies hide as under layer_stack (the library's own streams).
+        offloading, extra = max(0, num_layers - 2), min(num_layers, 2) * offloaded
+        exposed = out + max(0.0, transfer - overlap * (layer_time.backward + recompute))
+    else:  # layer_scan_xla
+        # As layer_scan, but XLA runs the copies inside loop iterations, out and back,
+        # next to the compute and not overlapping it (measured on the H200).
         offloading, extra = max(0, num_layers - 2), min(num_layers, 2) * offloaded
         exposed = 2 * transfer
     device = num_layers * kept + not_kept + extra
@@ -570,9 +582,11 @@ def plan_offload(
         a checkpointed layer (each copy back exposed); "layer_stack": under
         :func:`layer_stack` (its copies overlap the neighbouring layers, its last layer
         offloads nothing, one more layer's offloaded residuals are on the device);
-        "layer_scan": under :func:`layer_scan` (the last two layers keep their
-        offloaded residuals on the device; the other layers' copies each way are
-        exposed, next to the compute inside the loop's iterations).
+        "layer_scan": under :func:`layer_scan` on a CUDA GPU (the last two layers
+        keep their offloaded residuals on the device; the other layers' copies hide
+        as under "layer_stack"); "layer_scan_xla": :func:`layer_scan` with XLA's own
+        copies (``JGM_LAYER_SCAN_STREAMS=0``: each way exposed, next to the compute
+        inside the loop's iterations).
 
     Returns:
       An :class:`OffloadPlan`: ``plan.placement`` (name -> placement), ``plan.policy``
