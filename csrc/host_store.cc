@@ -101,8 +101,9 @@ cudaError_t TakeEntry(Device* d, size_t bytes, Entry** entry) {
   }
   auto e = std::make_unique<Entry>();
   e->bytes = bytes;
-  cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&e->host), bytes ? bytes : 1, cudaHostAllocDefault);
-  if (!err) err = cudaHostAlloc(reinterpret_cast<void**>(&e->seen), sizeof(int32_t), cudaHostAllocDefault);
+  // Portable: pinned for every device's context (one process may drive several GPUs).
+  cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&e->host), bytes ? bytes : 1, cudaHostAllocPortable);
+  if (!err) err = cudaHostAlloc(reinterpret_cast<void**>(&e->seen), sizeof(int32_t), cudaHostAllocPortable);
   if (!err) err = cudaEventCreateWithFlags(&e->written, cudaEventDisableTiming);
   if (!err) err = cudaEventCreateWithFlags(&e->read, cudaEventDisableTiming);
   if (!err) *entry = e.release();  // owned by the device's lists from here on

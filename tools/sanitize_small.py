@@ -10,6 +10,9 @@ the weight quantizer in both layouts, the row quantizer, the token-major layout,
 FP8 GEMM and weight-gradient variant, the weight gradient on the pair's token-major
 copies) on small ragged cases with an empty group and sizes past M.
 
+``--host-store`` instead runs ``layer_scan`` with its CUDA host store (two steps against
+the loop, bit for bit).
+
 ``--second-order`` instead runs the op's second-order programs (``jit(grad(grad))`` over
 every argument and ``jit(hessian)`` in probs, both recipes, an empty group and sizes
 past M), the cases of tests/test_adversarial_gpu.py that pytest cannot run under the
@@ -128,6 +131,40 @@ def fp8_block_kernels() -> int:
     return int(bad > 0)
 
 
+def host_store() -> int:
+    """``layer_scan`` over 4 small layers with every residual offloaded through its CUDA
+    host store, two steps of one program, against the plain loop (bit for bit)."""
+    import jax_grouped_mlp as jgm
+
+    rng = np.random.default_rng(0)
+    m, h, f, g, layers = 300, 128, 96, 4, 4
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((layers, g, h, f)) / 12, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((layers, g, f, h)) / 10, jnp.bfloat16)
+    gs = jnp.asarray([100, 0, 150, 200], jnp.int32)  # an empty group; the last overshoots M
+    probs = jnp.asarray(rng.uniform(size=m), jnp.float32)
+
+    def layer(p, x):
+        return x + jgm.grouped_mlp(x, p[0], p[1], gs, probs)
+
+    def scanned(w1):
+        return jnp.sum(jgm.layer_scan(layer, (w1, w2), x, policy=jgm.offload_policy()).astype(jnp.float32) ** 2)
+
+    def loop(w1):
+        y = x
+        for i in range(layers):
+            y = layer((w1[i], w2[i]), y)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    step, want = jax.jit(jax.grad(scanned)), np.asarray(jax.jit(jax.grad(loop))(w1), np.float32)
+    bad = 0
+    for _ in range(2):
+        got = np.asarray(step(w1), np.float32)
+        bad += int(not np.isfinite(got).all() or not np.array_equal(got, want))
+    print(f"layer_scan with the host store: {bad} of 2 steps differ from the loop")
+    return int(bad > 0)
+
+
 def second_order(recipes: tuple[str, ...] = ("mxfp8", "bf16"), which: tuple[str, ...] = ("grad2", "hessian")) -> int:
     """jit(grad of <c, grad>) and jit(hessian) of the op's loss, on the kernels
     (``--recipe R`` and ``--only grad2|hessian`` pick one of each)."""
@@ -165,11 +202,14 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--second-order", action="store_true")
     ap.add_argument("--fp8-block", action="store_true")
+    ap.add_argument("--host-store", action="store_true")
     ap.add_argument("--recipe", choices=["mxfp8", "bf16"], default=None)
     ap.add_argument("--only", choices=["grad2", "hessian"], default=None)
     a = ap.parse_args()
     if a.fp8_block:
         sys.exit(fp8_block_kernels())
+    if a.host_store:
+        sys.exit(host_store())
     if not a.second_order:
         sys.exit(main())
     sys.exit(second_order(*[(v,) if v else d for v, d in ((a.recipe, ("mxfp8", "bf16")), (a.only, ("grad2", "hessian")))]))
