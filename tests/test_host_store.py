@@ -235,3 +235,50 @@ def test_layer_scan_with_the_cuda_store_is_bitwise_the_loop_over_steps(rng, laye
 @pytest.mark.gpu
 def test_layer_scan_with_the_cuda_store_every_pairwise_placement(rng):
     _check(rng, PAIRWISE, loss=_scan_loss)
+
+
+def _check_nnx_stack(rng) -> None:
+    """A Flax NNX stack as a user scans it: the layers' states (float32 master weights)
+    stacked along a leading axis, the module rebuilt inside ``layer`` with
+    ``nnx.merge``; ``layer_scan``'s gradients are those of the same modules in a loop
+    of ``jax.checkpoint`` bit for bit, over two steps of one program."""
+    from flax import nnx
+
+    from jax_grouped_mlp.flax import GroupedMLP
+
+    x, _, _, probs, gs = _make_inputs(rng, layers=1)
+    modules = [GroupedMLP(3, x.shape[1], 96, rngs=nnx.Rngs(i)) for i in range(4)]
+    graphdef = nnx.split(modules[0])[0]
+    states = [nnx.split(m)[1] for m in modules]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+    policy = jgm.offload_policy()
+
+    def layer(state, x, gs, probs):
+        return x + nnx.merge(graphdef, state)(x, gs, probs)
+
+    def via_scan(stacked):
+        return jnp.sum(jgm.layer_scan(layer, stacked, x, gs, probs, policy=policy).astype(jnp.float32) ** 2)
+
+    def via_loop(stacked):
+        y = x
+        for i in range(len(modules)):
+            y = jax.checkpoint(layer, policy=policy)(jax.tree.map(lambda a: a[i], stacked), y, gs, probs)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    want = jax.tree.leaves(jax.jit(jax.grad(via_loop))(stacked))
+    assert want and all(w.dtype == jnp.float32 and np.abs(np.asarray(w)).max() > 0 for w in want)
+    step = jax.jit(jax.grad(via_scan))
+    for _ in range(2):
+        for a, b in zip(jax.tree.leaves(step(stacked)), want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_flax_nnx_stack_through_the_python_store(rng, python_store):
+    _check_nnx_stack(rng)
+    (store,) = python_store
+    assert not store.stack and next(store.serials) == 2 * 2 + 1  # layers 0 and 1, each step
+
+
+@pytest.mark.gpu
+def test_flax_nnx_stack_through_the_cuda_store(rng):
+    _check_nnx_stack(rng)
