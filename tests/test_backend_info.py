@@ -63,8 +63,10 @@ def test_backend_info_on_this_machine():
     assert set(info.paths) == set(primitives._REFERENCE)
     text = str(info)
     assert all(name in text for name in info.paths)
+    assert f"layer_scan host copies: {info.layer_scan_copies}" in text
     if jax.default_backend() == "cpu":
         assert set(info.paths.values()) == {backend.REFERENCE} and info.reason
+        assert info.layer_scan_copies == "XLA"
 
 
 @pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
@@ -137,6 +139,7 @@ def test_backend_info_on_the_h200():
     assert {n for n, p in info.paths.items() if p == backend.KERNEL} == kernels, info
     assert {n for n, p in info.paths.items() if p == backend.REFERENCE} == {"quantize", "quantize_both"}, info
     assert info.reason is None
+    assert info.layer_scan_copies == "library streams"
     args = _inputs(np.random.default_rng(0))
     hlo = jax.jit(_grad_fn).lower(*args).compile().as_text()
     assert 'custom_call_target="' + JGM_TARGET in hlo

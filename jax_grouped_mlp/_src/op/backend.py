@@ -8,6 +8,7 @@ import typing
 import jax
 
 from jax_grouped_mlp._src.cuda import devices, ffi
+from jax_grouped_mlp._src.offload import host_store
 from jax_grouped_mlp._src.op import primitives
 
 KERNEL = "cuda kernel"
@@ -35,6 +36,9 @@ class BackendInfo:
         weight-gradient kernel; its quantizers are kernels too for bf16 input
         (``fp8_block_pair``, ``fp8_block_weight``; the op quantizes the bf16 copy of
         float32 weights).
+      layer_scan_copies: who makes :func:`jax_grouped_mlp.layer_scan`'s host copies in
+        programs traced now: ``"library streams"`` (its own custom calls, on a CUDA
+        GPU with the extension) or ``"XLA"`` (elsewhere, or ``JGM_LAYER_SCAN_STREAMS=0``).
     """
 
     extension: bool
@@ -44,6 +48,7 @@ class BackendInfo:
     paths: dict[str, str]
     reason: str | None
     recipes: dict[str, str] = dataclasses.field(default_factory=dict)
+    layer_scan_copies: str = "XLA"
 
     def __str__(self) -> str:
         lines = [
@@ -55,6 +60,7 @@ class BackendInfo:
                          f"{'kernels' if d.kernels else 'pure JAX'}")
         lines += [f"  {name}: {path}" for name, path in self.paths.items()]
         lines += [f"  recipe {name!r}: {path}" for name, path in self.recipes.items()]
+        lines.append(f"  layer_scan host copies: {self.layer_scan_copies}")
         if self.reason:
             lines.append(f"why pure JAX: {self.reason}")
         return "\n".join(lines)
@@ -82,4 +88,5 @@ def backend_info() -> BackendInfo:
     gemm = paths.get("grouped_gemm", REFERENCE)
     # (Recipe values, not imported: the recipes module imports the primitives too.)
     recipes = {"mxfp8": gemm, "bf16": gemm, "fp8_block": gemm}
-    return BackendInfo(ext, devices.KERNEL_ARCH if ext else None, platform, cuda, paths, reason, recipes)
+    copies = "library streams" if host_store.for_this_platform() is not None else "XLA"
+    return BackendInfo(ext, devices.KERNEL_ARCH if ext else None, platform, cuda, paths, reason, recipes, copies)
