@@ -282,3 +282,24 @@ def test_flax_nnx_stack_through_the_python_store(rng, python_store):
 @pytest.mark.gpu
 def test_flax_nnx_stack_through_the_cuda_store(rng):
     _check_nnx_stack(rng)
+
+
+@pytest.mark.parametrize("case", ["jax_own_offload", "x_among_args"])
+def test_the_store_with_unusual_layers(rng, python_store, case):
+    """The layers of tests/test_layer_stack.py that once broke ``layer_scan``'s carry,
+    through the store: arrays JAX offloads itself stay JAX's (only the op's offloads go
+    through the store), and ``x`` passed again among the args."""
+    from test_layer_stack import _assert_scan_is_the_loop, _one_named
+
+    if case == "jax_own_offload":
+        policy = jgm.offload_policy("device", "offload", "device", extra_offloadable=["mine"])
+        _assert_scan_is_the_loop(rng, _one_named, policy, lambda x, gs, probs: (gs, probs))
+    else:
+
+        def layer(p, x, x0, gs, probs):
+            return x + jgm.grouped_mlp(x * x0, p[0], p[1], gs, probs)
+
+        _assert_scan_is_the_loop(rng, layer, jgm.offload_policy(), lambda x, gs, probs: (x, gs, probs),
+                                 dx_exact=False)  # fmt: skip
+    (store,) = python_store
+    assert not store.stack and next(store.serials) == 2 + 1  # 4 layers: layers 0 and 1 went through it
