@@ -479,6 +479,8 @@ def predict(
     # scan none does (measured on the H200).
     recompute = sum(layer_time.recompute[n] for n in on["recompute"])
     out = max(0.0, transfer - overlap * layer_time.forward)  # the copies to the host (scan, layer_stack)
+    # Copies that run beside the next layer's forward and backward (layer_stack, layer_scan).
+    beside_next = out + max(0.0, transfer - overlap * (layer_time.backward + recompute))
     offloading, extra = num_layers, 0
     if layout == "loop":
         on_host = [n for n in RESIDUAL_NAMES if n in on["offload"]]
@@ -490,17 +492,12 @@ def predict(
         # A layer's copies out hide behind the next layer's forward, its copies back
         # behind the next layer's backward; the last layer offloads nothing.
         offloading, extra = num_layers - 1, offloaded
-        exposed = out + max(0.0, transfer - overlap * (layer_time.backward + recompute))
-    elif layout == "layer_scan":
-        # The last two layers keep what the policy offloads on the device; the others'
-        # copies hide as under layer_stack (the library's own streams).
+        exposed = beside_next
+    else:  # layer_scan, layer_scan_xla: the last two layers keep their offloads on the device
         offloading, extra = max(0, num_layers - 2), min(num_layers, 2) * offloaded
-        exposed = out + max(0.0, transfer - overlap * (layer_time.backward + recompute))
-    else:  # layer_scan_xla
-        # As layer_scan, but XLA runs the copies inside loop iterations, out and back,
-        # next to the compute and not overlapping it (measured on the H200).
-        offloading, extra = max(0, num_layers - 2), min(num_layers, 2) * offloaded
-        exposed = 2 * transfer
+        # The library's own copies hide as under layer_stack; XLA's run inside loop
+        # iterations, out and back, next to the compute (measured on the H200).
+        exposed = beside_next if layout == "layer_scan" else 2 * transfer
     device = num_layers * kept + not_kept + extra
     recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     inputs = num_layers * layer_input_bytes if recomputes_from_x and FC1_INPUT not in kept_anyway else 0
