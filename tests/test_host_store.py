@@ -21,7 +21,7 @@ import pytest
 import jax_grouped_mlp as jgm
 from jax_grouped_mlp._src.offload import host_store
 
-from test_layer_stack import _check, _grads, _loop_loss, _one, _scan_loss
+from test_layer_stack import _check, _grads, _loop_loss, _one, _scan_loss, nnx_layers
 from test_offload_policies import PAIRWISE, _make_inputs
 
 
@@ -242,30 +242,14 @@ def _check_nnx_stack(rng) -> None:
     stacked along a leading axis, the module rebuilt inside ``layer`` with
     ``nnx.merge``; ``layer_scan``'s gradients are those of the same modules in a loop
     of ``jax.checkpoint`` bit for bit, over two steps of one program."""
-    from flax import nnx
-
-    from jax_grouped_mlp.flax import GroupedMLP
-
-    x, _, _, probs, gs = _make_inputs(rng, layers=1)
-    modules = [GroupedMLP(3, x.shape[1], 96, rngs=nnx.Rngs(i)) for i in range(4)]
-    graphdef = nnx.split(modules[0])[0]
-    states = [nnx.split(m)[1] for m in modules]
+    x, gs, probs, states, layer, loop = nnx_layers(rng, 4)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
-    policy = jgm.offload_policy()
-
-    def layer(state, x, gs, probs):
-        return x + nnx.merge(graphdef, state)(x, gs, probs)
 
     def via_scan(stacked):
-        return jnp.sum(jgm.layer_scan(layer, stacked, x, gs, probs, policy=policy).astype(jnp.float32) ** 2)
-
-    def via_loop(stacked):
-        y = x
-        for i in range(len(modules)):
-            y = jax.checkpoint(layer, policy=policy)(jax.tree.map(lambda a: a[i], stacked), y, gs, probs)
+        y = jgm.layer_scan(layer, stacked, x, gs, probs, policy=jgm.offload_policy())
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    want = jax.tree.leaves(jax.jit(jax.grad(via_loop))(stacked))
+    want = jax.tree.leaves(jax.jit(jax.grad(loop))(stacked))
     assert want and all(w.dtype == jnp.float32 and np.abs(np.asarray(w)).max() > 0 for w in want)
     step = jax.jit(jax.grad(via_scan))
     for _ in range(2):

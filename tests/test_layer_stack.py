@@ -221,35 +221,46 @@ def test_each_layer_waits_for_the_previous_layers_copies(rng):
     assert _read_backs(text) == 5 * (layers - 1)
 
 
-def test_with_flax_nnx_modules(rng):
-    """The recipe docs/offload.md gives for NNX: each layer's state (``nnx.split``) as
-    ``params``, the module rebuilt inside ``layer`` (``nnx.merge``); gradients match
-    the same modules called in a loop of ``nnx.remat``."""
+def nnx_layers(rng, count: int):
+    """``count`` Flax NNX ``GroupedMLP`` modules (float32 master weights) as the docs
+    stack them: ``(x, gs, probs, states, layer, loop)``, each layer's state from
+    ``nnx.split``, ``layer(state, x, gs, probs)`` rebuilding the module with
+    ``nnx.merge``, and ``loop(states)`` the loss of the modules in a loop of
+    ``jax.checkpoint`` under ``offload_policy()`` (``states[i]``: a list, or stacked)."""
     from flax import nnx
 
     from jax_grouped_mlp.flax import GroupedMLP
 
     x, _, _, probs, gs = _make_inputs(rng, layers=1)
-    g, h = 3, x.shape[1]
-    modules = [GroupedMLP(g, h, 96, rngs=nnx.Rngs(i)) for i in range(3)]
+    modules = [GroupedMLP(3, x.shape[1], 96, rngs=nnx.Rngs(i)) for i in range(count)]
     graphdef = nnx.split(modules[0])[0]
     states = [nnx.split(m)[1] for m in modules]
-    policy = jgm.offload_policy()
 
     def layer(state, x, gs, probs):
         return x + nnx.merge(graphdef, state)(x, gs, probs)
 
-    def via_stack(states):
-        return jnp.sum(jgm.layer_stack(layer, states, x, gs, probs, policy=policy).astype(jnp.float32) ** 2)
-
-    def via_loop(states):
+    def loop(states):
         y = x
-        for state in states:
-            y = jax.checkpoint(layer, policy=policy)(state, y, gs, probs)
+        for i in range(count):
+            state = states[i] if isinstance(states, list) else jax.tree.map(lambda a: a[i], states)
+            y = jax.checkpoint(layer, policy=jgm.offload_policy())(state, y, gs, probs)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    return x, gs, probs, states, layer, loop
+
+
+def test_with_flax_nnx_modules(rng):
+    """The recipe docs/offload.md gives for NNX: each layer's state (``nnx.split``) as
+    ``params``, the module rebuilt inside ``layer`` (``nnx.merge``); gradients match
+    the same modules called in a loop of ``jax.checkpoint``."""
+    x, gs, probs, states, layer, loop = nnx_layers(rng, 3)
+
+    def via_stack(states):
+        y = jgm.layer_stack(layer, states, x, gs, probs, policy=jgm.offload_policy())
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     got = jax.jit(jax.grad(via_stack))(states)
-    want = jax.jit(jax.grad(via_loop))(states)
+    want = jax.jit(jax.grad(loop))(states)
     leaves = jax.tree.leaves(want)
     assert leaves and all(np.abs(np.asarray(w, np.float32)).max() > 0 for w in leaves)
     for a, b in zip(jax.tree.leaves(got), leaves):
