@@ -135,7 +135,7 @@ def test_backend_info_on_the_h200():
     # kernel was removed, and are honestly reported as pure JAX.
     kernels = {"fake_quantize", "fake_quantize_pair", "grouped_gemm", "grouped_gemm_qw", "grouped_wgrad",
                "fc1_fused", "dgrad_fused", "fp8_block_pair", "fp8_block_pair_tm", "fp8_block_weight",
-               "fp8_block_row"}
+               "fp8_block_row", "fp8_block_fc1"}
     assert {n for n, p in info.paths.items() if p == backend.KERNEL} == kernels, info
     assert {n for n, p in info.paths.items() if p == backend.REFERENCE} == {"quantize", "quantize_both"}, info
     assert info.reason is None
