@@ -1,16 +1,16 @@
-"""The copy rate of ``layer_scan``'s host store against ``jax.device_put``, per size and lanes.
+"""The copy rate of ``layer_scan``'s host store against ``jax.device_put``, per size.
 
     PYTHONPATH=. python3 benchmarks/bench_host_store.py [--sizes-mb 94,182,1024]
-        [--lanes 1,2,4] [--samples 10] [--out FILE]
+        [--samples 10] [--out FILE]
 
 For each size, an array of that many bytes goes to pinned host memory and back: with
 ``jax.device_put`` (``pinned_host`` and back; what ``measure_host_bandwidth`` and the
-offload benchmarks' bars use), and through the CUDA store (``csrc/host_store.cc``) with
-each copy split over 1, 2 or 4 streams (``lanes``, ``JGM_HOST_STORE_LANES``). Each
+offload benchmarks' bars use), and through the CUDA store (``csrc/host_store.cc``). Each
 direction is its own jitted call, timed on the host around a blocking call (median of
 ``--samples``; the dispatch, tens of microseconds, is inside). Prints GB/s each way and
 writes JSON. Needs a CUDA GPU and the extension's store; elsewhere it says so and writes
-nothing.
+nothing. (Splitting each copy over 2 or 4 streams was measured and gave nothing:
+docs/notes/2026-12-04-layer-scan-floor.md.)
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def device_put_rates(x: jax.Array, samples: int) -> tuple[float, float]:
     return out, back
 
 
-def store_rates(x: jax.Array, lanes: int, samples: int) -> tuple[float, float]:
+def store_rates(x: jax.Array, samples: int) -> tuple[float, float]:
     """Seconds of the store's copy out (put_start + put_done) and back (get_start +
     get_done), each its own jitted call, alternating (the stack holds one entry)."""
-    store = host_store.CudaStore(lanes=lanes)
+    store = host_store.CudaStore()
     like = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
 
     @jax.jit
@@ -68,7 +68,7 @@ def store_rates(x: jax.Array, lanes: int, samples: int) -> tuple[float, float]:
 
     y = get(put(x))
     if not bool(jnp.array_equal(y, x)):
-        raise RuntimeError(f"the store's round trip changed the bytes (lanes={lanes})")
+        raise RuntimeError("the store's round trip changed the bytes")
     outs, backs = [], []
     for _ in range(samples):
         t0 = time.perf_counter()
@@ -83,22 +83,15 @@ def store_rates(x: jax.Array, lanes: int, samples: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mb", default="94,182,1024", help="comma-separated sizes in MB (1e6 bytes)")
-    ap.add_argument("--lanes", default="1,2,4", help=f"comma-separated lane counts (1 to {host_store.MAX_LANES})")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ns = ap.parse_args(argv)
     try:
         sizes = [int(float(s) * 1e6) for s in ns.sizes_mb.split(",") if s]
-        lanes = [int(s) for s in ns.lanes.split(",") if s]
     except ValueError as e:
-        ap.error(f"--sizes-mb and --lanes take comma-separated numbers: {e}")
+        ap.error(f"--sizes-mb takes comma-separated numbers: {e}")
     if not sizes or min(sizes) < 1:
         ap.error(f"--sizes-mb must name positive sizes, got {ns.sizes_mb!r}")
-    for n in lanes:
-        try:
-            host_store._check_lanes(n, "--lanes")
-        except ValueError as e:
-            ap.error(str(e))
     if ns.samples < 1:
         ap.error(f"--samples must be >= 1, got {ns.samples}")
     if jax.default_backend() != "gpu" or not host_store.cuda_store_available():
@@ -108,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'MB':>7} {'copier':>14} {'to host GB/s':>13} {'to device GB/s':>15}")
     for nbytes in sizes:
         x = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)))
-        cases = [("device_put", None, *device_put_rates(x, ns.samples))]
-        cases += [(f"store lanes={n}", n, *store_rates(x, n, ns.samples)) for n in lanes]
-        for name, n, out_s, back_s in cases:
-            row = {"bytes": nbytes, "copier": "device_put" if n is None else "store", "lanes": n,
+        cases = [("device_put", *device_put_rates(x, ns.samples)), ("store", *store_rates(x, ns.samples))]
+        for name, out_s, back_s in cases:
+            row = {"bytes": nbytes, "copier": name,
                    "to_host_s": out_s, "to_device_s": back_s,
                    "to_host_gb_s": nbytes / out_s / 1e9, "to_device_gb_s": nbytes / back_s / 1e9}
             rows.append(row)

@@ -12,8 +12,8 @@ sizes), or with ``--step grad_accum`` the scanned micro-batch step of
 ``bench_grad_accum`` (candidates ``RECIPE/per_micro_batch`` or ``RECIPE/prepared_once``,
 float32 master weights), or with ``--step stack`` the layer stack of ``bench_offload``
 (candidates ``LAYOUT/POLICY``: a Python loop, ``lax.scan`` or ``layer_stack`` of ``--layers``
-checkpointed layers, the policy as a label like ``d-o-d``; ``--timeline DIR`` also writes
-every device event with its stream and start time, to see what overlaps what; ``--shape`` nano, ep_share or cpu, equal
+checkpointed layers, the policy as a label like ``d-o-d``; ``--timeline DIR`` (any step) also
+writes every device event with its stream and start time, to see what overlaps what; ``--shape`` nano, ep_share or cpu, equal
 group sizes), ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
 ``ProfileData`` and sums the device events by kernel name: ms per step and launches
 per step, largest first, grouped into our CUDA kernels (``jgm`` / CuTe names), XLA's
@@ -33,6 +33,7 @@ import collections
 import glob
 import os
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -204,7 +205,11 @@ def main(argv=None) -> int:
             sizes = np.asarray(args[3])
         for cname in names:
             key = f"{ns.shape}@{skew_label(alpha)}/{cname}" + (f"/{ns.micro_batches}mb" if ns.step != "mlp" else "")
-            report = measure(key, make_step(cname), args, ns.iters, ns.top)
+            where = None
+            if ns.timeline is not None:
+                ns.timeline.mkdir(parents=True, exist_ok=True)
+                where = ns.timeline / (re.sub(r"[^A-Za-z0-9_.-]", "_", key) + ".timeline.json")
+            report = measure(key, make_step(cname), args, ns.iters, ns.top, where)
             if report is not None:
                 results[key] = {**report, "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
     if ns.out is not None and results:

@@ -23,15 +23,10 @@
 //   get_done(arrays..., more...) -> arrays  XLA's stream waits for the copies in; the
 //                                            results alias the first operands.
 //
-// `lanes` (put_start, get_start): each array is split into that many chunks, copied on as
-// many streams at once (1 to kMaxLanes; lane 0 joins the others before the events XLA's
-// stream waits for).
-//
 // `more...` are operands only there to order the call after them (XLA cannot move it
 // before they exist). Host entries are pinned (cudaHostAlloc), reused by size, and kept
 // for the life of the process. Nothing here may be captured into a CUDA graph (the
 // handlers keep host state), so none is marked command-buffer compatible.
-#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -45,8 +40,6 @@ namespace jgm {
 namespace {
 
 constexpr size_t kAlign = 256;
-constexpr int kMaxLanes = 4;
-constexpr size_t kChunkAlign = 1 << 16;  // a lane's chunk starts on a 64 KiB boundary
 size_t Aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 struct Entry {
@@ -60,9 +53,8 @@ struct Entry {
 
 struct Device {
   std::mutex mu;
-  cudaStream_t out[kMaxLanes] = {}, in[kMaxLanes] = {};  // device -> host, host -> device
+  cudaStream_t out = nullptr, in = nullptr;  // device -> host, host -> device
   cudaEvent_t xla = nullptr, out_done = nullptr, in_done = nullptr;
-  cudaEvent_t joined[kMaxLanes] = {};
   std::map<int64_t, std::vector<Entry*>> stacks;
   std::map<int64_t, std::shared_ptr<std::atomic<bool>>> out_of_order;  // set by CheckSerial
   std::multimap<size_t, Entry*> free;
@@ -89,11 +81,8 @@ Device* GetDevice(int32_t ordinal, cudaError_t* err) {
   int previous = 0;
   *err = cudaGetDevice(&previous);
   if (!*err) *err = cudaSetDevice(ordinal);
-  for (int lane = 0; lane < kMaxLanes; ++lane) {
-    if (!*err) *err = cudaStreamCreateWithFlags(&d->out[lane], cudaStreamNonBlocking);
-    if (!*err) *err = cudaStreamCreateWithFlags(&d->in[lane], cudaStreamNonBlocking);
-    if (!*err) *err = cudaEventCreateWithFlags(&d->joined[lane], cudaEventDisableTiming);
-  }
+  if (!*err) *err = cudaStreamCreateWithFlags(&d->out, cudaStreamNonBlocking);
+  if (!*err) *err = cudaStreamCreateWithFlags(&d->in, cudaStreamNonBlocking);
   for (cudaEvent_t* e : {&d->xla, &d->out_done, &d->in_done})
     if (!*err) *err = cudaEventCreateWithFlags(e, cudaEventDisableTiming);
   cudaSetDevice(previous);
@@ -127,37 +116,6 @@ cudaError_t Follow(cudaStream_t to, cudaStream_t from, cudaEvent_t event) {
   return err ? err : cudaStreamWaitEvent(to, event, 0);
 }
 
-// Copies every part (device pointer, bytes; the host side at the parts' aligned offsets
-// in `host`) in `lanes` chunks, chunk j on streams[j], after streams[0]'s work so far;
-// then streams[0] waits for all of them.
-cudaError_t CopyInLanes(Device* d, cudaStream_t* streams, int lanes, char* host,
-                        const std::vector<std::pair<void*, size_t>>& parts, cudaMemcpyKind kind) {
-  cudaError_t err = lanes > 1 ? cudaEventRecord(d->joined[0], streams[0]) : cudaSuccess;
-  for (int j = 1; j < lanes && !err; ++j) err = cudaStreamWaitEvent(streams[j], d->joined[0], 0);
-  size_t offset = 0;
-  for (const auto& p : parts) {
-    size_t chunk = (p.second + lanes - 1) / lanes;
-    chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-    for (int j = 0; j < lanes && !err; ++j) {
-      size_t begin = std::min(p.second, j * chunk), end = std::min(p.second, begin + chunk);
-      if (end == begin) continue;
-      char* dev = static_cast<char*>(p.first) + begin;
-      char* hst = host + offset + begin;
-      err = kind == cudaMemcpyDeviceToHost ? cudaMemcpyAsync(hst, dev, end - begin, kind, streams[j])
-                                           : cudaMemcpyAsync(dev, hst, end - begin, kind, streams[j]);
-    }
-    offset += Aligned(p.second);
-  }
-  for (int j = 1; j < lanes && !err; ++j) err = Follow(streams[0], streams[j], d->joined[j]);
-  return err;
-}
-
-ffi::Error CheckLanes(const char* handler, int32_t lanes) {
-  if (lanes < 1 || lanes > kMaxLanes)
-    return Fail(handler, "lanes must be in [1, " + std::to_string(kMaxLanes) + "], got " + std::to_string(lanes));
-  return ffi::Error::Success();
-}
-
 size_t TotalBytes(const std::vector<std::pair<void*, size_t>>& parts) {
   size_t total = 0;
   for (const auto& p : parts) total += Aligned(p.second);
@@ -165,9 +123,8 @@ size_t TotalBytes(const std::vector<std::pair<void*, size_t>>& parts) {
 }
 
 ffi::Error PutStart(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs arrays,
-                    ffi::Result<ffi::AnyBuffer> serial, int64_t store, int32_t lanes) {
+                    ffi::Result<ffi::AnyBuffer> serial, int64_t store) {
   if (serial->element_type() != ffi::S32) return Fail("put_start", "serial must be int32");
-  if (auto bad = CheckLanes("put_start", lanes); bad.failure()) return bad;
   std::vector<std::pair<void*, size_t>> parts;
   for (size_t i = 0; i < arrays.size(); ++i) {
     auto a = arrays.get<ffi::AnyBuffer>(i);
@@ -180,10 +137,14 @@ ffi::Error PutStart(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs arr
   std::lock_guard<std::mutex> lock(d->mu);
   Entry* e = nullptr;
   if ((err = TakeEntry(d, TotalBytes(parts), &e))) return Cuda("put_start", err);
-  err = Follow(d->out[0], stream, d->xla);  // the arrays are written
-  if (!err && e->was_read) err = cudaStreamWaitEvent(d->out[0], e->read, 0);  // the entry's last reader is done
-  if (!err) err = CopyInLanes(d, d->out, lanes, e->host, parts, cudaMemcpyDeviceToHost);
-  if (!err) err = cudaEventRecord(e->written, d->out[0]);
+  err = Follow(d->out, stream, d->xla);  // the arrays are written
+  if (!err && e->was_read) err = cudaStreamWaitEvent(d->out, e->read, 0);  // the entry's last reader is done
+  size_t offset = 0;
+  for (const auto& p : parts) {
+    if (!err && p.second) err = cudaMemcpyAsync(e->host + offset, p.first, p.second, cudaMemcpyDeviceToHost, d->out);
+    offset += Aligned(p.second);
+  }
+  if (!err) err = cudaEventRecord(e->written, d->out);
   if (err) {
     d->free.emplace(e->bytes, e);
     return Cuda("put_start", err);
@@ -203,7 +164,7 @@ ffi::Error PutDone(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs) {
   Device* d = GetDevice(ordinal, &err);
   if (!d) return Cuda("put_done", err);
   std::lock_guard<std::mutex> lock(d->mu);
-  return Cuda("put_done", Follow(stream, d->out[0], d->out_done));
+  return Cuda("put_done", Follow(stream, d->out, d->out_done));
 }
 
 struct Check {
@@ -229,10 +190,9 @@ void CUDART_CB CheckSerial(void* arg) {
 }
 
 ffi::Error GetStart(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer serial, ffi::RemainingRets arrays,
-                    int64_t store, int32_t lanes) {
+                    int64_t store) {
   if (serial.element_type() != ffi::S32 || serial.element_count() == 0)
     return Fail("get_start", "serial must be a non-empty int32 array");
-  if (auto bad = CheckLanes("get_start", lanes); bad.failure()) return bad;
   std::vector<std::pair<void*, size_t>> parts;
   for (size_t i = 0; i < arrays.size(); ++i) {
     auto a = arrays.get<ffi::AnyBuffer>(i);
@@ -252,15 +212,18 @@ ffi::Error GetStart(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer serial,
     return Fail("get_start", "store " + std::to_string(store) + " holds " + std::to_string(e->bytes) +
                 " bytes, the results take " + std::to_string(TotalBytes(parts)));
   stack.pop_back();
-  err = Follow(d->in[0], stream, d->xla);  // the results' memory is free, `serial` is written
-  if (!err) err = cudaStreamWaitEvent(d->in[0], e->written, 0);
-  if (!err) err = cudaMemcpyAsync(e->seen, serial.untyped_data(), sizeof(int32_t), cudaMemcpyDeviceToHost, d->in[0]);
+  err = Follow(d->in, stream, d->xla);  // the results' memory is free, `serial` is written
+  if (!err) err = cudaStreamWaitEvent(d->in, e->written, 0);
+  if (!err) err = cudaMemcpyAsync(e->seen, serial.untyped_data(), sizeof(int32_t), cudaMemcpyDeviceToHost, d->in);
   auto check = std::make_unique<Check>(Check{e, e->serial, OutOfOrder(d, store)});
-  if (!err) err = cudaLaunchHostFunc(d->in[0], CheckSerial, check.get());
+  if (!err) err = cudaLaunchHostFunc(d->in, CheckSerial, check.get());
   if (!err) check.release();
-  // Every lane starts after the check (CopyInLanes orders them after in[0]'s work).
-  if (!err) err = CopyInLanes(d, d->in, lanes, e->host, parts, cudaMemcpyHostToDevice);
-  if (!err) err = cudaEventRecord(e->read, d->in[0]);
+  size_t offset = 0;
+  for (const auto& p : parts) {
+    if (!err && p.second) err = cudaMemcpyAsync(p.first, e->host + offset, p.second, cudaMemcpyHostToDevice, d->in);
+    offset += Aligned(p.second);
+  }
+  if (!err) err = cudaEventRecord(e->read, d->in);
   e->was_read = e->was_read || !err;
   d->free.emplace(e->bytes, e);
   return Cuda("get_start", err);
@@ -273,7 +236,7 @@ ffi::Error GetDone(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args
   if (!d) return Cuda("get_done", err);
   {
     std::lock_guard<std::mutex> lock(d->mu);
-    if ((err = Follow(stream, d->in[0], d->in_done))) return Cuda("get_done", err);
+    if ((err = Follow(stream, d->in, d->in_done))) return Cuda("get_done", err);
     if (OutOfOrder(d, store)->load())  // (seen once the check of an earlier get_start has run)
       return Fail("get_done", "store " + std::to_string(store) + ": a layer_scan backward pass read host copies "
                   "that another forward pass wrote (run each forward's backward before the next forward, or in "
@@ -301,8 +264,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmHostPutStart, jgm::PutStart,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()       // the arrays to copy out
                                   .Ret<ffi::AnyBuffer>()  // serial: int32, any shape
-                                  .Attr<int64_t>("store")
-                                  .Attr<int32_t>("lanes"));
+                                  .Attr<int64_t>("store"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmHostPutDone, jgm::PutDone,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -314,8 +276,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmHostGetStart, jgm::GetStart,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()  // serial put_start returned (its first element)
                                   .RemainingRets()                 // the arrays, as put_start took them
-                                  .Attr<int64_t>("store")
-                                  .Attr<int32_t>("lanes"));
+                                  .Attr<int64_t>("store"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmHostGetDone, jgm::GetDone,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

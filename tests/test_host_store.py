@@ -138,33 +138,6 @@ def test_the_store_is_chosen_for_cuda_only(monkeypatch):
     assert host_store.for_this_platform() is None
 
 
-def test_lanes_come_from_the_environment_and_are_checked(monkeypatch, rng):
-    """``JGM_HOST_STORE_LANES`` (read when the store is made) sets the streams a copy is
-    split over; a bad value names the variable; the lowered calls carry it."""
-    monkeypatch.delenv(host_store.LANES_ENV, raising=False)
-    assert host_store.CudaStore().lanes == host_store.DEFAULT_LANES
-    monkeypatch.setenv(host_store.LANES_ENV, "3")
-    assert host_store.CudaStore().lanes == 3
-    assert host_store.CudaStore(lanes=2).lanes == 2
-    for bad in ("0", "5", "two", "1.5"):
-        monkeypatch.setenv(host_store.LANES_ENV, bad)
-        with pytest.raises(ValueError, match=host_store.LANES_ENV):
-            host_store.CudaStore()
-    for bad in (0, 5, True, 2.0):
-        with pytest.raises(ValueError, match="lanes"):
-            host_store.CudaStore(lanes=bad)
-    store = host_store.CudaStore(lanes=4)
-    a = jnp.ones((8,), jnp.float32)
-
-    def round_trip(a):
-        serial = store.put_start([a])
-        store.put_done([a], serial, [])
-        return store.get_done(store.get_start(serial, [a]), serial, [])
-
-    text = jax.jit(round_trip).trace(a).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("lanes = 4 : i32") == 2, text
-
-
 # ---------------------------------------------------------------------------------
 # On the GPU: the CUDA store itself.
 
@@ -207,30 +180,6 @@ def test_cuda_store_round_trips_every_residual_dtype(rng):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(_bits(b), _bits(a))
             np.testing.assert_array_equal(_bits(c), _bits(a[::-1] if a.ndim else a))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lanes", [2, 3, 4])
-def test_cuda_store_lanes_split_copies_bit_for_bit(rng, lanes):
-    """Each copy split over ``lanes`` streams (64 KiB-aligned chunks): sizes below one
-    chunk, just past a chunk boundary and over several chunks, zero-size arrays, come
-    back bit for bit; fresh random bits each call, so a chunk left uncopied (a buffer
-    still holding the previous call's bytes) fails."""
-    shapes = [(3,), (1 << 14, 4), ((1 << 16) + 1,), (0, 8), (lanes * (1 << 16) + 7, 3)]
-    store = host_store.CudaStore(lanes=lanes)
-
-    @jax.jit
-    def round_trip(arrays):
-        serial = store.put_start(arrays)
-        store.put_done(arrays, serial, [])
-        back = store.get_start(serial, arrays)
-        return store.get_done(back, serial, [])
-
-    for _ in range(3):
-        arrays = [_random(rng, shape, dt) for shape, dt in zip(shapes, _DTYPES)]
-        for a, b in zip(arrays, round_trip(arrays)):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            np.testing.assert_array_equal(_bits(b), _bits(a))
 
 
 @pytest.mark.gpu

