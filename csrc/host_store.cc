@@ -25,7 +25,7 @@
 //
 // `more...` are operands only there to order the call after them (XLA cannot move it
 // before they exist). Host entries are pinned (cudaHostAlloc), reused by size, and kept
-// for the life of the process. Nothing here may be captured into a CUDA graph (the
+// until HostStoreRelease frees the idle ones (those on no stack). Nothing here may be captured into a CUDA graph (the
 // handlers keep host state), so none is marked command-buffer compatible.
 #include <cstring>
 #include <map>
@@ -70,11 +70,13 @@ ffi::Error Cuda(const char* handler, cudaError_t err) {
   return Fail(handler, cudaGetErrorString(err));
 }
 
+std::mutex g_devices_mu;
+std::map<int32_t, std::unique_ptr<Device>> g_devices;
+
 // The device's streams and events, created at first use (with that device current).
 Device* GetDevice(int32_t ordinal, cudaError_t* err) {
-  static std::mutex mu;
-  static std::map<int32_t, std::unique_ptr<Device>> devices;
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::mutex> lock(g_devices_mu);
+  auto& devices = g_devices;
   auto& slot = devices[ordinal];
   if (slot) return slot.get();
   auto d = std::make_unique<Device>();
@@ -255,6 +257,41 @@ ffi::Error GetDone(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args
 }
 
 }  // namespace
+
+HostStoreMemory HostStoreStats() {
+  HostStoreMemory m;
+  std::lock_guard<std::mutex> lock(g_devices_mu);
+  for (auto& [ordinal, d] : g_devices) {
+    std::lock_guard<std::mutex> device_lock(d->mu);
+    for (const auto& [store, stack] : d->stacks)
+      for (const Entry* e : stack) m.in_use_bytes += e->bytes, ++m.in_use_entries;
+    for (const auto& [bytes, e] : d->free) m.idle_bytes += e->bytes, ++m.idle_entries;
+  }
+  return m;
+}
+
+cudaError_t HostStoreRelease(int64_t* released) {
+  *released = 0;
+  cudaError_t first = cudaSuccess;
+  std::lock_guard<std::mutex> lock(g_devices_mu);
+  for (auto& [ordinal, d] : g_devices) {
+    std::lock_guard<std::mutex> device_lock(d->mu);
+    for (auto& [bytes, e] : d->free) {
+      // Its last copy out (or back, which also ran its serial check) must be done.
+      cudaError_t err = cudaEventSynchronize(e->was_read ? e->read : e->written);
+      if (!err) err = cudaFreeHost(e->host);
+      if (!err) err = cudaFreeHost(e->seen);
+      if (!err) err = cudaEventDestroy(e->written);
+      if (!err) err = cudaEventDestroy(e->read);
+      if (err && !first) first = err;
+      *released += err ? 0 : static_cast<int64_t>(e->bytes);
+      delete e;  // (a failed free leaks its pinned memory rather than reusing it)
+    }
+    d->free.clear();
+  }
+  return first;
+}
+
 }  // namespace jgm
 
 namespace ffi = xla::ffi;

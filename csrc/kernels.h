@@ -323,6 +323,16 @@ JGM_DECLARE_HANDLERS(JgmQuantizeFp8Block);
 JGM_DECLARE_HANDLERS(JgmGroupedWgradFp8Block);
 JGM_DECLARE_HANDLERS(JgmTokenMajorBlocks);
 // layer_scan's host store (host_store.cc): host state, never in a CUDA graph.
+namespace jgm {
+// Pinned host memory the store holds: entries on a stack (a forward's copies waiting for
+// their backward) and idle entries (kept for reuse by size).
+struct HostStoreMemory {
+  int64_t in_use_bytes = 0, in_use_entries = 0, idle_bytes = 0, idle_entries = 0;
+};
+HostStoreMemory HostStoreStats();
+// Frees every idle entry once its last copies have finished; `released` gets the bytes.
+cudaError_t HostStoreRelease(int64_t* released);
+}  // namespace jgm
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostPutStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostPutDone);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostGetStart);

@@ -32,6 +32,28 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("captured_launches", [] { return jgm::g_captured_launches.load(); },
         "Kernel launches recorded into CUDA graphs (XLA command buffers) by this process.");
   m.def(
+      "host_store_memory",
+      [] {
+        jgm::HostStoreMemory s = jgm::HostStoreStats();
+        py::dict d;
+        d["in_use_bytes"] = s.in_use_bytes;
+        d["in_use_entries"] = s.in_use_entries;
+        d["idle_bytes"] = s.idle_bytes;
+        d["idle_entries"] = s.idle_entries;
+        return d;
+      },
+      "Pinned host memory layer_scan's host store holds: on stacks (in use) and idle.");
+  m.def(
+      "host_store_release",
+      [] {
+        int64_t released = 0;
+        cudaError_t err = jgm::HostStoreRelease(&released);
+        if (err != cudaSuccess)
+          throw std::runtime_error(std::string("host_store_release: ") + cudaGetErrorString(err));
+        return released;
+      },
+      "Frees the host store's idle pinned entries (their copies done first); returns the bytes freed.");
+  m.def(
       "registrations",
       [](bool cuda_graphs) {
         py::dict d;

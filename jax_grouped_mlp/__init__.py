@@ -5,6 +5,8 @@ Public API (everything else lives in ``jax_grouped_mlp._src`` and may change):
 * :func:`grouped_mlp` - the op; :func:`offload_policy` - where its residuals live;
   :func:`layer_stack` / :func:`layer_scan` - a loop / a scan of checkpointed layers
   that prefetches their offloaded residuals in the backward pass;
+  :func:`layer_scan_host_memory` / :func:`release_layer_scan_host_memory` - the pinned
+  host memory ``layer_scan``'s own copies hold on a GPU (:class:`LayerScanHostMemory`);
   :func:`prepare_weights` / :class:`PreparedWeights` - its weights cast and quantized
   once for many micro-batches;
 * :func:`quantize_mxfp8`, :func:`quantize_mxfp8_grouped`, :func:`dequantize`,
@@ -47,6 +49,11 @@ from jax_grouped_mlp._src.op.prepared import PreparedWeights, prepare_weights
 from jax_grouped_mlp._src.offload.placement import residual_placements
 from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, OffloadPlan, plan_offload
 from jax_grouped_mlp._src.offload.policy import offload_policy
+from jax_grouped_mlp._src.offload.host_store import (
+    LayerScanHostMemory,
+    layer_scan_host_memory,
+    release_layer_scan_host_memory,
+)
 from jax_grouped_mlp._src.offload.scan_stack import layer_scan
 from jax_grouped_mlp._src.offload.stack import layer_stack
 from jax_grouped_mlp._src.moe.router_stats import RouterStats, update_score_bias
@@ -57,6 +64,7 @@ __all__ = [
     "Exchange",
     "FP8BlockTensor",
     "ExpertParallel",
+    "LayerScanHostMemory",
     "LayerShape",
     "LayerTime",
     "MXFP8Tensor",
@@ -74,6 +82,7 @@ __all__ = [
     "export_disabled_checks",
     "grouped_mlp",
     "layer_scan",
+    "layer_scan_host_memory",
     "layer_stack",
     "measure_host_bandwidth",
     "measure_layer_time",
@@ -85,6 +94,7 @@ __all__ = [
     "quantize_fp8_block",
     "quantize_mxfp8",
     "quantize_mxfp8_grouped",
+    "release_layer_scan_host_memory",
     "residual_placements",
     "route",
     "update_score_bias",

@@ -138,6 +138,15 @@ def test_the_store_is_chosen_for_cuda_only(monkeypatch):
     assert host_store.for_this_platform() is None
 
 
+def test_host_memory_without_copies_is_zero():
+    """Nothing held before any CUDA copy (on the CPU, or without the extension): zeros,
+    and a release frees nothing."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the GPU test below covers the store's memory there")
+    assert jgm.layer_scan_host_memory() == jgm.LayerScanHostMemory(0, 0, 0, 0)
+    assert jgm.release_layer_scan_host_memory() == 0
+
+
 # ---------------------------------------------------------------------------------
 # On the GPU: the CUDA store itself.
 
@@ -180,6 +189,38 @@ def test_cuda_store_round_trips_every_residual_dtype(rng):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(_bits(b), _bits(a))
             np.testing.assert_array_equal(_bits(c), _bits(a[::-1] if a.ndim else a))
+
+
+@pytest.mark.gpu
+def test_cuda_store_memory_is_counted_and_idle_entries_released(rng):
+    """An entry is in use between its put and its get, idle after; a release frees the
+    idle ones only (an entry in use survives and reads back bit for bit), and the store
+    allocates again afterwards."""
+    jgm.release_layer_scan_host_memory()
+    base = jgm.layer_scan_host_memory()
+    assert base.idle_entries == 0
+    store = host_store.CudaStore()
+    a = _random(rng, (1000, 37), np.float32)  # 148000 bytes: one 256-byte-aligned entry
+    nbytes = -(-a.nbytes // 256) * 256
+
+    @jax.jit
+    def put(a):
+        serial = store.put_start([a])
+        store.put_done([a], serial, [])
+        return serial
+
+    get = jax.jit(lambda s: store.get_done(store.get_start(s, [a]), s, [])[0])
+    serial = jax.block_until_ready(put(a))
+    held = jgm.layer_scan_host_memory()
+    assert (held.in_use_entries, held.in_use_bytes) == (base.in_use_entries + 1, base.in_use_bytes + nbytes)
+    assert jgm.release_layer_scan_host_memory() == 0  # nothing idle; the entry in use stays
+    np.testing.assert_array_equal(_bits(get(serial)), _bits(a))
+    idle = jgm.layer_scan_host_memory()
+    assert (idle.in_use_entries, idle.idle_entries, idle.idle_bytes) == (base.in_use_entries, 1, nbytes)
+    assert jgm.release_layer_scan_host_memory() == nbytes
+    assert jgm.layer_scan_host_memory() == base
+    b = _random(rng, (1000, 37), np.float32)
+    np.testing.assert_array_equal(_bits(get(put(b))), _bits(b))  # a fresh entry
 
 
 @pytest.mark.gpu

@@ -103,6 +103,12 @@ def available() -> bool:
     return _load() is not None
 
 
+def extension():
+    """The loaded extension module ``jax_grouped_mlp._kernels`` (its targets registered),
+    or None where it is not built."""
+    return _load()
+
+
 def registered_targets() -> tuple[str, ...]:
     """Names of the FFI targets the extension provides (empty without it)."""
     ext = _load()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import os
 from typing import Protocol, Sequence
@@ -139,6 +140,52 @@ class PythonStore:
     def get_done(self, arrays, serial, after):
         del serial, after
         return list(arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScanHostMemory:
+    """Pinned host memory :func:`jax_grouped_mlp.layer_scan`'s CUDA store holds in this
+    process (:func:`layer_scan_host_memory`).
+
+    Attributes:
+      in_use_bytes / in_use_entries: copies a forward pass made that its backward pass
+        has not read yet (one entry per offloaded layer).
+      idle_bytes / idle_entries: entries kept after their backward pass read them, reused
+        by later steps whose layers offload the same bytes;
+        :func:`release_layer_scan_host_memory` frees them.
+    """
+
+    in_use_bytes: int = 0
+    in_use_entries: int = 0
+    idle_bytes: int = 0
+    idle_entries: int = 0
+
+
+def layer_scan_host_memory() -> LayerScanHostMemory:
+    """The pinned host memory ``layer_scan``'s copies hold now (all zero without the CUDA
+    extension, or before the first step on a GPU). A training step's copies take one
+    entry per offloaded layer at the first step and reuse them at every later one; a
+    program with other shapes (another batch or sequence length, an evaluation step)
+    adds its own entries."""
+    ext = ffi.extension()
+    if ext is None or not hasattr(ext, "host_store_memory"):
+        return LayerScanHostMemory()
+    return LayerScanHostMemory(**{k: int(v) for k, v in ext.host_store_memory().items()})
+
+
+def release_layer_scan_host_memory() -> int:
+    """Frees the idle pinned host memory of ``layer_scan``'s copies (entries no backward
+    pass is waiting to read) and returns the bytes freed. Each entry is freed once its
+    last copy has finished, so it is safe between or during steps; the next step that
+    offloads pins its memory again (the cost of a first step). Entries still in use stay. 0 without the CUDA extension.
+
+    Raises:
+      RuntimeError: CUDA failed to free an entry (the bytes of the others are freed).
+    """
+    ext = ffi.extension()
+    if ext is None or not hasattr(ext, "host_store_release"):
+        return 0
+    return int(ext.host_store_release())
 
 
 def cuda_store_available() -> bool:
