@@ -337,3 +337,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostPutStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostPutDone);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostGetStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmHostGetDone);
+// An unwritten result buffer (empty.cc): layer_scan's stacked gradients start from it.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JgmEmpty);

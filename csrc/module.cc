@@ -81,8 +81,10 @@ PYBIND11_MODULE(_kernels, m) {
         for (auto [target, execute] : {std::pair{"jgm_host_put_start", JgmHostPutStart},
                                        std::pair{"jgm_host_put_done", JgmHostPutDone},
                                        std::pair{"jgm_host_get_start", JgmHostGetStart},
-                                       std::pair{"jgm_host_get_done", JgmHostGetDone}}) {
-          py::dict handlers;  // execute only, never command-buffer compatible (host state)
+                                       std::pair{"jgm_host_get_done", JgmHostGetDone},
+                                       std::pair{"jgm_empty", JgmEmpty}}) {
+          py::dict handlers;  // execute only, never command-buffer compatible (host state;
+                              // jgm_empty does nothing, so there is nothing to capture)
           handlers["execute"] = Capsule(execute);
           d[target] = handlers;
         }

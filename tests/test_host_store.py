@@ -111,11 +111,12 @@ def test_lowered_for_cuda_the_copies_are_the_stores(rng, monkeypatch):
     put_done in the forward loop, one get_start / get_done in the backward loop, the
     get_done results aliased to its operands, and nothing placed on the host (XLA makes
     no copies of its own; the pullbacks' moves to the device remain, no-ops for arrays
-    already there)."""
+    already there). The stacked gradients of w1 and w2 start from unwritten buffers."""
     monkeypatch.setattr(host_store, "for_this_platform", host_store.CudaStore)
     x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
     text = jax.jit(_scan_grad(w2, x, gs, probs)).trace(w1).lower(lowering_platforms=("cuda",)).as_text()
     assert _calls(text) == dict.fromkeys(host_store.TARGETS, 1)
+    assert len(re.findall(rf"custom_call @{host_store.EMPTY}\(", text)) == 2
     assert "output_operand_aliases" in text
     assert "pinned_host" not in text and "unpinned_host" not in text
     # vmap of grad (over x): each call takes the whole batch at once

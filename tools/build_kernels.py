@@ -38,7 +38,7 @@ BUILD = ROOT / "build"
 SOURCES = ["fake_quantize_mxfp8.cc", "dequantize_mxfp8.cc", "grouped_gemm.cc", "grouped_gemm_qw.cc", "grouped_wgrad.cc",
            "grouped_gemm_fc1.cc", "grouped_gemm_dgrad.cc", "grouped_gemm_fp8_block.cc", "grouped_gemm_fp8_block_fc1.cc",
            "quantize_fp8_block.cc",
-           "grouped_wgrad_fp8_block.cc", "token_major_blocks.cc", "host_store.cc", "module.cc"]
+           "grouped_wgrad_fp8_block.cc", "token_major_blocks.cc", "host_store.cc", "empty.cc", "module.cc"]
 
 
 def _missing() -> list[str]:

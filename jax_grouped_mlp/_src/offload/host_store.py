@@ -52,6 +52,9 @@ PUT_DONE = "jgm_host_put_done"
 GET_START = "jgm_host_get_start"
 GET_DONE = "jgm_host_get_done"
 TARGETS = (PUT_START, PUT_DONE, GET_START, GET_DONE)
+# A result buffer left unwritten (csrc/empty.cc): layer_scan's stacked gradients start
+# from it where the CUDA store runs (every slot is written before it is read).
+EMPTY = "jgm_empty"
 
 # Read at trace time: "0" turns the CUDA store off (layer_scan then uses XLA's own
 # host copies, as before 2026-12-04; docs/troubleshooting.md).
@@ -74,6 +77,8 @@ class Store(Protocol):
 
     def get_done(self, arrays: Sequence[jax.Array], serial: jax.Array,
                  after: Sequence[jax.Array]) -> list[jax.Array]: ...
+
+    def unwritten(self, like: jax.ShapeDtypeStruct) -> jax.Array: ...
 
 
 def _avals(arrays: Sequence) -> list[jax.ShapeDtypeStruct]:
@@ -104,6 +109,12 @@ class CudaStore:
         call = jax.ffi.ffi_call(GET_DONE, _avals(arrays), has_side_effect=True, vmap_method=_VMAP,
                                 input_output_aliases={i: i for i in range(len(arrays))})
         return list(call(*arrays, serial, *after, store=self.store))
+
+    def unwritten(self, like: jax.ShapeDtypeStruct) -> jax.Array:
+        """A buffer shaped like ``like`` whose bytes are whatever the allocator left:
+        for a caller that writes every element before reading any. (Side-effecting, so
+        that XLA neither merges two of them nor moves one.)"""
+        return jax.ffi.ffi_call(EMPTY, like, has_side_effect=True, vmap_method=_VMAP)()
 
 
 class PythonStore:
@@ -140,6 +151,10 @@ class PythonStore:
     def get_done(self, arrays, serial, after):
         del serial, after
         return list(arrays)
+
+    def unwritten(self, like: jax.ShapeDtypeStruct) -> jax.Array:
+        """Zeros here (the CUDA store's buffer is unwritten; callers write every element)."""
+        return jnp.zeros(like.shape, like.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +205,7 @@ def release_layer_scan_host_memory() -> int:
 
 def cuda_store_available() -> bool:
     """The extension is loaded and has the store's handlers."""
-    return ffi.available() and all(t in ffi.registered_targets() for t in TARGETS)
+    return ffi.available() and all(t in ffi.registered_targets() for t in (*TARGETS, EMPTY))
 
 
 def _platform() -> str:

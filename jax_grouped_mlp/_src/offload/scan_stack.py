@@ -176,8 +176,9 @@ def layer_scan(
         params, args = saved["params"], saved["args"]
         args_flat = jax.tree.leaves(args)
         d_last, dy, *d_args = saved["last"](dy)
-        # The parameters' gradients, written layer by layer into one stacked buffer.
-        grads = _put(jax.tree.map(_zeros_like, params), d_last, length - 1)
+        # The parameters' gradients, written layer by layer into one stacked buffer (every
+        # layer's slot is written, so the store's buffers start unwritten, not zeroed).
+        grads = _put(jax.tree.map(lambda p: _gradient_buffer(p, store), params), d_last, length - 1)
         if length == 1:
             return grads, dy, tuple(d_args)
 
@@ -272,11 +273,16 @@ def _is_host(aval) -> bool:
     return getattr(aval, "memory_space", None) == core.MemorySpace.Host
 
 
-def _zeros_like(p: jax.Array):
-    """The stacked gradient buffer of parameter ``p`` (float0 for integer parameters)."""
-    if jnp.issubdtype(jnp.result_type(p), jnp.inexact):
-        return jnp.zeros(jnp.shape(p), jnp.result_type(p))
-    return np.zeros(jnp.shape(p), jax.dtypes.float0)
+def _gradient_buffer(p: jax.Array, store: host_store.Store | None):
+    """The stacked gradient buffer of parameter ``p``, before any layer's slot is
+    written: the store's unwritten buffer (zeros without a store), float0 for integer
+    parameters."""
+    dtype = jnp.result_type(p)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return np.zeros(jnp.shape(p), jax.dtypes.float0)
+    if store is None:
+        return jnp.zeros(jnp.shape(p), dtype)
+    return store.unwritten(jax.ShapeDtypeStruct(jnp.shape(p), dtype))
 
 
 def _put(grads, layer_grads, i):
