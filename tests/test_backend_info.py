@@ -146,6 +146,40 @@ def test_backend_info_on_the_h200():
 
 
 @pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
+@pytest.mark.parametrize("weights_in_gemm", [True, False])
+def test_a_build_without_the_fused_kernels_composes_them_from_its_others(rng, fake_gpus, monkeypatch,
+                                                                        weights_in_gemm):
+    """A build whose extension lacks the fused kernels (the ``_qw`` GEMM, FC1 with its
+    epilogue, the FC2 dgrad with its epilogue) runs them on CUDA as the composition of
+    the kernels it has, not as the pure-JAX reference: every GEMM of the mxfp8 step is
+    still a ``jgm_grouped_gemm`` call, and ``backend_info`` says "other cuda kernels"."""
+    from jax_grouped_mlp._src.cuda import gemm_ffi
+    from jax_grouped_mlp._src.op.heuristics import KernelChoices
+    from jax_grouped_mlp._src.op.mlp import grouped_mlp_with
+
+    if not gemm_ffi.grouped_gemm_variants():
+        pytest.skip("this build has no grouped GEMM kernel")
+    fake_gpus("9.0")
+    monkeypatch.setattr(primitives, "_CUDA_IMPLS",
+                        {k: v for k, v in primitives._CUDA_IMPLS.items() if k not in primitives.COMPOSED})
+    choices = KernelChoices(quantize_weights_in_gemm=weights_in_gemm)
+
+    def grad_fn(x, w1, w2, gs, p):
+        loss = lambda x, w1, w2: jnp.sum(grouped_mlp_with(choices, x, w1, w2, gs, p).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+
+    text = _cuda_text(grad_fn, *_inputs(rng))  # 32 rows a group: small enough for the _qw path
+    for target in (gemm_ffi.GROUPED_GEMM_QW_TARGET, gemm_ffi.GROUPED_GEMM_FC1_TARGET,
+                   gemm_ffi.GROUPED_GEMM_DGRAD_TARGET):
+        assert f"@{target}(" not in text, target
+    assert text.count(f"@{gemm_ffi.GROUPED_GEMM_TARGET}(") == 4  # FC1, FC2 and both dgrads
+    assert text.count(f"@{gemm_ffi.GROUPED_WGRAD_TARGET}(") == 2
+    monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
+    paths = jgm.backend_info().paths
+    assert {n for n, p in paths.items() if p == backend.COMPOSED} == set(primitives.COMPOSED), paths
+
+
+@pytest.mark.skipif(not ffi.available(), reason="needs the built CUDA extension")
 def test_fp8_block_recipe_lowers_to_its_kernels(rng, fake_gpus):
     """recipe="fp8_block" lowered for CUDA: FC1 is the FP8 block-scaled kernel with its
     epilogue (srelu(h)'s two copies), FC2 and the data gradients the plain one (3 calls),

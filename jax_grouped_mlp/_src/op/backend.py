@@ -12,6 +12,7 @@ from jax_grouped_mlp._src.offload import host_store
 from jax_grouped_mlp._src.op import primitives
 
 KERNEL = "cuda kernel"
+COMPOSED = "other cuda kernels"
 REFERENCE = "pure JAX"
 
 
@@ -26,8 +27,10 @@ class BackendInfo:
       default_platform: ``jax.default_backend()`` (``"gpu"``, ``"cpu"``, ...).
       cuda_devices: every local CUDA device, with whether the kernels run on it.
       paths: for each primitive of the op, what runs on the default device:
-        ``"cuda kernel"`` or ``"pure JAX"`` (a kernel can still fall back to pure JAX
-        for a shape it cannot take, e.g. a hidden size that is not a multiple of 8).
+        ``"cuda kernel"``, ``"other cuda kernels"`` (a fused primitive this build has no
+        kernel for, run as the composition of the primitives it fuses, each a kernel
+        where the build has one) or ``"pure JAX"`` (a kernel can still fall back for a
+        shape it cannot take, e.g. a hidden size that is not a multiple of 8).
       reason: why the pure-JAX path runs, when it does for every primitive.
       recipes: for each recipe of :func:`jax_grouped_mlp.grouped_mlp`, what its GEMMs
         run on the default device: ``"cuda kernel"`` or ``"pure JAX"``.
@@ -66,6 +69,12 @@ class BackendInfo:
         return "\n".join(lines)
 
 
+def _path(name: str) -> str:
+    if primitives.cuda_impl(name) is not None:
+        return KERNEL
+    return COMPOSED if name in primitives.COMPOSED else REFERENCE
+
+
 def backend_info() -> BackendInfo:
     """Reports whether the CUDA extension is built, which architecture its kernels are
     for, the local CUDA devices, and which path each primitive of the op takes on the
@@ -82,9 +91,10 @@ def backend_info() -> BackendInfo:
     elif not all(d.kernels for d in cuda):
         reason = f"a local CUDA device is not {devices.KERNEL_ARCH} (compute capability 9.0)"
     names = typing.get_args(primitives.OpName)
-    paths = {n: KERNEL if (reason is None and primitives.cuda_impl(n) is not None) else REFERENCE for n in names}
+    paths = {n: _path(n) if reason is None else REFERENCE for n in names}
     if reason is None and not any(p == KERNEL for p in paths.values()):
         reason = "the extension provides no kernel for these primitives"
+        paths = dict.fromkeys(names, REFERENCE)
     gemm = paths.get("grouped_gemm", REFERENCE)
     # (Recipe values, not imported: the recipes module imports the primitives too.)
     recipes = {"mxfp8": gemm, "bf16": gemm, "fp8_block": gemm}

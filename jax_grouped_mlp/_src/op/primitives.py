@@ -79,7 +79,8 @@ def cuda_impl(name: OpName) -> Callable | None:
 
 def _dispatch(name: OpName, *args, **static):
     ref = _REFERENCE[name]
-    if name not in _CUDA_IMPLS or (_has_fp8_block(args) and name not in _FP8_BLOCK_CUDA):
+    own = name in _CUDA_IMPLS or (name in COMPOSED and bool(_CUDA_IMPLS))
+    if not own or (_has_fp8_block(args) and name not in _FP8_BLOCK_CUDA):
         return ref(*args, **static)
     kw = tuple(sorted(static.items()))
     return jax.lax.platform_dependent(
@@ -88,6 +89,11 @@ def _dispatch(name: OpName, *args, **static):
         default=lambda *a: ref(*a, **static),
     )
 
+
+# The primitives that on CUDA, where the build has no kernel of their own, run as the
+# composition of other primitives (``_FALLBACK``: each a kernel where the build has one)
+# rather than their pure-JAX reference GEMM (the same numbers up to float32 sum order).
+COMPOSED = frozenset({"grouped_gemm_qw", "fc1_fused", "dgrad_fused"})
 
 # The primitives whose CUDA implementation takes FP8BlockTensor operands (the FP8
 # block-scaled GEMM and weight gradient, or the bf16 kernels on the exactly dequantized
@@ -108,7 +114,7 @@ _GROUP_SIZES_ARG = {"quantize_both": 1, "fake_quantize_pair": 1, "fc1_fused": 2,
 def _cuda_branch(name: OpName, static: tuple, *args):
     """The CUDA implementation, differentiable and batchable (:func:`_kernel`), or the
     operation's fallback (:data:`_FALLBACK`) when the implementation raises
-    ``Unsupported`` at trace time.
+    ``Unsupported`` at trace time or the build has none (a :data:`COMPOSED` primitive).
 
     The group sizes of a group-aware output are passed through outside the wrapper, as
     the unwrapped implementations do, so that ``platform_dependent`` still sees them
@@ -116,6 +122,8 @@ def _cuda_branch(name: OpName, static: tuple, *args):
     """
     try:
         devices.check_kernels_run_here()
+        if name not in _CUDA_IMPLS:  # (COMPOSED, without a kernel of its own in this build)
+            raise Unsupported(f"this build of the extension has no kernel for {name}")
         out = _kernel(name, static, *args)
     except Unsupported:
         out = _FALLBACK[name](*args, **dict(static))
