@@ -3,24 +3,25 @@
     PYTHONPATH=. python3 benchmarks/copy_floor.py TIMELINE.json [...] [--bench RESULT.json] [--out FILE]
 
 Reads the timelines ``profile_step.py --step stack --timeline DIR`` writes (every device
-event of ``iters`` back-to-back steps) and, for the first step, measures:
+event of ``iters`` back-to-back steps) and measures:
 
-* ``first_s``: from the step's start to its first device->host copy (layer 0's forward
-  and whatever runs before it: no copy can start earlier, there is nothing to copy);
-* ``last_s``: from the step's last host->device copy to the step's end (the first
-  layer's backward: nothing is left to copy back);
-* ``d2h_s`` / ``h2d_s``: the summed durations of the copies each way, i.e. at the rate
-  the copy engines reached on these arrays (on the H200, 48-50 GB/s for the 100-200 MB
-  residuals of the expert-parallel Nano share against ~53.8 GB/s for the 2 GB copy that
-  sets ``bench_offload``'s bar).
+* ``first_s``: from the first step's start (the trace's first event) to its first
+  device->host copy (layer 0's forward, as this schedule ran it);
+* ``last_s``: from the last step's last host->device copy to its end (the trace's last
+  event): layer 0's backward;
+* ``d2h_s`` / ``h2d_s``: the summed durations of the copies each way over all steps,
+  divided by ``iters``, i.e. at the rate the copy engines reached on these arrays (on
+  the H200, 48-50 GB/s for the 100-200 MB residuals of the expert-parallel Nano share
+  against ~53.8 GB/s for the 2 GB copy that sets ``bench_offload``'s bar). Copies shorter
+  than ``MIN_COPY_US`` (a serial, one element read back) are not residuals.
 
-``floor_s = first_s + d2h_s + h2d_s + last_s`` bounds every schedule that keeps at most
-about one layer's copies in flight: the copies out follow layer 0's forward, the copies
-back come after the copies out (the backward needs the forward's last copies first),
-and layer 0's backward follows the last copy back. When ``floor_s`` exceeds the step
-bar of ``bench_offload.py`` (``1.15 x max(compute, transfer at the 2 GB rate)``), no
-schedule of those copies meets the bar; only faster copies or more layers in flight
-(memory) would. ``--bench`` takes a ``bench_offload`` result with the same layout,
+``floor_s = first_s + d2h_s + h2d_s + last_s`` bounds schedules like the one measured
+that keep about one layer's copies in flight: the copies out follow layer 0's forward,
+the copies back come after the copies out (the backward needs the forward's last copies
+first), and layer 0's backward follows the last copy back. When ``floor_s`` exceeds the
+step bar of ``bench_offload.py`` (``1.15 x max(compute, transfer at the 2 GB rate)``),
+such a schedule cannot meet the bar at these copy rates; faster copies, more layers in
+flight (memory), or copies inside a layer (shorter first and last terms) could. ``--bench`` takes a ``bench_offload`` result with the same layout,
 layer count and policies and puts each row's measured step and bar beside the floor.
 
 Candidates are named ``LAYOUT_POLICY.timeline.json`` (``profile_step``'s names). Writes
@@ -38,16 +39,19 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import command_line, write_result  # noqa: E402
 
 COPY_NAMES = ("MemcpyD2H", "MemcpyH2D")
-MIN_COPY_US = 200.0  # smaller copies (a serial, one element read back) are not residuals
+MIN_COPY_US = 20.0  # shorter copies (a serial, one element read back) are not residuals
 
 
 def floor_of(timeline: dict) -> dict:
-    """The first step's ``first_s``, ``last_s``, ``d2h_s``, ``h2d_s``, ``floor_s`` and
-    ``period_s`` (the steps' span over ``iters``) from a ``profile_step`` timeline
-    (``{"iters", "unit": "us", "events": [{"stream", "name", "start", "dur"}]}``).
+    """``first_s`` (the first step), ``last_s`` (the last step), ``d2h_s``, ``h2d_s``
+    (per step), ``floor_s`` and ``period_s`` (the steps' span over ``iters``) from a
+    ``profile_step`` timeline (``{"iters", "unit": "us", "events": [{"stream", "name",
+    "start", "dur"}]}``). Only the trace's two ends are used as step boundaries (steps
+    run back to back, and a copy may cross from one into the next).
 
     Raises:
-      ValueError: the timeline has no events, another unit, or no copies both ways.
+      ValueError: the timeline has no events, another unit, no copies both ways, or
+        copies that do not divide evenly into its steps.
     """
     if timeline.get("unit") != "us":
         raise ValueError(f"timeline unit must be 'us', got {timeline.get('unit')!r}")
@@ -55,22 +59,20 @@ def floor_of(timeline: dict) -> dict:
     iters = int(timeline.get("iters") or 1)
     if not events or iters < 1:
         raise ValueError("timeline has no events")
-    t0 = events[0]["start"]
-    period = (max(e["start"] + e["dur"] for e in events) - t0) / iters
-    step = [e for e in events if e["start"] < t0 + period]
-    copies = {n: [e for e in step if e["name"] == n and e["dur"] >= MIN_COPY_US] for n in COPY_NAMES}
+    t0, end = events[0]["start"], max(e["start"] + e["dur"] for e in events)
+    copies = {n: [e for e in events if e["name"] == n and e["dur"] >= MIN_COPY_US] for n in COPY_NAMES}
     if not all(copies.values()):
-        raise ValueError(f"timeline has no residual copies both ways in its first step ({iters} steps)")
+        raise ValueError(f"timeline has no residual copies both ways ({iters} steps)")
     d2h, h2d = copies["MemcpyD2H"], copies["MemcpyH2D"]
-    first = d2h[0]["start"] - t0
-    last = t0 + period - max(e["start"] + e["dur"] for e in h2d)
+    if len(d2h) % iters or len(h2d) % iters:
+        raise ValueError(f"{len(d2h)} copies out and {len(h2d)} back do not divide into {iters} steps")
     out = {
-        "period_s": period,
-        "first_s": first,
-        "last_s": max(last, 0.0),
-        "d2h_s": sum(e["dur"] for e in d2h),
-        "h2d_s": sum(e["dur"] for e in h2d),
-        "copies_each_way": [len(d2h), len(h2d)],
+        "period_s": (end - t0) / iters,
+        "first_s": d2h[0]["start"] - t0,
+        "last_s": max(end - max(e["start"] + e["dur"] for e in h2d), 0.0),
+        "d2h_s": sum(e["dur"] for e in d2h) / iters,
+        "h2d_s": sum(e["dur"] for e in h2d) / iters,
+        "copies_each_way": [len(d2h) // iters, len(h2d) // iters],
     }
     out["floor_s"] = out["first_s"] + out["d2h_s"] + out["h2d_s"] + out["last_s"]
     return {k: v / 1e6 if k.endswith("_s") else v for k, v in out.items()}

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-command-buffers", action="store_true")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ap.add_argument("--timeline", type=pathlib.Path, default=None,
-                    help="with --step stack: a folder; writes <candidate>.timeline.json (every device event)")
+                    help="a folder; writes <candidate>.timeline.json (every device event of the profiled steps)")
     ns = ap.parse_args(argv)
     if ns.candidates is None:
         ns.candidates = {"mlp": "grouped_mlp_mxfp8", "grad_accum": "bf16/per_micro_batch",

@@ -147,10 +147,7 @@ ffi::Error PutStart(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs arr
     offset += Aligned(p.second);
   }
   if (!err) err = cudaEventRecord(e->written, d->out);
-  if (err) {
-    d->free.emplace(e->bytes, e);
-    return Cuda("put_start", err);
-  }
+  if (err) return Cuda("put_start", err);  // (the entry is dropped: copies may be queued into it)
   d->next_serial = d->next_serial == INT32_MAX ? 1 : d->next_serial + 1;
   e->serial = d->next_serial;
   d->stacks[store].push_back(e);
@@ -226,9 +223,10 @@ ffi::Error GetStart(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer serial,
     offset += Aligned(p.second);
   }
   if (!err) err = cudaEventRecord(e->read, d->in);
-  e->was_read = e->was_read || !err;
+  if (err) return Cuda("get_start", err);  // (dropped: its check or copies may still run)
+  e->was_read = true;
   d->free.emplace(e->bytes, e);
-  return Cuda("get_start", err);
+  return ffi::Error::Success();
 }
 
 ffi::Error GetDone(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets arrays,
@@ -272,22 +270,27 @@ HostStoreMemory HostStoreStats() {
 
 cudaError_t HostStoreRelease(int64_t* released) {
   *released = 0;
-  cudaError_t first = cudaSuccess;
-  std::lock_guard<std::mutex> lock(g_devices_mu);
-  for (auto& [ordinal, d] : g_devices) {
-    std::lock_guard<std::mutex> device_lock(d->mu);
-    for (auto& [bytes, e] : d->free) {
-      // Its last copy out (or back, which also ran its serial check) must be done.
-      cudaError_t err = cudaEventSynchronize(e->was_read ? e->read : e->written);
-      if (!err) err = cudaFreeHost(e->host);
-      if (!err) err = cudaFreeHost(e->seen);
-      if (!err) err = cudaEventDestroy(e->written);
-      if (!err) err = cudaEventDestroy(e->read);
-      if (err && !first) first = err;
-      *released += err ? 0 : static_cast<int64_t>(e->bytes);
-      delete e;  // (a failed free leaks its pinned memory rather than reusing it)
+  std::vector<Entry*> idle;  // taken off the free lists under the locks, freed after them
+  {
+    std::lock_guard<std::mutex> lock(g_devices_mu);
+    for (auto& [ordinal, d] : g_devices) {
+      std::lock_guard<std::mutex> device_lock(d->mu);
+      for (auto& [bytes, e] : d->free) idle.push_back(e);
+      d->free.clear();
     }
-    d->free.clear();
+  }
+  cudaError_t first = cudaSuccess;
+  for (Entry* e : idle) {
+    // Its last copies out and back (the latter after its serial check) must be done.
+    cudaError_t err = cudaEventSynchronize(e->written);
+    if (!err) err = cudaEventSynchronize(e->read);
+    if (!err) err = cudaFreeHost(e->host);
+    if (!err) err = cudaFreeHost(e->seen);
+    if (!err) err = cudaEventDestroy(e->written);
+    if (!err) err = cudaEventDestroy(e->read);
+    if (err && !first) first = err;
+    *released += err ? 0 : static_cast<int64_t>(e->bytes);
+    delete e;  // (a failed free leaks its pinned memory rather than reusing it)
   }
   return first;
 }

@@ -47,7 +47,11 @@ PYBIND11_MODULE(_kernels, m) {
       "host_store_release",
       [] {
         int64_t released = 0;
-        cudaError_t err = jgm::HostStoreRelease(&released);
+        cudaError_t err;
+        {
+          py::gil_scoped_release unlocked;  // it waits for copies to finish
+          err = jgm::HostStoreRelease(&released);
+        }
         if (err != cudaSuccess)
           throw std::runtime_error(std::string("host_store_release: ") + cudaGetErrorString(err));
         return released;
@@ -84,7 +88,7 @@ PYBIND11_MODULE(_kernels, m) {
                                        std::pair{"jgm_host_get_done", JgmHostGetDone},
                                        std::pair{"jgm_empty", JgmEmpty}}) {
           py::dict handlers;  // execute only, never command-buffer compatible (host state;
-                              // jgm_empty does nothing, so there is nothing to capture)
+                              // jgm_empty, a no-op, is kept with them: outside graphs too)
           handlers["execute"] = Capsule(execute);
           d[target] = handlers;
         }

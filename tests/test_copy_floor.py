@@ -31,6 +31,7 @@ def _two_steps(step_us: float = 10_000.0) -> dict:
             _ev("MemcpyD2H", t + 1000, 2000, "Stream #71(MemcpyD2H)"),
             _ev("MemcpyD2H", t + 3000, 1000, "Stream #71(MemcpyD2H)"),
             _ev("MemcpyH2D", t + 4100, 3.0),  # a serial: not a residual copy
+            _ev("MemcpyD2H", t + 4000, 50.0, "Stream #71(MemcpyD2H)"),  # a scale array: counts
             _ev("MemcpyH2D", t + 5000, 1500, "Stream #72(MemcpyH2D)"),
             _ev("MemcpyH2D", t + 6500, 1500, "Stream #72(MemcpyH2D)"),
             _ev("dgrad_kernel", t + 8000, 2000),
@@ -42,9 +43,9 @@ def test_floor_of_a_synthetic_timeline():
     r = copy_floor.floor_of(_two_steps())
     assert r["period_s"] == pytest.approx(0.010)
     assert r["first_s"] == pytest.approx(0.001) and r["last_s"] == pytest.approx(0.002)
-    assert r["d2h_s"] == pytest.approx(0.003) and r["h2d_s"] == pytest.approx(0.003)
-    assert r["floor_s"] == pytest.approx(0.009)
-    assert r["copies_each_way"] == [2, 2]
+    assert r["d2h_s"] == pytest.approx(0.00305) and r["h2d_s"] == pytest.approx(0.003)
+    assert r["floor_s"] == pytest.approx(0.00905)
+    assert r["copies_each_way"] == [3, 2]
 
 
 def test_floor_of_rejects_what_it_cannot_read():
@@ -56,6 +57,10 @@ def test_floor_of_rejects_what_it_cannot_read():
     no_back["events"] = [e for e in no_back["events"] if e["name"] != "MemcpyH2D"]
     with pytest.raises(ValueError, match="both ways"):
         copy_floor.floor_of(no_back)
+    uneven = _two_steps()
+    uneven["events"].append(_ev("MemcpyH2D", 19_000, 500))
+    with pytest.raises(ValueError, match="do not divide"):
+        copy_floor.floor_of(uneven)
 
 
 def test_main_compares_with_a_bench_result_and_writes_json(tmp_path, capsys):

@@ -113,7 +113,10 @@ class CudaStore:
     def unwritten(self, like: jax.ShapeDtypeStruct) -> jax.Array:
         """A buffer shaped like ``like`` whose bytes are whatever the allocator left:
         for a caller that writes every element before reading any. (Side-effecting, so
-        that XLA neither merges two of them nor moves one.)"""
+        that XLA neither merges two of them nor moves one.) Zeros with an extension
+        built before ``jgm_empty`` existed."""
+        if EMPTY not in ffi.registered_targets():
+            return jnp.zeros(like.shape, like.dtype)
         return jax.ffi.ffi_call(EMPTY, like, has_side_effect=True, vmap_method=_VMAP)()
 
 
@@ -153,8 +156,9 @@ class PythonStore:
         return list(arrays)
 
     def unwritten(self, like: jax.ShapeDtypeStruct) -> jax.Array:
-        """Zeros here (the CUDA store's buffer is unwritten; callers write every element)."""
-        return jnp.zeros(like.shape, like.dtype)
+        """NaN here (the CUDA store's buffer is unwritten; callers write every element,
+        and a slot they missed then shows in the CPU tests)."""
+        return jnp.full(like.shape, jnp.nan, like.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +194,8 @@ def layer_scan_host_memory() -> LayerScanHostMemory:
 
 def release_layer_scan_host_memory() -> int:
     """Frees the idle pinned host memory of ``layer_scan``'s copies (entries no backward
-    pass is waiting to read) and returns the bytes freed. Each entry is freed once its
-    last copy has finished, so it is safe between or during steps; the next step that
+    pass is waiting to read) and returns the bytes freed, once their last copies have
+    finished. Call it between steps (not from another thread while one runs); the next step that
     offloads pins its memory again (the cost of a first step). Entries still in use stay. 0 without the CUDA extension.
 
     Raises:
@@ -205,7 +209,7 @@ def release_layer_scan_host_memory() -> int:
 
 def cuda_store_available() -> bool:
     """The extension is loaded and has the store's handlers."""
-    return ffi.available() and all(t in ffi.registered_targets() for t in (*TARGETS, EMPTY))
+    return ffi.available() and all(t in ffi.registered_targets() for t in TARGETS)
 
 
 def _platform() -> str:
