@@ -21,8 +21,9 @@ the copies back come after the copies out (the backward needs the forward's last
 first), and layer 0's backward follows the last copy back. When ``floor_s`` exceeds the
 step bar of ``bench_offload.py`` (``1.15 x max(compute, transfer at the 2 GB rate)``),
 such a schedule cannot meet the bar at these copy rates; faster copies, more layers in
-flight (memory), or copies inside a layer (shorter first and last terms) could. ``--bench`` takes a ``bench_offload`` result with the same layout,
-layer count and policies and puts each row's measured step and bar beside the floor.
+flight (memory), or copies inside a layer (shorter first and last terms) could.
+``--bench`` takes a ``bench_offload`` result with the same layout, layer count and
+policies and puts each row's measured step and bar beside the floor.
 
 Candidates are named ``LAYOUT_POLICY.timeline.json`` (``profile_step``'s names). Writes
 JSON with ``--out``.

@@ -25,8 +25,9 @@
 //
 // `more...` are operands only there to order the call after them (XLA cannot move it
 // before they exist). Host entries are pinned (cudaHostAlloc), reused by size, and kept
-// until HostStoreRelease frees the idle ones (those on no stack). Nothing here may be captured into a CUDA graph (the
-// handlers keep host state), so none is marked command-buffer compatible.
+// until HostStoreRelease frees the idle ones (those on no stack). Nothing here may be
+// captured into a CUDA graph (the handlers keep host state), so none is marked
+// command-buffer compatible.
 #include <cstring>
 #include <map>
 #include <memory>

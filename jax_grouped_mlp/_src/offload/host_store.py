@@ -102,7 +102,8 @@ class CudaStore:
         jax.ffi.ffi_call(PUT_DONE, (), has_side_effect=True, vmap_method=_VMAP)(*arrays, serial, *after)
 
     def get_start(self, serial, like):
-        return list(jax.ffi.ffi_call(GET_START, _avals(like), has_side_effect=True, vmap_method=_VMAP)(serial, store=self.store))
+        call = jax.ffi.ffi_call(GET_START, _avals(like), has_side_effect=True, vmap_method=_VMAP)
+        return list(call(serial, store=self.store))
 
     def get_done(self, arrays, serial, after):
         arrays = list(arrays)
@@ -195,8 +196,9 @@ def layer_scan_host_memory() -> LayerScanHostMemory:
 def release_layer_scan_host_memory() -> int:
     """Frees the idle pinned host memory of ``layer_scan``'s copies (entries no backward
     pass is waiting to read) and returns the bytes freed, once their last copies have
-    finished. Call it between steps (not from another thread while one runs); the next step that
-    offloads pins its memory again (the cost of a first step). Entries still in use stay. 0 without the CUDA extension.
+    finished. Call it between steps (not from another thread while one runs); the next
+    step that offloads pins its memory again (the cost of a first step). Entries still
+    in use stay. 0 without the CUDA extension.
 
     Raises:
       RuntimeError: CUDA failed to free an entry (the bytes of the others are freed).
