@@ -329,3 +329,34 @@ def test_the_store_with_unusual_layers(rng, python_store, case):
                                  dx_exact=False)  # fmt: skip
     (store,) = python_store
     assert not store.stack and next(store.serials) == 2 + 1  # 4 layers: layers 0 and 1 went through it
+
+
+def _dots(fn, argnums, *args) -> int:
+    """Dot products in the CPU-compiled gradient of ``fn`` with respect to ``argnums``."""
+    text = jax.jit(jax.grad(fn, argnums=argnums)).lower(*args).compile().as_text()
+    return text.count(" dot(") + text.count(" ragged-dot(")
+
+
+def test_frozen_weights_get_no_weight_gradient_gemms(rng, python_store):
+    """With only ``x`` differentiated, XLA must still drop the weight-gradient GEMMs: the
+    store's calls must not take the weight gradients as operands (an operand of a
+    side-effecting call is never removed; the Python store keeps its operands like the
+    CUDA one). Freezing the weights removes the same share of the compiled dots as from
+    the plain checkpointed scan (a third: per layer 2 forward, 2 input-gradient and 2
+    weight-gradient GEMMs)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
+
+    def ours(x, w1, w2):
+        y = jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=jgm.offload_policy())
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    def plain(x, w1, w2):
+        layer = jax.checkpoint(_one, policy=jgm.offload_policy())
+        y = jax.lax.scan(lambda x, w: (layer(w, x, gs, probs), None), x, (w1, w2))[0]
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    frozen, trained = _dots(ours, (0,), x, w1, w2), _dots(ours, (0, 1, 2), x, w1, w2)
+    want_frozen, want_trained = _dots(plain, (0,), x, w1, w2), _dots(plain, (0, 1, 2), x, w1, w2)
+    assert want_frozen * 3 == want_trained * 2, (want_frozen, want_trained)  # the premise
+    assert frozen * want_trained == trained * want_frozen, (frozen, trained)
+    assert python_store  # the store's calls were traced

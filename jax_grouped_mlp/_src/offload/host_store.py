@@ -147,14 +147,19 @@ class PythonStore:
         return io_callback(self._push, _SERIAL, *arrays)
 
     def put_done(self, arrays, serial, after):
-        del arrays, serial, after
+        io_callback(lambda *a: None, None, *arrays, serial, *after)  # keeps them computed, as on CUDA
 
     def get_start(self, serial, like):
         return list(io_callback(self._pop, _avals(like), serial))
 
     def get_done(self, arrays, serial, after):
-        del serial, after
-        return list(arrays)
+        """The arrays, passed through a host callback that also takes ``after``: like the
+        CUDA call, it keeps everything in ``after`` computed (XLA never removes an
+        operand of a side-effecting call), so a CPU test sees what such an ordering
+        operand costs (e.g. a frozen parameter's gradient that is no longer dropped)."""
+        arrays = list(arrays)
+        n = len(arrays)
+        return list(io_callback(lambda *a: a[:n], _avals(arrays), *arrays, serial, *after))
 
     def unwritten(self, like: jax.ShapeDtypeStruct) -> jax.Array:
         """NaN here (the CUDA store's buffer is unwritten; callers write every element,
