@@ -55,9 +55,16 @@ def params_of(model) -> dict:
 # single-device run. The expert-parallel forward is bit-identical and its gradients
 # agree to float32 reassociation (<= 5e-7, see moe_sharded_cases.py); AdamW's
 # normalised steps carry those differences into the params at about that size
-# (measured: params <= 1e-7, losses <= 6e-7), more where a gradient is near zero and
-# the noise is a larger share of m / sqrt(v). Band 1e-5.
-TRAJECTORY = 1e-5
+# (measured: params <= 1e-7, losses <= 6e-7). But the bf16 recipe rounds the float32
+# params to bfloat16 each step, and a param one float32 ulp apart can round to the
+# neighbouring bfloat16 value (a chance of about 2^-16 per weight per step, ~25k
+# weights here): that expert's gradients then move by ~5e-4, and after three steps
+# the params by up to ~1e-4 and the losses by ~2e-5 (one seed in about 30: with
+# JGM_SEED=1010 two experts' gradients differ by 5e-4 / 7e-4 after the flip, the
+# router's params by 7.7e-5; a CI run saw 4.6e-5). Band 1e-3: a real fault (a shard's gradient lost or doubled, a
+# moment not split right) moves params by about the learning rate, 1e-2 of an
+# element's ~0.1-0.2.
+TRAJECTORY = 1e-3
 
 
 def test_adamw_trains_expert_parallel_block_like_one_device(rng):
@@ -98,7 +105,7 @@ def test_adamw_trains_expert_parallel_block_like_one_device(rng):
     errs = {k: rel_err(p2[k], p1[k]) for k in p1}
     assert all(e <= TRAJECTORY for e in errs.values()), errs
     moved = {k: rel_err(p1[k], p0[k]) for k in p1}  # not a comparison of two untrained blocks
-    assert all(m > 100 * TRAJECTORY for m in moved.values()), moved
+    assert all(m > 10 * TRAJECTORY for m in moved.values()), moved
     # The params and AdamW's moments stay split over the expert axis.
     for w in (sharded.experts.w1, sharded.experts.w2, opt_sharded.opt_state[0].mu["experts"]["w1"]):
         assert w.get_value().sharding.spec == P("expert", None, None), w.get_value().sharding
