@@ -109,8 +109,10 @@ def extension():
     return _load()
 
 
+@functools.cache
 def registered_targets() -> tuple[str, ...]:
-    """Names of the FFI targets the extension provides (empty without it)."""
+    """Names of the FFI targets the extension provides (empty without it; fixed once the
+    extension is loaded, so asked of it once: callers check it per array at trace time)."""
     ext = _load()
     return tuple(ext.registrations()) if ext is not None else ()
 
