@@ -200,6 +200,20 @@ def test_bad_arguments_say_what_was_expected(rng):
         jgm.layer_stack(_one, {"w": 1}, x)
     with pytest.raises(TypeError, match="params must be a sequence"):
         jgm.layer_stack(_one, jnp.zeros((2, 3)), x)
+    with pytest.raises(TypeError, match="policy must be a jax.checkpoint policy"):
+        jgm.layer_stack(_one, [1], x, policy="offload")
+    for flag in ("prefetch", "offload_last"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            jgm.layer_stack(_one, [1], x, **{flag: "no"})  # truthy: would silently mean True
+
+
+def test_the_policy_function_uncalled_says_to_call_it(rng):
+    """``policy=offload_policy`` (no parentheses): JAX calls it with a primitive."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=2)
+    for stack in (lambda x, **k: jgm.layer_stack(_one, _params(w1, w2, 0, 2), x, gs, probs, **k),
+                  lambda x, **k: jgm.layer_scan(_one, (w1, w2), x, gs, probs, **k)):
+        with pytest.raises(TypeError, match=r"pass offload_policy\(\) \(called\)"):
+            jax.grad(lambda x: jnp.sum(stack(x, policy=jgm.offload_policy).astype(jnp.float32)))(x)
 
 
 def test_each_layer_waits_for_the_previous_layers_copies(rng):
@@ -419,6 +433,10 @@ def test_layer_scan_bad_arguments(rng):
         jgm.layer_scan(_one, (), x)
     with pytest.raises(ValueError, match="same leading"):
         jgm.layer_scan(_one, (jnp.zeros((2, 3)), jnp.zeros((3, 3))), x)
+    with pytest.raises(TypeError, match="policy must be a jax.checkpoint policy"):
+        jgm.layer_scan(_one, (jnp.zeros((2, 3)),), x, policy="offload")
+    with pytest.raises(TypeError, match="prefetch must be a bool"):
+        jgm.layer_scan(_one, (jnp.zeros((2, 3)),), x, prefetch="no")
 
 
 

@@ -227,6 +227,7 @@ def _good(e=4, h=8, f=16):
         (lambda a: {"w1": jnp.zeros((3, 8, 16))}, ValueError, "w1"),
         (lambda a: {"w2": jnp.zeros((4, 8, 16))}, ValueError, "w2"),
         (lambda a: {"x": jnp.zeros((8,))}, ValueError, "x.shape"),
+        (lambda a: {"x": jnp.zeros((5, 9), jnp.bfloat16)}, ValueError, r"x.shape\[-1\]=9"),
         (lambda a: {"x": jnp.zeros((5, 8), jnp.int32)}, TypeError, "x.dtype"),
         (lambda a: {"score_bias": jnp.zeros((3,))}, ValueError, "score_bias"),
         (lambda a: {"routing": 2}, TypeError, "routing"),

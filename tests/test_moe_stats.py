@@ -230,12 +230,48 @@ def test_route_permute_grouped_mlp_combine_is_moe_block(rng):
         (lambda x, i, w: jgm.permute(x, i, w[:, :1], 4), "weights"),
         (lambda x, i, w: jgm.permute(x, i, w, 0), "num_experts"),
         (lambda x, i, w: jgm.combine(x, jgm.permute(x, i, w, 4)[3]), "y_sorted"),
+        (lambda x, i, w: jgm.route(w, RoutingConfig(3)), "top_k=3"),
+        (lambda x, i, w: jgm.route(w, RoutingConfig(1), jnp.zeros(3)), "score_bias"),
+        (lambda x, i, w: jgm.route(w, RoutingConfig(1), jnp.zeros((5, 2))), "score_bias"),
+        (lambda x, i, w: jgm.route(w[None], RoutingConfig(1)), "logits"),
+        (lambda x, i, w: jgm.route(i, RoutingConfig(1)), "logits"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4, jnp.int32), jnp.ones(4), 0.001), "bias.dtype"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), -0.5), "rate"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), float("nan")), "rate"),
     ],
 )
 def test_bad_permute_combine_arguments(call, match):
     x, ids, w = jnp.zeros((5, 8)), jnp.zeros((5, 2), jnp.int32), jnp.zeros((5, 2))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         call(x, ids, w)
+
+
+def test_skipped_pairs_contribute_zero_whatever_they_hold(rng):
+    """Masked tokens (logits -inf: NaN softmax weights) skipped by id: their pairs give
+    zero output and zero gradients, and an int64 id past 2^32 is skipped, not wrapped
+    into [0, E) by a cast."""
+    t, h, e = 6, 8, 4
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[-2:].set(-jnp.inf)
+    ids, w = jgm.route(logits, RoutingConfig(2))
+    assert np.isnan(np.asarray(w[-2:])).all()  # the premise: what a masked token's weights are
+    ids = ids.at[-2:].set(-1)
+
+    def layer(x, w):
+        xs, ws, _, perm = jgm.permute(x, ids, w, e)
+        return jgm.combine(xs * 2.0, perm, ws)
+
+    y = layer(x, w)
+    np.testing.assert_array_equal(np.asarray(y[-2:]), 0.0)
+    np.testing.assert_allclose(np.asarray(y[:-2]), np.asarray(2.0 * x[:-2] * jnp.sum(w[:-2], 1, keepdims=True)),
+                               rtol=1e-6)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(layer(x, w)), argnums=(0, 1))(x, w)
+    assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw[:-2])).all()
+    np.testing.assert_array_equal(np.asarray(dx[-2:]), 0.0)
+    wide = np.full((t, 2), 2**32 + 1, np.int64)
+    wide[0] = [1, 2]
+    sizes = np.asarray(jgm.permute(x, wide, None, e)[2])
+    np.testing.assert_array_equal(sizes, [0, 1, 1, 0])
 
 
 # ----------------------------------------------------------------------------------
@@ -407,6 +443,7 @@ def test_flax_aux_loss_trains_the_router_towards_balance(rng):
         ({"load_balancing_coef": -1.0}, ValueError, "load_balancing_coef"),
         ({"z_loss_coef": "big"}, ValueError, "z_loss_coef"),
         ({"sow_stats": 1}, TypeError, "sow_stats"),
+        ({"use_score_bias": "no"}, TypeError, "use_score_bias"),  # truthy: would build a bias
         ({"shared_ffn": 0}, ValueError, "shared_ffn"),
     ],
 )

@@ -230,3 +230,14 @@ def test_prepared_weights_change_no_bit_on_the_gpu(gpu, rng, recipe, rows_per_gr
     w1, w2 = (w.astype(jnp.float32) + jnp.asarray(rng.standard_normal(w.shape) * 1e-3, jnp.float32) for w in (w1, w2))
     args = jax.device_put((x, w1, w2, gs, probs, dy), gpu)
     _same_bits(_grads(DEFAULT, recipe, True, *args), _grads(DEFAULT, recipe, False, *args))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_numpy_weights_outside_jit(rng, recipe):
+    """NumPy weights work as they do under jit (a NumPy array stays one through
+    ``stop_gradient`` and ``astype``, and the op then refused it as not bfloat16)."""
+    x, w1, w2, gs, probs, _ = make_inputs(rng, m=64, h=64, f=96, g=4)
+    n1, n2 = np.asarray(w1, np.float32), np.asarray(w2, np.float32)
+    got = jgm.grouped_mlp(x, n1, n2, gs, probs, recipe=recipe, prepared=jgm.prepare_weights(n1, n2, recipe=recipe))
+    want = jgm.grouped_mlp(x, n1, n2, gs, probs, recipe=recipe)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -35,6 +35,8 @@ CASES = {
     "w1_fp16": ((X, sds((G, H, F), jnp.float16), W2, GS, P), {}, TypeError, r"w1 must be bfloat16 or float32"),
     "probs_shape": ((X, W1, W2, GS, sds((M, 2), jnp.float32)), {}, ValueError, r"probs must be \[M\] or \[M, 1\] with M=64"),
     "probs_int": ((X, W1, W2, GS, sds((M,), jnp.int32)), {}, TypeError, r"probs must be a float array"),
+    "h_zero": ((sds((M, 0)), sds((G, 0, F)), sds((G, F, 0)), GS, P), {}, ValueError, r"H and the FFN size F must be positive"),
+    "f_zero": ((X, sds((G, H, 0)), sds((G, 0, H)), GS, P), {}, ValueError, r"H and the FFN size F must be positive"),
     "recipe": ((X, W1, W2, GS, P), {"recipe": "fp4"}, ValueError, r"recipe must be one of \['mxfp8', 'bf16', 'fp8_block'\], got recipe='fp4'"),
 }
 

@@ -39,6 +39,23 @@ def positive_float(
     return v
 
 
+def boolean(name: str, value) -> bool:
+    """``value`` as a bool if it is one (Python or NumPy): a string such as ``"no"`` is
+    truthy and would silently mean True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+    return bool(value)
+
+
+def checkpoint_policy(name: str, value):
+    """``value`` if it is None or callable (a ``jax.checkpoint`` policy)."""
+    if value is not None and not callable(value):
+        raise TypeError(
+            f"{name} must be a jax.checkpoint policy (e.g. offload_policy()) or None, got {name}={value!r}"
+        )
+    return value
+
+
 def positive_int(name: str, value) -> int:
     """``value`` as an int if it is an integer (Python or numpy, not bool) above 0."""
     if isinstance(value, bool):

@@ -135,14 +135,14 @@ class MoEBlock(nnx.Module):
             )
         self.recipe = Recipe.parse(recipe).value
         self.dtype = jnp.dtype(dtype)
+        use_score_bias = checks.boolean("use_score_bias", use_score_bias)
         self.score_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if use_score_bias else None
 
     def _init_shared_and_stats(
         self, hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype,
         axis_names, mesh, rngs,
     ) -> None:
-        if not isinstance(sow_stats, bool):
-            raise TypeError(f"sow_stats must be a bool, got sow_stats={sow_stats!r}")
+        sow_stats = checks.boolean("sow_stats", sow_stats)
         self.load_balancing_coef = checks.positive_float(
             "load_balancing_coef", load_balancing_coef, allow_zero=True, float32=True)
         self.z_loss_coef = checks.positive_float("z_loss_coef", z_loss_coef, allow_zero=True, float32=True)

@@ -195,8 +195,13 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
     if x.ndim < 2:
         raise ValueError(f"x must be [..., H] with at least one token axis, got x.shape={x.shape}")
     h = x.shape[-1]
-    if router_kernel.ndim != 2 or router_kernel.shape[0] != h:
-        raise ValueError(f"router_kernel must be [H, E] with H={h}, got router_kernel.shape={router_kernel.shape}")
+    if router_kernel.ndim != 2:
+        raise ValueError(f"router_kernel must be [H, E] (rank 2), got router_kernel.shape={router_kernel.shape}")
+    if router_kernel.shape[0] != h:
+        raise ValueError(
+            f"x's hidden size x.shape[-1]={h} does not match router_kernel.shape={router_kernel.shape} "
+            f"([H, E]): x must be [..., {router_kernel.shape[0]}], or the block built for H={h}"
+        )
     e = router_kernel.shape[1]
     if w1.ndim != 3 or w1.shape[:2] != (e, h):
         raise ValueError(f"w1 must be [E, H, F] with E={e}, H={h}, got w1.shape={w1.shape}")

@@ -10,6 +10,7 @@ losses needs no collective transpose). :func:`finish` turns the sums into
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +127,9 @@ def update_score_bias(bias: jax.Array, expert_load: jax.Array, rate: float | jax
     a lower selection bias, the others a higher one (an expert at exactly the mean
     keeps its bias). Call it outside the gradient, once per step, with the
     ``expert_load`` of :class:`RouterStats` (summed over micro-batches or layers as
-    your recipe wants); DeepSeek-V3 uses ``rate = 0.001``. Pure: nothing is updated
+    your recipe wants); DeepSeek-V3 uses ``rate = 0.001``. Keep the bias in float32:
+    in bfloat16 a step of 0.001 is rounded away once the bias passes about 0.25.
+    Pure: nothing is updated
     in place (``MoEBlock.update_score_bias`` writes the result into its
     ``RouterBias``).
     """
@@ -136,6 +139,10 @@ def update_score_bias(bias: jax.Array, expert_load: jax.Array, rate: float | jax
         raise ValueError(
             f"bias and expert_load must both be [E], got bias.shape={bias.shape}, expert_load.shape={load.shape}"
         )
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"bias must be a float array (an integer bias never moves), got bias.dtype={bias.dtype}")
+    if isinstance(rate, (int, float)) and not (math.isfinite(rate) and rate >= 0):
+        raise ValueError(f"rate must be finite and >= 0 (a negative rate undoes the balancing), got rate={rate}")
     load = load.astype(jnp.float32)
     step = jnp.sign(jnp.mean(load) - load) * jnp.asarray(rate, jnp.float32)
     return jax.lax.stop_gradient((bias.astype(jnp.float32) + step).astype(bias.dtype))

@@ -67,8 +67,10 @@ def route(
     selection-only bias, may be None), and their weights are the *unbiased* scores,
     normalised and scaled as ``config`` says. Ties go to the lower expert index
     (``lax.top_k``). Differentiable in ``logits`` through the weights. Feed the
-    result to :func:`permute`.
+    result to :func:`permute`. Raises ValueError for logits that are not a float
+    ``[T, E]`` array, ``config.top_k > E`` or a ``score_bias`` that is not ``[E]``.
     """
+    _check_route_args(logits, config, score_bias)
     logits = logits.astype(jnp.float32)
     if config.score_function is ScoreFunction.SOFTMAX:
         scores = jax.nn.softmax(logits, axis=-1)
@@ -82,6 +84,21 @@ def route(
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
     return expert_ids.astype(jnp.int32), weights
+
+
+def _check_route_args(logits, config, score_bias) -> None:
+    if not isinstance(config, RoutingConfig):
+        raise TypeError(f"config must be a RoutingConfig, got config={type(config).__name__}")
+    if getattr(logits, "ndim", None) != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(
+            f"logits must be a float [T, E] array, got logits.shape={getattr(logits, 'shape', None)}, "
+            f"dtype={getattr(logits, 'dtype', None)}"
+        )
+    e = logits.shape[1]
+    if config.top_k > e:
+        raise ValueError(f"config.top_k={config.top_k} is larger than the number of experts E={e} (logits' last axis)")
+    if score_bias is not None and getattr(score_bias, "shape", None) != (e,):
+        raise ValueError(f"score_bias must be [E]=({e},), got score_bias.shape={getattr(score_bias, 'shape', None)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +166,10 @@ def permute(
         raise ValueError(f"x must be [T, H] with T={t} (expert_ids' rows), got x.shape={getattr(x, 'shape', None)}")
     if weights is not None and getattr(weights, "shape", None) != (t, k):
         raise ValueError(f"weights must be [T, k]={(t, k)} like expert_ids, got weights.shape={weights.shape}")
-    ids = expert_ids.astype(jnp.int32)
-    ids = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).reshape(-1)
+    # Skipped ids are found in their own dtype: an int64 id past 2^31 must not wrap
+    # into [0, E) by the cast.
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    ids = jnp.where(valid, expert_ids.astype(jnp.int32), num_experts).reshape(-1)
     perm = sort_by_expert(ids, num_experts, top_k=k)
     x_sorted = x[perm.order // k]
     w_sorted = None if weights is None else weights.reshape(-1)[perm.order]
@@ -187,7 +206,7 @@ def combine_f32(y_sorted: jax.Array, permutation: Permutation, weights_sorted: j
     n = permutation.order.shape[0]
     valid = jnp.arange(n, dtype=jnp.int32) < jnp.sum(permutation.group_sizes)
     y = jnp.where(valid[:, None], y_sorted.astype(jnp.float32), 0.0)
-    if weights_sorted is not None:
-        y = y * weights_sorted.astype(jnp.float32)[:, None]
+    if weights_sorted is not None:  # a skipped pair's weight may be NaN (a masked token's)
+        y = y * jnp.where(valid, weights_sorted.astype(jnp.float32), 0.0)[:, None]
     y = y[permutation.inverse].reshape(permutation.num_tokens, permutation.top_k, y_sorted.shape[-1])
     return jnp.sum(y, axis=1)

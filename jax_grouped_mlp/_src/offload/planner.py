@@ -498,6 +498,8 @@ def predict(
         # The library's own copies hide as under layer_stack; XLA's run inside loop
         # iterations, out and back, next to the compute (measured on the H200).
         exposed = beside_next if layout == "layer_scan" else 2 * transfer
+    if offloading == 0:  # every layer keeps its "offload" residuals (extra): none is read back
+        not_kept -= offloaded
     device = num_layers * kept + not_kept + extra
     recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     inputs = num_layers * layer_input_bytes if recomputes_from_x and FC1_INPUT not in kept_anyway else 0

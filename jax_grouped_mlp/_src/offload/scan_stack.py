@@ -43,6 +43,7 @@ from jax import lax
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
+from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.offload import host_store, stack
 from jax_grouped_mlp._src.op import residuals
 from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
@@ -90,12 +91,15 @@ def layer_scan(
     :func:`offload_policy`, or ``unpinned_host``).
 
     Raises:
-      TypeError: ``layer`` is not callable. ValueError: ``params`` has no arrays, or
+      TypeError: ``layer`` is not callable, ``policy`` is neither None nor callable,
+      or ``prefetch`` is not a bool. ValueError: ``params`` has no arrays, or
       their leading axes differ, or ``policy`` offloads the op's residuals to more than
       one host memory kind.
     """
     if not callable(layer):
         raise TypeError(f"layer must be callable, got layer={layer!r}")
+    checks.checkpoint_policy("policy", policy)
+    prefetch = checks.boolean("prefetch", prefetch)
     leaves = jax.tree.leaves(params)
     if not leaves:
         raise ValueError("params must hold the layers' parameters stacked along a leading axis; it has no arrays")

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
+from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.op import residuals
 
 PyTree = Any
@@ -94,7 +95,8 @@ def layer_stack(
       The carry after the last layer.
 
     Raises:
-      TypeError: ``layer`` is not callable, or ``params`` is not a sequence.
+      TypeError: ``layer`` is not callable, ``params`` is not a sequence, ``policy`` is
+        neither None nor callable, or ``prefetch`` / ``offload_last`` is not a bool.
 
     Use it instead of a Python loop of ``jax.checkpoint`` layers for reverse-mode
     differentiation (``jax.grad``, ``jax.vjp``); forward mode (``jax.jvp``,
@@ -106,6 +108,8 @@ def layer_stack(
         raise TypeError(f"layer must be callable, got layer={layer!r}")
     if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
         raise TypeError(f"params must be a sequence (one parameter pytree per layer), got {type(params).__name__}")
+    checks.checkpoint_policy("policy", policy)
+    prefetch, offload_last = checks.boolean("prefetch", prefetch), checks.boolean("offload_last", offload_last)
     params = list(params)
     if not params:
         return x

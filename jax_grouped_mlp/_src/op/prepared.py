@@ -97,7 +97,9 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     if w2.shape != (g, f, h):
         raise ValueError(f"w2 must be [G, F, H]={(g, f, h)} to match w1.shape={w1.shape}, got w2.shape={w2.shape}")
     # No gradient through the copies: the op sends the weight gradients to w1 and w2.
-    b1, b2 = jax.lax.stop_gradient(w1).astype(jnp.bfloat16), jax.lax.stop_gradient(w2).astype(jnp.bfloat16)
+    # (jnp.asarray: a NumPy array would stay one through stop_gradient and astype.)
+    b1 = jax.lax.stop_gradient(jnp.asarray(w1)).astype(jnp.bfloat16)
+    b2 = jax.lax.stop_gradient(jnp.asarray(w2)).astype(jnp.bfloat16)
     if recipe_ is Recipe.MXFP8:
         ops = (recipe_.weight(b1, 1), recipe_.weight(b1, 2), recipe_.weight(b2, 1), recipe_.weight(b2, 2))
     elif recipe_ is Recipe.FP8_BLOCK:  # the same tiles; the forward GEMM reads them K-major

@@ -34,6 +34,9 @@ def check_mlp_args(x, w1, w2, group_sizes, probs) -> None:
         )
     if g == 0:
         raise ValueError(f"need at least one expert, got w1.shape={w1.shape}")
+    if h == 0 or f == 0:
+        raise ValueError(f"the hidden size H and the FFN size F must be positive, got x.shape={x.shape}, "
+                         f"w1.shape={w1.shape}")
     for name, arr in (("x", x), ("w1", w1), ("w2", w2)):
         if not _is_float(arr):
             raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={arr.dtype}")
