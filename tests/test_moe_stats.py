@@ -238,6 +238,8 @@ def test_route_permute_grouped_mlp_combine_is_moe_block(rng):
         (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4, jnp.int32), jnp.ones(4), 0.001), "bias.dtype"),
         (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), -0.5), "rate"),
         (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), float("nan")), "rate"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), np.float32(-1)), "rate"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), jnp.asarray(-1.0)), "rate"),
     ],
 )
 def test_bad_permute_combine_arguments(call, match):
@@ -272,6 +274,11 @@ def test_skipped_pairs_contribute_zero_whatever_they_hold(rng):
     wide[0] = [1, 2]
     sizes = np.asarray(jgm.permute(x, wide, None, e)[2])
     np.testing.assert_array_equal(sizes, [0, 1, 1, 0])
+    # Narrow id dtypes with more experts than the dtype holds (uint8 ids, 256 experts).
+    narrow = np.asarray([[0, 255], [7, 7]] + [[300 % 256, 1]] * (t - 2), np.uint8)
+    sizes = np.asarray(jgm.permute(x, narrow, None, 256)[2])
+    np.testing.assert_array_equal(np.nonzero(sizes)[0], [0, 1, 7, 44, 255])
+    assert sizes.sum() == 2 * t
 
 
 # ----------------------------------------------------------------------------------

@@ -395,12 +395,13 @@ def test_layer_scan_model():
         assert all(c.host_bytes == 0 and c.exposed_transfer == 0 for c in one.candidates)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])  # bf16: fc1_input is the layer's input
 @pytest.mark.parametrize("layout, layers", [("layer_stack", 1), ("layer_scan", 1), ("layer_scan", 2),
                                             ("layer_scan_xla", 2)])  # fmt: skip
-def test_stacks_that_offload_nothing_count_offload_as_device(layout, layers):
+def test_stacks_that_offload_nothing_count_offload_as_device(layout, layers, recipe):
     """Where no layer offloads (the stack keeps its last layers' residuals on the
     device), "offload" costs the device what "device" does, not twice that."""
-    plan = _nano_plan(layout=layout, num_layers=layers)
+    plan = _nano_plan(layout=layout, num_layers=layers, recipe=recipe)
     for c in plan.candidates:
         as_device = {n: "device" if p == "offload" else p for n, p in c.placement.items()}
         assert c.host_bytes == 0 and c.device_bytes == plan.candidate(**as_device).device_bytes, c.label()

@@ -141,7 +141,11 @@ def update_score_bias(bias: jax.Array, expert_load: jax.Array, rate: float | jax
         )
     if not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"bias must be a float array (an integer bias never moves), got bias.dtype={bias.dtype}")
-    if isinstance(rate, (int, float)) and not (math.isfinite(rate) and rate >= 0):
+    try:  # a number, or a concrete NumPy / JAX scalar; a traced rate is not checked
+        value = float(rate)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        value = None
+    if value is not None and not (math.isfinite(value) and value >= 0):
         raise ValueError(f"rate must be finite and >= 0 (a negative rate undoes the balancing), got rate={rate}")
     load = load.astype(jnp.float32)
     step = jnp.sign(jnp.mean(load) - load) * jnp.asarray(rate, jnp.float32)

@@ -67,8 +67,9 @@ def route(
     selection-only bias, may be None), and their weights are the *unbiased* scores,
     normalised and scaled as ``config`` says. Ties go to the lower expert index
     (``lax.top_k``). Differentiable in ``logits`` through the weights. Feed the
-    result to :func:`permute`. Raises ValueError for logits that are not a float
-    ``[T, E]`` array, ``config.top_k > E`` or a ``score_bias`` that is not ``[E]``.
+    result to :func:`permute`. Raises TypeError for a ``config`` that is not a
+    :class:`RoutingConfig`, ValueError for logits that are not a float ``[T, E]``
+    array, ``config.top_k > E`` or a ``score_bias`` that is not ``[E]``.
     """
     _check_route_args(logits, config, score_bias)
     logits = logits.astype(jnp.float32)
@@ -166,10 +167,11 @@ def permute(
         raise ValueError(f"x must be [T, H] with T={t} (expert_ids' rows), got x.shape={getattr(x, 'shape', None)}")
     if weights is not None and getattr(weights, "shape", None) != (t, k):
         raise ValueError(f"weights must be [T, k]={(t, k)} like expert_ids, got weights.shape={weights.shape}")
-    # Skipped ids are found in their own dtype: an int64 id past 2^31 must not wrap
-    # into [0, E) by the cast.
-    valid = (expert_ids >= 0) & (expert_ids < num_experts)
-    ids = jnp.where(valid, expert_ids.astype(jnp.int32), num_experts).reshape(-1)
+    ids = expert_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < num_experts)
+    if jnp.iinfo(expert_ids.dtype).bits > 32:  # a 64-bit id the cast wraps into [0, E) is skipped too
+        valid = valid & (expert_ids >= 0) & (expert_ids < num_experts)
+    ids = jnp.where(valid, ids, num_experts).reshape(-1)
     perm = sort_by_expert(ids, num_experts, top_k=k)
     x_sorted = x[perm.order // k]
     w_sorted = None if weights is None else weights.reshape(-1)[perm.order]

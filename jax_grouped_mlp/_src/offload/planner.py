@@ -472,6 +472,8 @@ def predict(
     kept = sum(residual_bytes[n] for n in on["device"] if n not in kept_anyway)
     not_kept = sum(residual_bytes[n] for n in RESIDUAL_NAMES if n not in on["device"] and n not in kept_anyway)
     offloaded = sum(residual_bytes[n] for n in on["offload"])
+    # What a layer that keeps its "offload" residuals holds beyond the layer input.
+    offloaded_kept = sum(residual_bytes[n] for n in on["offload"] if n not in kept_anyway)
     transfer = offloaded / host_bandwidth
     # To the host: within the layer's own forward pass (the op's host-copy fence in a
     # Python loop, the iteration in a scan). Back: from the start of the layer's
@@ -491,15 +493,15 @@ def predict(
     elif layout == "layer_stack":
         # A layer's copies out hide behind the next layer's forward, its copies back
         # behind the next layer's backward; the last layer offloads nothing.
-        offloading, extra = num_layers - 1, offloaded
+        offloading, extra = num_layers - 1, offloaded_kept
         exposed = beside_next
     else:  # layer_scan, layer_scan_xla: the last two layers keep their offloads on the device
-        offloading, extra = max(0, num_layers - 2), min(num_layers, 2) * offloaded
+        offloading, extra = max(0, num_layers - 2), min(num_layers, 2) * offloaded_kept
         # The library's own copies hide as under layer_stack; XLA's run inside loop
         # iterations, out and back, next to the compute (measured on the H200).
         exposed = beside_next if layout == "layer_scan" else 2 * transfer
     if offloading == 0:  # every layer keeps its "offload" residuals (extra): none is read back
-        not_kept -= offloaded
+        not_kept -= offloaded_kept
     device = num_layers * kept + not_kept + extra
     recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     inputs = num_layers * layer_input_bytes if recomputes_from_x and FC1_INPUT not in kept_anyway else 0

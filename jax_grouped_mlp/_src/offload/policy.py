@@ -13,9 +13,9 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 
 def _check_placement(name: str, value: str) -> str:
-    if not isinstance(value, str):  # e.g. policy=offload_policy: JAX calls it with a primitive
+    if hasattr(value, "bind"):  # policy=offload_policy: JAX called it with a primitive
         raise TypeError(
-            f"{name} must be one of {list(PLACEMENTS)}, got {name}={value!r} ({type(value).__name__}); "
+            f"{name} must be one of {list(PLACEMENTS)}, got {name}={value!r} (a JAX primitive); "
             "as a jax.checkpoint policy pass offload_policy() (called), not offload_policy itself"
         )
     if value not in PLACEMENTS:
