@@ -354,3 +354,16 @@ def test_rebuilt_fc2_input_under_vmap_and_second_order(rng, recipe, monkeypatch)
     for got, want in zip(results(True), results(False)):
         assert np.abs(np.asarray(want, np.float32)).max() > 0
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_eager_calls_compile_only_the_first_time(rng):
+    """Without ``jit`` the op's reference GEMMs reuse their compiled scans: each eager call
+    made a new tile closure, so every call compiled again (8 programs per call of the
+    forward and its gradient at this shape, ~0.3 s)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=1)
+    grad = jax.grad(lambda w1: jnp.sum(jgm.grouped_mlp(x, w1, w2[0], gs, probs).astype(jnp.float32)))
+    jax.block_until_ready((jgm.grouped_mlp(x, w1[0], w2[0], gs, probs), grad(w1[0])))
+    before = _COUNTER.n
+    for _ in range(2):
+        jax.block_until_ready((jgm.grouped_mlp(x, w1[0], w2[0], gs, probs), grad(w1[0])))
+    assert _COUNTER.n == before, _COUNTER.n - before

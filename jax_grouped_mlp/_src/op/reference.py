@@ -10,6 +10,8 @@ in bfloat16, which the GEMM primitives use); products are accumulated in float32
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -21,6 +23,8 @@ DEFAULT_TILE = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+# jit: an eager call reuses the compiled scan (each call made a new tile closure)
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile"))
 def ragged_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -55,6 +59,8 @@ def ragged_matmul(
     return out.astype(out_dtype)
 
 
+# jit: an eager call reuses the compiled scan (each call made a new tile closure)
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile"))
 def ragged_transpose_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
