@@ -235,3 +235,30 @@ def test_a_jitted_loop_has_the_same_gradients_with_and_without_checkpoint(rng, r
     for name, a, b in zip(("dw1", "dw2", "dx"), plain, ckpt):
         assert np.abs(np.asarray(b, np.float32)).max() > 0
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "fp8_block"])
+def test_vmap_of_grad_over_weights_and_probs(rng, recipe):
+    """``vmap(grad)`` batched over the weights or over ``probs`` runs (XLA:CPU has no
+    batched bf16 x bf16 = f32 dot: the weight gradient's reference GEMM reads float32)
+    and equals the per-example gradients bit for bit."""
+    m, g, h, f = 32, 4, 32, 48
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((2, g, h, f)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) / np.sqrt(f), jnp.bfloat16)
+    gs = jnp.asarray([8, 5, 0, 12], jnp.int32)
+    probs = jnp.asarray(rng.uniform(0.1, 1, (2, m)), jnp.float32)
+
+    def loss(w1, probs):
+        return jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, probs, recipe=recipe).astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for axes in ((0, None), (None, 0)):
+        got = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=axes))(w1 if axes[0] == 0 else w1[0],
+                                                                             probs if axes[1] == 0 else probs[0])
+        for i in range(2):
+            want = grad(w1[i] if axes[0] == 0 else w1[0], probs[i] if axes[1] == 0 else probs[0])
+            for a, b in zip(got, want):
+                assert np.abs(np.asarray(b, np.float32)).max() > 0
+                np.testing.assert_array_equal(np.asarray(a[i], np.float32), np.asarray(b, np.float32),
+                                              err_msg=f"{axes} {i}")

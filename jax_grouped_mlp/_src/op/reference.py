@@ -90,6 +90,9 @@ def ragged_transpose_matmul(
 
     def step(carry, args):
         a, b, grp = args
+        # float32 operands: exact for bf16 ones (their products fit), and XLA:CPU has no
+        # batched BF16 x BF16 = F32 dot, which vmap over the weights makes of this one.
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         p = jnp.dot(a.T, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
         return carry.at[grp].add(p), None
 
