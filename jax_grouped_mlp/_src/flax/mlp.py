@@ -135,9 +135,7 @@ class GroupedMLP(nnx.Module):
         hidden = checks.positive_int("hidden", hidden)
         ffn = checks.positive_int("ffn", ffn)
         self.recipe = Recipe.parse(recipe).value
-        if not isinstance(fuse_fc1_epilogue, bool):
-            raise TypeError(f"fuse_fc1_epilogue must be a bool, got {fuse_fc1_epilogue!r}")
-        self.fuse_fc1_epilogue = fuse_fc1_epilogue
+        self.fuse_fc1_epilogue = checks.boolean("fuse_fc1_epilogue", fuse_fc1_epilogue)
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
         self.dtype = checks.float_dtype("dtype", dtype)  # grouped_mlp takes bf16 or f32
         self.param_dtype = checks.float_dtype("param_dtype", param_dtype)

@@ -223,9 +223,8 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
 
 def _check_extras(x, shared_w1, shared_w2, return_stats, return_router_probs):
     """Checks the shared expert and the stats flags; returns ``(w1, w2)`` or None."""
-    for name, flag in (("return_stats", return_stats), ("return_router_probs", return_router_probs)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {name}={flag!r}")
+    return_stats = checks.boolean("return_stats", return_stats)
+    return_router_probs = checks.boolean("return_router_probs", return_router_probs)
     if return_router_probs and not return_stats:
         raise ValueError("return_router_probs=True needs return_stats=True (the probs travel in RouterStats)")
     if (shared_w1 is None) != (shared_w2 is None):

@@ -50,8 +50,7 @@ class RoutingConfig:
     def __post_init__(self):
         object.__setattr__(self, "top_k", checks.positive_int("top_k", self.top_k))
         object.__setattr__(self, "score_function", ScoreFunction.parse(self.score_function))
-        if not isinstance(self.normalize_weights, bool):
-            raise TypeError(f"normalize_weights must be a bool, got normalize_weights={self.normalize_weights!r}")
+        object.__setattr__(self, "normalize_weights", checks.boolean("normalize_weights", self.normalize_weights))
         # Finite and within float32: it multiplies the float32 weights.
         factor = checks.positive_float("routed_scaling_factor", self.routed_scaling_factor, float32=True)
         object.__setattr__(self, "routed_scaling_factor", factor)

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src import checks, groups
 from jax_grouped_mlp._src.op import heuristics, primitives, residuals
 from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
 from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
@@ -391,8 +391,7 @@ def grouped_mlp_with(
     if probs is not None:
         probs = as_array("probs", probs)
     check_mlp_args(x, w1, w2, group_sizes, probs)
-    if not isinstance(fuse_fc1_epilogue, bool):
-        raise TypeError(f"fuse_fc1_epilogue must be a bool, got {fuse_fc1_epilogue!r}")
+    fuse_fc1_epilogue = checks.boolean("fuse_fc1_epilogue", fuse_fc1_epilogue)
     if prepared is not None:
         check_prepared(prepared, recipe_, w1, w2)
     m = x.shape[0]
