@@ -54,6 +54,7 @@ SLOW = frozenset({
     "tests/test_policy.py::test_recomputing_fc2_input_never_reruns_fc1",
     "tests/test_primitives.py::test_shape_polymorphic_export_for_cpu_and_cuda",
     "tests/test_primitives.py::test_shape_polymorphic_export_of_the_gradient",
+    "tests/test_shard_map.py::test_user_shard_map_cases_on_four_cpu_devices",
     "tests/test_train_moe.py::test_demo_balances_with_the_aux_loss",
     "tests/test_train_moe.py::test_demo_resumes_from_its_checkpoint",
     "tests/test_train_moe.py::test_demo_trains_under_the_planned_policy",

@@ -321,9 +321,10 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _
     # Stats leave as one row of partial sums per token shard (summed below, outside the
     # shard_map: an ordinary reduction, so the losses' gradients need no psum transpose).
     out_specs = (tok, P(token_axes), tok if opts.router_probs else None) if opts.stats else tok
-    # check_vma=False: grouped_mlp is a custom_vjp (and on GPU an FFI call) whose
-    # internals need not carry shard_map's varying-axes types. The transpose then sums
-    # the replicated inputs' gradients (router, and weights over the data axes) itself.
+    # check_vma=False: the transpose then sums the replicated inputs' gradients (router,
+    # and weights over the data axes) at the shard_map's edge. The op also type-checks
+    # with True (varying.py; tests/moe_sharded_cases.py passes with it on the CPU's
+    # dense exchange), but the GPU's ragged exchange has only been run with False.
     out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
     y, sums, probs = out if opts.stats else (out, None, None)
     if sums is not None:

@@ -45,7 +45,7 @@ import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src import groups, varying
 from jax_grouped_mlp._src.cuda import devices
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import fp8_block, mxfp8
@@ -83,10 +83,13 @@ def _dispatch(name: OpName, *args, **static):
     if not own or (_has_fp8_block(args) and name not in _FP8_BLOCK_CUDA):
         return ref(*args, **static)
     kw = tuple(sorted(static.items()))
+    # Under shard_map(check_vma=True) both branches must return the same types: an FFI
+    # call's outputs vary over no mesh axis, the reference's over its operands' axes.
+    axes = varying.union(args)
     return jax.lax.platform_dependent(
         *args,
-        cuda=lambda *a: _cuda_branch(name, kw, *a),
-        default=lambda *a: ref(*a, **static),
+        cuda=lambda *a: varying.to_common(_cuda_branch(name, kw, *varying.to_common(a, axes)), axes),
+        default=lambda *a: varying.to_common(ref(*a, **static), axes),
     )
 
 
