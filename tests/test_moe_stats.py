@@ -243,6 +243,13 @@ def test_route_permute_grouped_mlp_combine_is_moe_block(rng):
         (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), float("nan")), "rate"),
         (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), np.float32(-1)), "rate"),
         (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), jnp.asarray(-1.0)), "rate"),
+        # A bool was a step of 1.0, a string parsed as a number, a per-expert array unchecked.
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), True), "rate"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), "0.1"), "rate"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), None), "rate"),
+        (lambda x, i, w: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), jnp.full(4, 0.1)), "rate"),
+        (lambda x, i, w: jax.jit(lambda r: jgm.update_score_bias(jnp.zeros(4), jnp.ones(4), r))(jnp.ones(4)),
+         "rate"),
     ],
 )
 def test_bad_permute_combine_arguments(call, match):
@@ -466,3 +473,65 @@ def test_flax_update_score_bias_needs_a_bias():
     block = MoEBlock(8, 32, 64, routing=RoutingConfig(2), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="use_score_bias=True"):
         block.update_score_bias(jnp.zeros(8, jnp.int32), 0.001)
+
+
+def test_update_score_bias_takes_jax_and_numpy_scalar_rates():
+    load = jnp.asarray([1.0, 5.0, 3.0, 3.0])
+    want = jgm.update_score_bias(jnp.zeros(4), load, 0.25)
+    for rate in (np.float32(0.25), jnp.float32(0.25), jnp.asarray(0.25, jnp.bfloat16)):
+        np.testing.assert_array_equal(np.asarray(jgm.update_score_bias(jnp.zeros(4), load, rate)), np.asarray(want))
+    traced = jax.jit(lambda r: jgm.update_score_bias(jnp.zeros(4), load, r))(0.25)
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(want))
+    # Coefficients take concrete JAX scalars too (they were refused while NumPy's were taken).
+    block = MoEBlock(8, 32, 64, routing=RoutingConfig(2), load_balancing_coef=jnp.float32(0.5), rngs=nnx.Rngs(0))
+    assert block.load_balancing_coef == 0.5
+
+
+@pytest.mark.skipif(not hasattr(nnx, "capture"), reason="flax < 0.12")
+def test_a_block_called_twice_sums_its_stats(rng):
+    """Tied weights (or micro-batches inside one loss): the sown aux loss and stats are
+    the sums of the calls, not the last call's (which silently dropped the others)."""
+    block = MoEBlock(8, 32, 64, routing=RoutingConfig(2), recipe="bf16", load_balancing_coef=1.0,
+                     z_loss_coef=0.1, rngs=nnx.Rngs(0))
+    x1 = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+    x2 = jnp.asarray(rng.standard_normal((24, 32)), jnp.bfloat16)
+    _, one = nnx.capture(block, nnx.Intermediate)(x1)
+    _, two = nnx.capture(block, nnx.Intermediate)(x2)
+    _, both = nnx.capture(lambda b, u, v: (b(u), b(v)), nnx.Intermediate)(block, x1, x2)
+    aux = float(one["aux_loss"].get_value()) + float(two["aux_loss"].get_value())
+    np.testing.assert_allclose(float(both["aux_loss"].get_value()), aux, rtol=1e-6)
+    s1, s2, s = (c["router_stats"].get_value() for c in (one, two, both))
+    np.testing.assert_array_equal(np.asarray(s.expert_load), np.asarray(s1.expert_load + s2.expert_load))
+    assert int(s.expert_load.sum()) == (16 + 24) * 2
+    np.testing.assert_allclose(float(s.z_loss), float(s1.z_loss + s2.z_loss), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.complex64])
+def test_flax_modules_refuse_non_float_tokens(dtype):
+    block = MoEBlock(8, 32, 64, routing=RoutingConfig(2), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="x must be a float array"):
+        block(jnp.ones((4, 32), dtype))
+    with pytest.raises(TypeError, match="x must be a float array"):
+        block.experts(jnp.ones((4, 32), dtype), jnp.asarray([4, 0, 0, 0, 0, 0, 0, 0], jnp.int32))
+
+
+def test_flax_grouped_mlp_names_x_for_a_wrong_hidden_size():
+    mlp = jgm.flax.GroupedMLP(4, 32, 64, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x must be \[M, hidden=32\]"):
+        mlp(jnp.ones((4, 33), jnp.bfloat16), jnp.asarray([4, 0, 0, 0], jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"router_init": lambda key, shape, dtype: jnp.zeros(shape[::-1], dtype)}, r"router_init .*\(32, 8\)"),
+        ({"router_init": lambda key, shape, dtype: jnp.zeros(shape, jnp.bfloat16)}, "router_init .*float32"),
+        ({"kernel_init": lambda key, shape, dtype: jnp.zeros(shape[-1:], dtype)}, "kernel_init"),
+        ({"kernel_init": lambda key, shape, dtype: jnp.zeros(shape, jnp.bfloat16)}, "kernel_init .*float32"),
+    ],
+)
+def test_flax_initializers_are_checked_when_built(kwargs, match):
+    """An initializer that ignores its shape or dtype fails where it is given, naming it
+    (it failed at the first call, blaming ``x``, or stored a bf16 router)."""
+    with pytest.raises(ValueError, match=match):
+        MoEBlock(8, 32, 64, routing=RoutingConfig(2), rngs=nnx.Rngs(0), **kwargs)

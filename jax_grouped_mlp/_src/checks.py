@@ -7,6 +7,7 @@ import math
 import operator
 from typing import TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,7 +17,11 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def is_real(value) -> bool:
-    """Whether ``value`` is a real number: a Python or NumPy int or float, not a bool."""
+    """Whether ``value`` is a real number: a Python or NumPy int or float, or a concrete
+    0-d NumPy or JAX array of an int or float dtype; not a bool (nor a traced value)."""
+    if isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer):
+        real = jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)
+        return value.ndim == 0 and bool(real)
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 

@@ -97,6 +97,27 @@ def sharded_param(value: jax.Array, names: tuple[str | None, ...], mesh: jax.sha
     return nnx.Param(value, **metadata)
 
 
+def initialized(name: str, init: nnx.Initializer, rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+    """``init(key, shape, dtype)``, or an error naming the initializer when it returns
+    another shape or dtype (it would otherwise fail at the first call, blaming ``x``)."""
+    value = init(rngs.params(), shape, dtype)
+    if getattr(value, "shape", None) != tuple(shape) or getattr(value, "dtype", None) != jnp.dtype(dtype):
+        got = f"{getattr(value, 'shape', type(value).__name__)} {getattr(value, 'dtype', '')}".strip()
+        raise ValueError(f"{name} must return an array of shape {tuple(shape)} and dtype {jnp.dtype(dtype)} "
+                         f"(it is called as {name}(key, shape, dtype)), got {got}")
+    return value
+
+
+def float_tokens(x, dtype) -> jax.Array:
+    """``x`` cast to the module's ``dtype``, if it is a float array (an int, bool or
+    complex ``x`` is refused, not cast)."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a float array (it is cast to the module's dtype={jnp.dtype(dtype)}), "
+                        f"got x.dtype={x.dtype}")
+    return x.astype(dtype)
+
+
 class GroupedMLP(nnx.Module):
     """The squared-ReLU expert MLP of an MoE layer, over tokens already sorted by expert.
 
@@ -106,7 +127,8 @@ class GroupedMLP(nnx.Module):
     gradients in ``param_dtype``; ``dtype`` is the dtype of the tokens. ``recipe`` and
     ``fuse_fc1_epilogue`` are :func:`jax_grouped_mlp.grouped_mlp`'s.
 
-    Call as ``module(x, group_sizes, probs=None)`` with ``x [M, hidden]``; see
+    Call as ``module(x, group_sizes, probs=None)`` with ``x [M, hidden]`` of a float
+    dtype, cast to ``dtype``; the output is in ``dtype``. See
     :func:`jax_grouped_mlp.grouped_mlp`. Use under ``nnx.jit`` and ``nnx.remat``
     with :func:`jax_grouped_mlp.offload_policy` to place the residuals.
 
@@ -145,10 +167,12 @@ class GroupedMLP(nnx.Module):
             raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got mesh={type(mesh).__name__}")
         e_, h_, f_ = axis_names.expert, axis_names.hidden, axis_names.ffn
         self.w1 = sharded_param(
-            kernel_init(rngs.params(), (num_experts, hidden, ffn), self.param_dtype), (e_, h_, f_), mesh
+            initialized("kernel_init", kernel_init, rngs, (num_experts, hidden, ffn), self.param_dtype),
+            (e_, h_, f_), mesh,
         )
         self.w2 = sharded_param(
-            kernel_init(rngs.params(), (num_experts, ffn, hidden), self.param_dtype), (e_, f_, h_), mesh
+            initialized("kernel_init", kernel_init, rngs, (num_experts, ffn, hidden), self.param_dtype),
+            (e_, f_, h_), mesh,
         )
 
     def prepare(self) -> PreparedWeights:
@@ -161,8 +185,11 @@ class GroupedMLP(nnx.Module):
         self, x: jax.Array, group_sizes: jax.Array, probs: jax.Array | None = None,
         prepared: PreparedWeights | None = None,
     ) -> jax.Array:
+        x = float_tokens(x, self.dtype)
+        if x.ndim != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must be [M, hidden={self.hidden}] (the module's hidden size), got x.shape={x.shape}")
         return grouped_mlp(
-            jnp.asarray(x).astype(self.dtype),
+            x,
             # Params go in as stored: the op rounds float32 weights to bf16 itself and
             # returns their gradients in float32 (a cast here would round them to bf16).
             self.w1[...],

@@ -10,7 +10,7 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
-from jax_grouped_mlp._src.flax.mlp import AxisNames, GroupedMLP, default_kernel_init, sharded_param
+from jax_grouped_mlp._src.flax.mlp import AxisNames, GroupedMLP, default_kernel_init, float_tokens, initialized, sharded_param
 from jax_grouped_mlp._src.moe.block import ExpertParallel, moe_block
 from jax_grouped_mlp._src.op.prepared import PreparedWeights
 from jax_grouped_mlp._src.op.recipes import Recipe
@@ -45,11 +45,19 @@ class MoEBlock(nnx.Module):
     or ``z_loss_coef``, each call also sows into ``nnx.Intermediate``
     ``router_stats`` (:class:`jax_grouped_mlp.RouterStats`) and ``aux_loss``
     (``load_balancing_coef * load_balancing_loss + z_loss_coef * z_loss``, float32,
-    differentiable in the router), each replacing the previous call's value. Read
-    them with ``nnx.pop(block, nnx.Intermediate)`` (inside the loss function, to add
-    ``aux_loss`` to the loss; docs/moe.md has the loop) or ``nnx.capture``.
+    differentiable in the router). A block called more than once (tied weights,
+    micro-batches inside one loss) sums its calls: ``aux_loss``, the losses in
+    ``router_stats``, ``expert_load`` and ``dropped``. The coefficients act only
+    through ``aux_loss``: add it to your loss. Collect the values inside the loss
+    function with ``nnx.capture(model, nnx.Intermediate)(x)`` (flax >= 0.12;
+    docs/moe.md has the loop). On flax 0.11, call the model and take them with
+    ``nnx.pop(model, nnx.Intermediate)``; a call under neither stores them on the
+    block, where they keep summing until popped, and a jitted step recompiles once
+    (its second call sees the new state).
 
-    Call as ``block(x)`` with ``x [..., hidden]``; see :func:`jax_grouped_mlp.moe_block`.
+    Call as ``block(x)`` with ``x [..., hidden]`` of a float dtype; it is cast to
+    ``dtype`` and the output comes back in ``dtype`` (as Flax's own layers do), not in
+    ``x``'s dtype. See :func:`jax_grouped_mlp.moe_block`.
     With ``parallel=ExpertParallel(mesh, expert_axis, data_axes)`` the experts are
     split over ``expert_axis`` and tokens travel by all-to-all.
 
@@ -123,9 +131,8 @@ class MoEBlock(nnx.Module):
                 num_experts, hidden, ffn, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue, dtype=dtype,
                 param_dtype=param_dtype, kernel_init=kernel_init, axis_names=axis_names, mesh=mesh, rngs=rngs,
             )
-            self.router = sharded_param(
-                router_init(rngs.params(), (hidden, num_experts), jnp.float32), (axis_names.hidden, None), mesh
-            )
+            router = initialized("router_init", router_init, rngs, (hidden, num_experts), jnp.float32)
+            self.router = sharded_param(router, (axis_names.hidden, None), mesh)
         self.routing = routing
         self.parallel = parallel
         with flax_spmd.logical_axis_rules(rules):
@@ -153,9 +160,10 @@ class MoEBlock(nnx.Module):
             # kernel_init is written for stacked [E, in, out] weights: one expert's worth,
             # with the experts' hidden/ffn logical names (no expert axis: replicated).
             h_, f_ = axis_names.hidden, axis_names.ffn
-            w1 = sharded_param(kernel_init(rngs.params(), (1, hidden, shared_ffn), jnp.dtype(param_dtype))[0],
+            dtype = jnp.dtype(param_dtype)
+            w1 = sharded_param(initialized("kernel_init", kernel_init, rngs, (1, hidden, shared_ffn), dtype)[0],
                                (h_, f_), mesh)
-            w2 = sharded_param(kernel_init(rngs.params(), (1, shared_ffn, hidden), jnp.dtype(param_dtype))[0],
+            w2 = sharded_param(initialized("kernel_init", kernel_init, rngs, (1, shared_ffn, hidden), dtype)[0],
                                (f_, h_), mesh)
         self.shared_w1, self.shared_w2 = nnx.data(w1), nnx.data(w2)
 
@@ -166,7 +174,7 @@ class MoEBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, prepared: PreparedWeights | None = None) -> jax.Array:
         out = moe_block(
-            jnp.asarray(x).astype(self.dtype),
+            float_tokens(x, self.dtype),
             self.router[...],
             # Params go in as stored: grouped_mlp casts/quantizes them itself, and their
             # gradients come back (and are summed over data shards) in param_dtype.
@@ -186,8 +194,8 @@ class MoEBlock(nnx.Module):
             return out
         y, stats = out
         aux = self.load_balancing_coef * stats.load_balancing_loss + self.z_loss_coef * stats.z_loss
-        self.sow(nnx.Intermediate, "router_stats", stats, reduce_fn=_replace, init_fn=_none)
-        self.sow(nnx.Intermediate, "aux_loss", aux, reduce_fn=_replace, init_fn=_none)
+        self.sow(nnx.Intermediate, "router_stats", stats, reduce_fn=_add, init_fn=_none)
+        self.sow(nnx.Intermediate, "aux_loss", aux, reduce_fn=_add, init_fn=_none)
         return y
 
     def update_score_bias(self, expert_load: jax.Array, rate: float | jax.Array) -> None:
@@ -199,9 +207,10 @@ class MoEBlock(nnx.Module):
         self.score_bias[...] = update_score_bias(self.score_bias[...], expert_load, rate)
 
 
-def _replace(_old: Any, new: Any) -> Any:
-    """sow's reduce: the newest value replaces the last (no tuple growing across calls)."""
-    return new
+def _add(old: Any, new: Any) -> Any:
+    """sow's reduce: the calls' values summed leaf by leaf (flax's default would grow a
+    tuple, one entry per call)."""
+    return new if old is None else jax.tree.map(jnp.add, old, new)
 
 
 def _none() -> None:

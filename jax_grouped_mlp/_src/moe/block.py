@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_grouped_mlp._src import checks, groups
+from jax_grouped_mlp._src import checks, eager, groups
 from jax_grouped_mlp._src.moe import router_stats
 from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp._src.moe.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
@@ -171,6 +171,11 @@ def moe_block(
         score_bias = jax.lax.stop_gradient(score_bias)
     if prepared is not None:
         check_prepared(prepared, Recipe.parse(recipe), w1, w2)
+    statics = dict(routing=routing, recipe=recipe, parallel=parallel, fuse_fc1_epilogue=fuse_fc1_epilogue,
+                   return_stats=return_stats, return_router_probs=return_router_probs)
+    arrays = (x, router_kernel, w1, w2, score_bias, shared_w1, shared_w2, prepared)
+    if eager.outside_any_trace(arrays, tuple(statics.values())):
+        return _moe_block_jit(*arrays, **statics)  # one compiled program per shape (eager.py)
     opts = _Options(
         routing=routing, recipe=recipe, fuse=fuse_fc1_epilogue, stats=return_stats, router_probs=return_router_probs
     )
@@ -184,6 +189,17 @@ def moe_block(
     if probs is not None:
         probs = probs.reshape(*lead_shape, probs.shape[-1])
     return y, router_stats.finish(sums, x2.shape[0], routing.top_k, probs)
+
+
+def _moe_block_positional(x, router_kernel, w1, w2, score_bias, shared_w1, shared_w2, prepared, **statics):
+    return moe_block(x, router_kernel, w1, w2, score_bias=score_bias, shared_w1=shared_w1, shared_w2=shared_w2,
+                     prepared=prepared, **statics)
+
+
+_moe_block_jit = jax.jit(
+    _moe_block_positional,
+    static_argnames=("routing", "recipe", "parallel", "fuse_fc1_epilogue", "return_stats", "return_router_probs"),
+)
 
 
 def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None:

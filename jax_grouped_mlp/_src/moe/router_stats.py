@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_grouped_mlp._src import checks
 from jax_grouped_mlp._src.moe.routing import RoutingConfig, ScoreFunction
 
 
@@ -141,12 +142,21 @@ def update_score_bias(bias: jax.Array, expert_load: jax.Array, rate: float | jax
         )
     if not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"bias must be a float array (an integer bias never moves), got bias.dtype={bias.dtype}")
-    try:  # a number, or a concrete NumPy / JAX scalar; a traced rate is not checked
-        value = float(rate)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        value = None
-    if value is not None and not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"rate must be finite and >= 0 (a negative rate undoes the balancing), got rate={rate}")
+    _check_rate(rate)
     load = load.astype(jnp.float32)
     step = jnp.sign(jnp.mean(load) - load) * jnp.asarray(rate, jnp.float32)
     return jax.lax.stop_gradient((bias.astype(jnp.float32) + step).astype(bias.dtype))
+
+
+def _check_rate(rate) -> None:
+    """A finite rate >= 0: a number or a 0-d int/float array. A traced rate is only
+    checked for its type (its value is not known at trace time)."""
+    if isinstance(rate, jax.core.Tracer):
+        if rate.ndim != 0 or not (jnp.issubdtype(rate.dtype, jnp.floating) or jnp.issubdtype(rate.dtype, jnp.integer)):
+            raise TypeError(f"rate must be a scalar number, got a traced {rate.dtype}{list(rate.shape)}")
+        return
+    if not checks.is_real(rate):
+        raise TypeError(f"rate must be a number (a float, or a 0-d float array), got rate={rate!r}")
+    value = float(rate)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"rate must be finite and >= 0 (a negative rate undoes the balancing), got rate={rate}")

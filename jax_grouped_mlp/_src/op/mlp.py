@@ -40,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_grouped_mlp._src import checks, groups, varying
+from jax_grouped_mlp._src import checks, eager, groups, varying
 from jax_grouped_mlp._src.op import heuristics, primitives, residuals
 from jax_grouped_mlp._src.op.activation import srelu_scaled, srelu_scaled_grad
 from jax_grouped_mlp._src.op.names import ACTIVATION_INPUT, FC1_INPUT, FC2_INPUT
@@ -402,7 +402,12 @@ def grouped_mlp_with(
     # Clamped once here (sums cut at M, no int32 overflow): every kernel and reference
     # below sees sizes that sum to at most M.
     args = (x, w1, w2, groups.clamp_group_sizes(group_sizes, m), p, prepared)
+    if eager.outside_any_trace(args, (recipe_, fuse_fc1_epilogue, choices)):
+        return _mlp_jit(*args, recipe_, fuse_fc1_epilogue, choices)  # one compiled program per shape (eager.py)
     # Inside shard_map(check_vma=True): all operands vary over the same mesh axes, so the
     # custom_vjp's cotangents have their primals' types, and the transpose of this cast
     # sums a replicated weight's gradient over the axes x varies over (varying.py).
     return _mlp(*varying.to_common(args), recipe_, fuse_fc1_epilogue, choices)
+
+
+_mlp_jit = jax.jit(lambda *a: _mlp(*a), static_argnums=(6, 7, 8))
