@@ -425,6 +425,83 @@ def test_layer_scan_with_x_among_args(rng, placements):
                              dx_exact=False)  # fmt: skip
 
 
+def test_layer_scan_closed_over_arrays_are_read_not_copied_per_layer(rng):
+    """A layer that closes over an array (a table, a mask): the array stays one array,
+    where it was a per-layer output of the forward scan (L - 2 stacked copies of it in
+    the program), and the gradients are the loop's bit for bit."""
+    x, *_ = _make_inputs(rng, layers=4)
+    table = jnp.asarray(rng.uniform(0.5, 1.5, (1, x.shape[1])), jnp.bfloat16)  # a shape nothing else has
+
+    def layer(p, x, gs, probs):
+        return x + jgm.grouped_mlp(x * table, p[0], p[1], gs, probs)
+
+    _assert_scan_is_the_loop(rng, layer, jgm.offload_policy(), lambda x, gs, probs: (gs, probs))
+    _, w1, w2, probs, gs = _make_inputs(rng, layers=4)
+    loss = lambda w1, w2, x: jnp.sum(jgm.layer_scan(layer, (w1, w2), x, gs, probs, policy=jgm.offload_policy()))
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(w1, w2, x))
+    assert f"bf16[2,1,{x.shape[1]}]" not in text
+
+
+def test_layer_scan_closure_over_a_differentiated_value(rng):
+    """A layer closing over a value ``jax.grad`` differentiates: its gradient sums the
+    layers' (it raised ``UnexpectedTracerError``), bit for bit the loop's."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, x.shape[1]), jnp.bfloat16)
+
+    def loss(stacked, w1, w2, x, scale):
+        def layer(p, x, gs, probs):
+            return x + jgm.grouped_mlp(x * scale, p[0], p[1], gs, probs)
+
+        policy = jgm.offload_policy()
+        if stacked:
+            y = jgm.layer_scan(layer, (w1, w2), x, gs, probs, policy=policy)
+        else:
+            y = _plain_loop(layer, policy, x, w1, w2, gs, probs)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    want = jax.jit(jax.grad(functools.partial(loss, False), argnums=(0, 1, 2, 3)))(w1, w2, x, scale)
+    got = jax.jit(jax.grad(functools.partial(loss, True), argnums=(0, 1, 2, 3)))(w1, w2, x, scale)
+    assert np.abs(np.asarray(want[3])).max() > 0
+    for name, a, b in zip(("dw1", "dw2", "dx", "dscale"), got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+def test_layer_scan_python_numbers_in_args(rng):
+    """A Python number among ``args`` stayed a constant of one trace and an input of
+    another ("please report this"); it is the loop's now."""
+
+    def layer(p, x, gs, probs, scale):
+        return x + jgm.grouped_mlp(x * scale, p[0], p[1], gs, probs)
+
+    _assert_scan_is_the_loop(rng, layer, jgm.offload_policy(), lambda x, gs, probs: (gs, probs, 0.5))
+
+
+def test_layer_scan_layer_must_keep_x_types(rng):
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
+
+    def layer(p, x, gs, probs):  # returns float32 for bfloat16 x: scan's carry would change
+        return x.astype(jnp.float32) + jgm.grouped_mlp(x, p[0], p[1], gs, probs)
+
+    with pytest.raises(TypeError, match="layer must return x's structure, shapes and dtypes"):
+        jgm.layer_scan(layer, (w1, w2), x, gs, probs, policy=jgm.offload_policy())
+
+
+def test_layer_scan_eager_gradient_compiles_once(rng):
+    """Without jit, the second gradient call reuses the first's program (each call
+    compiled the scans again: ~2.8 s a call at a tiny shape on the CPU)."""
+    from test_offload_policies import _COUNTER
+
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
+    policy = jgm.offload_policy()
+    grad = jax.grad(lambda w1: jnp.sum(jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=policy)
+                                       .astype(jnp.float32)))  # fmt: skip
+    first = jax.block_until_ready(grad(w1))
+    before = _COUNTER.n
+    again = jax.block_until_ready(grad(w1))
+    assert _COUNTER.n == before, _COUNTER.n - before
+    np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(again, np.float32))
+
+
 def test_layer_scan_bad_arguments(rng):
     x = jnp.zeros((4, 8), jnp.float32)
     with pytest.raises(TypeError, match="layer must be callable"):

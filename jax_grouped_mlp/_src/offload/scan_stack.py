@@ -43,7 +43,7 @@ from jax import lax
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from jax_grouped_mlp._src import checks
+from jax_grouped_mlp._src import checks, eager
 from jax_grouped_mlp._src.offload import host_store, stack
 from jax_grouped_mlp._src.op import residuals
 from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
@@ -90,8 +90,17 @@ def layer_scan(
     go to the memory kind the policy names (``Offloadable.dst``: the ``pinned_host`` of
     :func:`offload_policy`, or ``unpinned_host``).
 
+    ``layer(p, x, *args)`` must return ``x``'s structure, shapes and dtypes (it is
+    scanned). It may close over arrays, also over values an enclosing ``jax.jit`` or
+    ``jax.grad`` traces: they are passed to the scan as ``args`` (read by every layer,
+    not copied per layer; their gradients are summed over the layers). ``args`` may
+    hold Python numbers. Called outside any trace (eager, or under an eager
+    ``jax.grad``), it runs as one jitted program, compiled once per shape, ``layer``
+    and ``policy`` (keep those objects to reuse it).
+
     Raises:
-      TypeError: ``layer`` is not callable, ``policy`` is neither None nor callable,
+      TypeError: ``layer`` is not callable or returns other types than ``x``,
+      ``policy`` is neither None nor callable,
       or ``prefetch`` is not a bool. ValueError: ``params`` has no arrays, or
       their leading axes differ, or ``policy`` offloads the op's residuals to more than
       one host memory kind.
@@ -107,6 +116,15 @@ def layer_scan(
     if len(lengths) != 1 or None in lengths:
         raise ValueError(f"every array in params must have the same leading (layer) axis, got lengths {sorted(map(str, lengths))}")
     (length,) = lengths
+    # Python numbers and NumPy arrays as JAX arrays (weakly typed numbers stay weak): a
+    # Python scalar stayed a constant of one trace and an input of another.
+    args = tuple(jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), args))
+    if eager.outside_any_trace((params, x, args), (layer, policy, prefetch)):
+        return _layer_scan_jit(layer, params, x, args, policy, prefetch)  # one program per shape (eager.py)
+    p0 = jax.tree.map(lambda a: a[0], params)
+    if length:
+        layer, args = _closure_as_args(layer, p0, x, args)
+
     ckpt = jax.checkpoint(layer, policy=policy)
 
     def run(params, x, args):
@@ -118,7 +136,6 @@ def layer_scan(
     ckpt_defer = jax.checkpoint(layer, policy=residuals.DeferredOffload(policy))  # what runs: no copies
     recorder = _DstRecorder(policy)
     ckpt_policy = jax.checkpoint(layer, policy=residuals.FencedByCaller(recorder))  # traced for its placement only
-    p0 = jax.tree.map(lambda a: a[0], params)
     if not any(_offloaded(ckpt_policy, p0, x, tuple(args), _pullback_avals(ckpt_defer, p0, x, tuple(args)))):
         return run(params, x, tuple(args))  # nothing offloaded (or only by JAX itself): nothing to pipeline
     host_kind = recorder.host_kind()
@@ -223,6 +240,41 @@ def layer_scan(
 
     scanned.defvjp(fwd, bwd)
     return scanned(params, x, tuple(args))
+
+
+def _layer_scan_positional(layer, params, x, args, policy, prefetch):
+    return layer_scan(layer, params, x, *args, policy=policy, prefetch=prefetch)
+
+
+_layer_scan_jit = jax.jit(_layer_scan_positional, static_argnames=("layer", "policy", "prefetch"))
+
+
+def _closure_as_args(layer: Callable, p0, x, args: tuple) -> tuple[Callable, tuple]:
+    """``(layer, args)``, or where ``layer`` closes over arrays (a table, a mask, a value
+    of an enclosing ``jit`` or ``grad``), the layer as its traced program with those
+    arrays as trailing ``args``. A closed-over array in a layer's pullback was neither a
+    parameter nor an arg, so it became a per-layer output of the forward scan: one copy
+    of it per layer. As an arg it is read from the inputs, and its gradient is the sum
+    over the layers. Also checks that the layer returns ``x``'s types (it is scanned)."""
+    closed, out = jax.make_jaxpr(layer, return_shape=True)(p0, x, *args)
+    same = jax.tree.structure(out) == jax.tree.structure(x) and all(
+        (o.shape, o.dtype) == (jnp.shape(a), jnp.result_type(a)) for o, a in zip(jax.tree.leaves(out), jax.tree.leaves(x))
+    )
+    if not same:
+        got = jax.tree.map(lambda o: f"{o.dtype}{list(o.shape)}", out)
+        want = jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", x)
+        raise TypeError(f"layer must return x's structure, shapes and dtypes (its output is the next layer's x), "
+                        f"got {got} for x {want}")
+    consts = list(closed.consts)
+    if not consts:
+        return layer, args
+    out_tree, n = jax.tree.structure(out), len(args)
+
+    def converted(p, x, *rest):
+        flat = jax.tree.leaves((p, x, *rest[:n]))
+        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, list(rest[n:]), *flat))
+
+    return converted, (*args, *consts)
 
 
 class _DstRecorder:
