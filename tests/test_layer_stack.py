@@ -214,6 +214,8 @@ def test_the_policy_function_uncalled_says_to_call_it(rng):
                   lambda x, **k: jgm.layer_scan(_one, (w1, w2), x, gs, probs, **k)):
         with pytest.raises(TypeError, match=r"pass offload_policy\(\) \(called\)"):
             jax.grad(lambda x: jnp.sum(stack(x, policy=jgm.offload_policy).astype(jnp.float32)))(x)
+        with pytest.raises(TypeError, match=r"pass offload_policy\(\) \(called\)"):  # also without a gradient
+            stack(x, policy=jgm.offload_policy)
 
 
 def test_each_layer_waits_for_the_previous_layers_copies(rng):
@@ -500,6 +502,19 @@ def test_layer_scan_eager_gradient_compiles_once(rng):
     again = jax.block_until_ready(grad(w1))
     assert _COUNTER.n == before, _COUNTER.n - before
     np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(again, np.float32))
+
+
+@pytest.mark.parametrize("layers, want", [(1, "device"), (2, "device"), (4, "mixed")])
+def test_layer_scan_residual_placements(rng, layers, want):
+    """What ``residual_placements`` reads off ``layer_scan`` under an all-offload policy:
+    up to two layers nothing leaves the device (the stack keeps the last two layers'
+    residuals; two layers were reported as one offloaded), from three on the layers
+    before those go to the host ("mixed")."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=layers)
+    loss = lambda w1, w2, x: jnp.sum(jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=jgm.offload_policy())
+                                     .astype(jnp.float32))  # fmt: skip
+    got = jgm.residual_placements(jax.grad(loss, argnums=(0, 1, 2)), w1, w2, x)
+    assert got == {name: want for name in jgm.RESIDUAL_NAMES}, got
 
 
 def test_layer_scan_bad_arguments(rng):

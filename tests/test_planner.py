@@ -444,3 +444,13 @@ def test_loop_reloads_hide_behind_the_backward_before_their_first_read():
     rec = lt.recompute["fc2_input"]
     assert step(loop, fc1_input="offload", fc2_input="recompute") == pytest.approx(
         8 * (lt.total + rec + out(t1) + max(0.0, t1 - rec - 0.5 * lt.backward)))
+
+
+def test_candidate_and_table_arguments():
+    plan = _nano_plan()
+    with pytest.raises(ValueError, match="name all of"):
+        plan.candidate(fc1_input="offload")
+    for top in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="top must be"):
+            plan.table(top=top)
+    assert plan.table(top=0)

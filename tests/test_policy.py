@@ -180,6 +180,7 @@ def test_extra_names_combine_with_user_tags(inputs):
         (dict(activation_input="cpu"), "activation_input must be one of"),
         (dict(fc2_input=None), "fc2_input must be one of"),
         (dict(extra_saveable="abc"), "extra_saveable must be a sequence"),
+        (dict(extra_offloadable=b"ab"), "extra_offloadable must be a sequence"),  # bytes iterate as ints
         (dict(extra_offloadable=[1]), "extra_offloadable must contain"),
         (dict(extra_saveable=["a"], extra_offloadable=["a"]), "both saved on device and offloaded"),
     ],

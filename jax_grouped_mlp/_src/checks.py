@@ -58,6 +58,10 @@ def checkpoint_policy(name: str, value):
         raise TypeError(
             f"{name} must be a jax.checkpoint policy (e.g. offload_policy()) or None, got {name}={value!r}"
         )
+    if getattr(value, "__name__", None) == "offload_policy" and getattr(value, "__module__", "").startswith(
+        "jax_grouped_mlp"
+    ):  # the factory itself: JAX would call it with a primitive and its params
+        raise TypeError(f"{name} must be a policy: pass offload_policy() (called), not offload_policy itself")
     return value
 
 

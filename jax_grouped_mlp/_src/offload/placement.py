@@ -132,6 +132,11 @@ def residual_placements(fn: Callable, *args, **kwargs) -> dict[str, str]:
     placed it differently). A host copy of anything unnamed (a weight, say) shows up
     under the key ``"<unnamed>"``. :func:`residual_report` adds the bytes.
 
+    A ``scan`` body counts once, whatever its length. Under :func:`layer_scan` (whose
+    last two layers keep their residuals on the device by design) an offloading policy
+    reads ``"device"`` for up to two layers and ``"mixed"`` from three on (its first
+    layer and its scan body offload, its last layer does not).
+
     Example::
 
         grad_fn = jax.grad(jax.checkpoint(loss, policy=offload_policy()))

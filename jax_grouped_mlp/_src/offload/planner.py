@@ -387,13 +387,18 @@ class OffloadPlan:
         for c in self.candidates:
             if dict(c.placement) == placement:
                 return c
-        raise ValueError(f"no candidate with placement {placement!r}")
+        raise ValueError(
+            f"no candidate with placement {placement!r}: name all of {list(RESIDUAL_NAMES)}, each one of "
+            f"{sorted({p for c in self.candidates for p in c.placement.values()})}"
+        )
 
     def table(self, top: int | None = None) -> str:
         """The report as text: inputs, residuals, then candidates (fastest first).
 
         ``top`` keeps the fastest ``top`` candidates (and the chosen one, wherever it ranks).
         """
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+            raise ValueError(f"top must be None or an int >= 0, got top={top!r}")  # (-1 dropped the last row)
         s = self.shape
         lt = self.layer_time
         lines = [

@@ -24,7 +24,7 @@ def _check_placement(name: str, value: str) -> str:
 
 
 def _check_names(arg: str, names: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(names, str):
+    if isinstance(names, (str, bytes)):
         raise TypeError(f"{arg} must be a sequence of names, got the string {names!r}")
     try:
         out = tuple(names)

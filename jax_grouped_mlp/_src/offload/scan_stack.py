@@ -146,14 +146,14 @@ def layer_scan(
     def scanned(params, x, args):
         return run(params, x, args)
 
-    def one_layer(p, x, args, layout):
+    def one_layer(p, x, args, layout, ckpt=ckpt_defer):
         """Layer ``p`` forward: its output, the pullback arrays the policy offloads (on
         the device still) and the other arrays that are neither parameters nor args
         (recorded in ``layout``). An array that is ``x`` counts as neither, even when
         ``args`` holds it too: layer 0 and the scanned layers then carry the same arrays."""
-        y, pullback = jax.vjp(ckpt_defer, p, x, *args)
+        y, pullback = jax.vjp(ckpt, p, x, *args)
         leaves, tree = jax.tree_util.tree_flatten(pullback)
-        offloads = _offloaded(ckpt_policy, p, x, args, leaves)
+        offloads = _offloaded(ckpt_policy, p, x, args, leaves) if ckpt is ckpt_defer else [False] * len(leaves)
         p_flat, args_flat, x_flat = jax.tree.leaves(p), jax.tree.leaves(args), jax.tree.leaves(x)
         layout.tree, layout.sources, off, keep = tree, [], [], []
         for leaf, offloaded in zip(leaves, offloads):
@@ -171,7 +171,10 @@ def layer_scan(
     def fwd(params, x, args):
         saved: dict = {"params": params, "args": args}
         if length > 1:
-            x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args, first)
+            # Of two layers, layer 0's residuals stay on the device too (nothing is copied):
+            # its tags say so (residual_placements reads them).
+            x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args, first,
+                                               ckpt_defer if length > 2 else ckpt_keep)  # fmt: skip
             if length > 2:
 
                 def body(carry, i):  # layer i (1 .. L-2); indexing the parameters copies none of them

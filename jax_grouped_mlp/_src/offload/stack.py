@@ -26,7 +26,9 @@ docs/notes/2026-12-03-layer-stack.md).
 
 The arithmetic is the per-layer loop's: the same pullbacks run on the same values, so
 gradients are bitwise those of ``for p in params: x = jax.checkpoint(layer, policy)(p, x, *args)``
-(tests/test_layer_stack.py).
+(tests/test_layer_stack.py), except where one array reaches the layers by two ways
+(tied weights, ``x`` also in ``args``): its gradient's terms are then added in
+another order (within a bf16 rounding).
 """
 
 from __future__ import annotations
