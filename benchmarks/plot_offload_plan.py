@@ -51,6 +51,23 @@ def _label_clusters(candidates):
     return [((g[0][1], g[0][0]), [code for _, _, code in g]) for g in groups]
 
 
+def budget_table(common: dict, layer_times_ms=(None, 8.0, 14.0, 28.0), budgets_gb=(1.0, 3.0, 5.0)) -> str:
+    """docs/offload.md's "The Nano shape" table (markdown): per layer time (None: the
+    roofline's) and budget, the chosen placement and its step time over compute alone."""
+    lines = ["| layer fwd+bwd | " + " | ".join(f"{b:g} GB budget" for b in budgets_gb) + " |",
+             "|---" * (len(budgets_gb) + 1) + "|"]  # fmt: skip
+    for ms in layer_times_ms:
+        lt = LayerTime.roofline(NANO, "mxfp8") if ms is None else LayerTime.from_total(ms / 1e3, NANO, "mxfp8")
+        cells = []
+        for b in budgets_gb:
+            chosen = plan_offload(budget_bytes=b * 1e9, **(common | {"layer_time": lt})).chosen
+            over = chosen.step_time / (common["num_layers"] * lt.total) - 1
+            cells.append(f"{'/'.join(_code(chosen.placement))}, +{over * 100:.0f} %")
+        name = f"{lt.total * 1e3:.2f} ms (roofline)" if ms is None else f"{ms:g} ms"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
@@ -70,6 +87,8 @@ def main(argv=None) -> None:
     )  # fmt: skip
     plan = plan_offload(budget_bytes=args.budget_gb * 1e9, **common)
     print(plan)
+    print()
+    print(budget_table(common))
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
     for c in plan.candidates:
