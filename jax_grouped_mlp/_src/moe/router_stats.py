@@ -139,6 +139,8 @@ def update_score_bias(bias: jax.Array, expert_load: jax.Array, rate: float | jax
     if bias.ndim != 1 or load.shape != bias.shape:
         raise ValueError(
             f"bias and expert_load must both be [E], got bias.shape={bias.shape}, expert_load.shape={load.shape}"
+            + (" (a stack of blocks: update each block's bias, e.g. under nnx.vmap or jax.vmap)"
+               if bias.ndim == 2 and load.shape == bias.shape else "")
         )
     if not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"bias must be a float array (an integer bias never moves), got bias.dtype={bias.dtype}")
