@@ -9,7 +9,7 @@ and compares with the same per-device calls made one by one outside ``shard_map`
 (their losses summed): the gradient of an input that is replicated over a mesh axis
 is the sum of the devices' gradients. With 2 devices on that axis the sum is one
 addition in either order, so the comparison is bitwise. ``check_vma=True`` (JAX's
-default) failed at trace time before 2026-12-04 (``switch branches must have equal
+default) failed at trace time before 2026-12-05 (``switch branches must have equal
 output types``): the CUDA branch's FFI calls return values that vary over no mesh
 axis. Both branches are traced on the CPU too, so this runs here; the CUDA lowering
 is checked by lowering for ``cuda``.

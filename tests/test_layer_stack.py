@@ -444,7 +444,8 @@ def test_layer_scan_closed_over_arrays_are_read_not_copied_per_layer(rng):
     assert f"bf16[2,1,{x.shape[1]}]" not in text
 
 
-def test_layer_scan_closure_over_a_differentiated_value(rng):
+@pytest.mark.parametrize("stack", ["layer_scan", "layer_stack"])
+def test_closure_over_a_differentiated_value(rng, stack):
     """A layer closing over a value ``jax.grad`` differentiates: its gradient sums the
     layers' (it raised ``UnexpectedTracerError``), bit for bit the loop's."""
     x, w1, w2, probs, gs = _make_inputs(rng, layers=4)
@@ -455,8 +456,10 @@ def test_layer_scan_closure_over_a_differentiated_value(rng):
             return x + jgm.grouped_mlp(x * scale, p[0], p[1], gs, probs)
 
         policy = jgm.offload_policy()
-        if stacked:
+        if stacked and stack == "layer_scan":
             y = jgm.layer_scan(layer, (w1, w2), x, gs, probs, policy=policy)
+        elif stacked:
+            y = jgm.layer_stack(layer, _params(w1, w2, 0, w1.shape[0]), x, gs, probs, policy=policy)
         else:
             y = _plain_loop(layer, policy, x, w1, w2, gs, probs)
         return jnp.sum(y.astype(jnp.float32) ** 2)

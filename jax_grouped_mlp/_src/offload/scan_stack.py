@@ -123,7 +123,7 @@ def layer_scan(
         return _layer_scan_jit(layer, params, x, args, policy, prefetch)  # one program per shape (eager.py)
     p0 = jax.tree.map(lambda a: a[0], params)
     if length:
-        layer, args = _closure_as_args(layer, p0, x, args)
+        layer, args = stack.closure_as_args(layer, p0, x, args, check_types=True)
 
     ckpt = jax.checkpoint(layer, policy=policy)
 
@@ -250,34 +250,6 @@ def _layer_scan_positional(layer, params, x, args, policy, prefetch):
 
 
 _layer_scan_jit = jax.jit(_layer_scan_positional, static_argnames=("layer", "policy", "prefetch"))
-
-
-def _closure_as_args(layer: Callable, p0, x, args: tuple) -> tuple[Callable, tuple]:
-    """``(layer, args)``, or where ``layer`` closes over arrays (a table, a mask, a value
-    of an enclosing ``jit`` or ``grad``), the layer as its traced program with those
-    arrays as trailing ``args``. A closed-over array in a layer's pullback was neither a
-    parameter nor an arg, so it became a per-layer output of the forward scan: one copy
-    of it per layer. As an arg it is read from the inputs, and its gradient is the sum
-    over the layers. Also checks that the layer returns ``x``'s types (it is scanned)."""
-    closed, out = jax.make_jaxpr(layer, return_shape=True)(p0, x, *args)
-    same = jax.tree.structure(out) == jax.tree.structure(x) and all(
-        (o.shape, o.dtype) == (jnp.shape(a), jnp.result_type(a)) for o, a in zip(jax.tree.leaves(out), jax.tree.leaves(x))
-    )
-    if not same:
-        got = jax.tree.map(lambda o: f"{o.dtype}{list(o.shape)}", out)
-        want = jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", x)
-        raise TypeError(f"layer must return x's structure, shapes and dtypes (its output is the next layer's x), "
-                        f"got {got} for x {want}")
-    consts = list(closed.consts)
-    if not consts:
-        return layer, args
-    out_tree, n = jax.tree.structure(out), len(args)
-
-    def converted(p, x, *rest):
-        flat = jax.tree.leaves((p, x, *rest[:n]))
-        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, list(rest[n:]), *flat))
-
-    return converted, (*args, *consts)
 
 
 class _DstRecorder:

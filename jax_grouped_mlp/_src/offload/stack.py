@@ -76,9 +76,10 @@ def layer_stack(
       layer: ``layer(p, x, *args) -> x``: one layer (e.g. attention and a
         :func:`grouped_mlp` expert block); its output has ``x``'s structure, shapes
         and dtypes. It may close over concrete values and values of the enclosing
-        ``jax.jit``, not over values an enclosing ``jax.grad``/``jax.vmap`` traces
-        (JAX then raises ``UnexpectedTracerError``): pass those through ``params``,
-        ``x`` or ``args``.
+        ``jax.jit``; over values an enclosing ``jax.grad`` traces only when every
+        layer's parameters have the same shapes and dtypes (they are then passed as
+        ``args``, their gradients summed over the layers), else JAX raises
+        ``UnexpectedTracerError``: pass those through ``params``, ``x`` or ``args``.
       params: one parameter pytree per layer (a list; layers may differ in values,
         not in structure). An empty list returns ``x``.
       x: the carry (any pytree of arrays).
@@ -124,6 +125,10 @@ def layer_stack(
 
     if not prefetch or policy is None:  # (nothing to prefetch without a policy that offloads)
         return run(params, x, args)
+    avals = {tuple((jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(p)) for p in params}
+    if len(avals) == 1:  # (layers of other shapes keep their closures: one trace must fit them all)
+        layer, args = closure_as_args(layer, params[0], x, tuple(args), only_traced=True)
+        ckpt = jax.checkpoint(layer, policy=policy)
 
     @jax.custom_vjp
     def stack(params, x, args):
@@ -161,6 +166,40 @@ def layer_stack(
 
     stack.defvjp(fwd, bwd)
     return stack(params, x, tuple(args))
+
+
+def closure_as_args(layer: Callable, p0, x, args: tuple, *, only_traced: bool = False,
+                    check_types: bool = False) -> tuple[Callable, tuple]:
+    """``(layer, args)``, or where ``layer`` closes over arrays (a table, a mask, a value
+    of an enclosing ``jit`` or ``grad``), the layer as its traced program (at parameters
+    ``p0``) with those arrays as trailing ``args``. In ``layer_scan`` a closed-over array
+    in a layer's pullback was neither a parameter nor an arg, so it became a per-layer
+    output of the forward scan (one copy per layer); in both stacks one that
+    ``jax.grad`` traces raised ``UnexpectedTracerError`` inside their ``custom_vjp``.
+    As an arg it is read from the inputs, and its gradient is the sum over the layers.
+    ``only_traced``: convert only when a closed-over array is traced. ``check_types``:
+    a TypeError naming ``layer`` unless it returns ``x``'s types (a scanned layer must)."""
+    closed, out = jax.make_jaxpr(layer, return_shape=True)(p0, x, *args)
+    if check_types:
+        same = jax.tree.structure(out) == jax.tree.structure(x) and all(
+            (o.shape, o.dtype) == (jnp.shape(a), jnp.result_type(a))
+            for o, a in zip(jax.tree.leaves(out), jax.tree.leaves(x))
+        )
+        if not same:
+            got = jax.tree.map(lambda o: f"{o.dtype}{list(o.shape)}", out)
+            want = jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", x)
+            raise TypeError(f"layer must return x's structure, shapes and dtypes (its output is the next layer's x), "
+                            f"got {got} for x {want}")
+    consts = list(closed.consts)
+    if not consts or (only_traced and not any(isinstance(c, jax.core.Tracer) for c in consts)):
+        return layer, args
+    out_tree, n = jax.tree.structure(out), len(args)
+
+    def converted(p, x, *rest):
+        flat = jax.tree.leaves((p, x, *rest[:n]))
+        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, list(rest[n:]), *flat))
+
+    return converted, (*args, *consts)
 
 
 @dataclasses.dataclass(frozen=True)
