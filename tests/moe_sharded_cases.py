@@ -265,6 +265,25 @@ def test_offload_policy_inside_sharded_block(single_device_results, placement):
         assert rel_err(g, w) <= EXACT
 
 
+@pytest.mark.parametrize("exchange", ["dense", "all_gather"])
+def test_batch_and_sequence_axes_on_an_explicit_mesh(single_device_results, exchange):
+    """``x [B, S, H]`` with ``B * S`` divisible over the token shards but ``B`` not
+    (2 x 20 tokens over 4): the output's reshape back to ``[B, S, H]`` raised JAX's
+    ``ShardingTypeError`` on ``Explicit`` meshes. Values and gradients are the
+    one-device block's for the same tokens."""
+    (x, router, w1, w2, dy, bias), _ = single_device_results
+    xb, dyb = x[:40].reshape(2, 20, H), dy[:40].reshape(2, 20, H)
+    recipe, config = CASES["bf16_softmax"]
+    parallel = ExpertParallel(mesh_of(4, 1), "expert", exchange=exchange)
+    (_, want_y), want = value_and_grads(config, recipe, None)(xb, router, w1, w2, dyb, bias)
+    (_, got_y), got = value_and_grads(config, recipe, parallel)(xb, router, w1, w2, dyb, bias)
+    assert got_y.shape == (2, 20, H)
+    band = ALL_GATHER_BF16_BAND if exchange == "all_gather" else 0.0
+    assert rel_err(got_y, want_y) <= band
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= max(band, EXACT), rel_err(g, w)
+
+
 def test_bad_parallel_configs():
     x = jnp.zeros((8, H), jnp.bfloat16)
     router = jnp.zeros((H, 6))

@@ -183,12 +183,31 @@ def moe_block(
         y, sums, probs = _moe_local(x2, router_kernel, score_bias, w1, w2, prepared, shared, opts)
     else:
         y, sums, probs = _moe_sharded(x2, router_kernel, score_bias, w1, w2, prepared, shared, opts, parallel)
-    y = y.reshape(*lead_shape, x.shape[-1])
+    y = _unflatten_tokens(y, (*lead_shape, x.shape[-1]), x)
     if not return_stats:
         return y
     if probs is not None:
-        probs = probs.reshape(*lead_shape, probs.shape[-1])
+        probs = _unflatten_tokens(probs, (*lead_shape, probs.shape[-1]), x)
     return y, router_stats.finish(sums, x2.shape[0], routing.top_k, probs)
+
+
+try:  # (not public in jax 0.11 / 0.12)
+    from jax._src.core import ShardingTypeError as _SHARDING_TYPE_ERROR
+except ImportError:  # pragma: no cover
+    _SHARDING_TYPE_ERROR = Exception
+
+
+def _unflatten_tokens(a: jax.Array, shape: tuple[int, ...], x: jax.Array) -> jax.Array:
+    """``a`` ([T, ...], tokens flattened) reshaped to ``x``'s leading axes. On an
+    ``Explicit`` mesh JAX cannot infer the layout of a reshape that splits a sharded
+    token axis unevenly (``[16@expert, H]`` to ``[2, 8, H]`` over 4 devices): the result
+    then takes ``x``'s own sharding on its leading axes."""
+    try:
+        return a.reshape(shape)
+    except _SHARDING_TYPE_ERROR:
+        spec = tuple(jax.typeof(x).sharding.spec)[: x.ndim - 1]
+        spec = spec + (None,) * (x.ndim - 1 - len(spec)) + (None,) * (len(shape) - x.ndim + 1)
+        return jax.lax.reshape(a, shape, out_sharding=jax.NamedSharding(jax.typeof(a).sharding.mesh, P(*spec)))
 
 
 def _moe_block_positional(x, router_kernel, w1, w2, score_bias, shared_w1, shared_w2, prepared, **statics):
