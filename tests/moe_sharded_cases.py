@@ -229,8 +229,20 @@ def test_dense_exchange_has_ragged_all_to_all_semantics():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_ragged_exchange_lowers_with_gradients(single_device_results):
-    """XLA:CPU cannot compile ragged-all-to-all; check the GPU path traces, differentiates and lowers."""
+def test_ragged_exchange_on_a_cpu_mesh_is_refused_at_trace_time(single_device_results):
+    """XLA:CPU cannot compile ragged-all-to-all: an error naming the argument, before XLA's."""
+    inputs, _ = single_device_results
+    parallel = ExpertParallel(mesh_of(2, 2), "expert", ("data",), exchange="ragged")
+    with pytest.raises(ValueError, match=r"exchange='ragged'.*XLA:CPU.*exchange='auto'"):
+        value_and_grads(RoutingConfig(2), "bf16", parallel).trace(*inputs)
+
+
+def test_ragged_exchange_lowers_with_gradients(single_device_results, monkeypatch):
+    """XLA:CPU cannot compile ragged-all-to-all; check the GPU path traces, differentiates and lowers
+    (past the trace-time check that refuses it on a CPU mesh)."""
+    import jax_grouped_mlp._src.moe.block as block
+
+    monkeypatch.setattr(block, "_check_exchange", lambda exchange, platform: None)
     inputs, _ = single_device_results
     parallel = ExpertParallel(mesh_of(2, 2), "expert", ("data",), exchange="ragged")
     hlo = value_and_grads(RoutingConfig(2), "bf16", parallel).lower(*inputs).as_text()

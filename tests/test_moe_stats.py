@@ -535,3 +535,12 @@ def test_flax_initializers_are_checked_when_built(kwargs, match):
     (it failed at the first call, blaming ``x``, or stored a bf16 router)."""
     with pytest.raises(ValueError, match=match):
         MoEBlock(8, 32, 64, routing=RoutingConfig(2), rngs=nnx.Rngs(0), **kwargs)
+
+
+@pytest.mark.parametrize("rngs", [None, 0, jax.random.key(0)])
+def test_flax_modules_name_rngs_when_it_is_not_an_nnx_rngs(rngs):
+    """``rngs=None`` (or a seed, or a bare key) failed inside Flax with an AttributeError."""
+    with pytest.raises(TypeError, match=r"rngs must be an nnx.Rngs \(for example rngs=nnx.Rngs\(0\)\)"):
+        MoEBlock(8, 32, 64, routing=RoutingConfig(2), rngs=rngs)
+    with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
+        jgm.flax.GroupedMLP(4, 32, 64, rngs=rngs)

@@ -99,7 +99,11 @@ def sharded_param(value: jax.Array, names: tuple[str | None, ...], mesh: jax.sha
 
 def initialized(name: str, init: nnx.Initializer, rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
     """``init(key, shape, dtype)``, or an error naming the initializer when it returns
-    another shape or dtype (it would otherwise fail at the first call, blaming ``x``)."""
+    another shape or dtype (it would otherwise fail at the first call, blaming ``x``).
+    ``rngs`` must be an ``nnx.Rngs`` (``None`` or a bare key would fail inside Flax with
+    an ``AttributeError``)."""
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs (for example rngs=nnx.Rngs(0)), got rngs={rngs!r}")
     value = init(rngs.params(), shape, dtype)
     if getattr(value, "shape", None) != tuple(shape) or getattr(value, "dtype", None) != jnp.dtype(dtype):
         got = f"{getattr(value, 'shape', type(value).__name__)} {getattr(value, 'dtype', '')}".strip()

@@ -329,6 +329,16 @@ def _moe_local(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _Op
     return y, sums, probs if opts.router_probs else None
 
 
+def _check_exchange(exchange: Exchange, platform: str) -> None:
+    """At trace time, what XLA:CPU would otherwise refuse only when it compiles (with an
+    error naming an HLO opcode, not the argument)."""
+    if platform == "cpu" and exchange is Exchange.RAGGED:
+        raise ValueError(
+            "ExpertParallel(exchange='ragged') needs jax.lax.ragged_all_to_all, which XLA:CPU cannot "
+            "compile; on a CPU mesh use exchange='auto' (the dense all-to-all there), 'dense' or 'all_gather'"
+        )
+
+
 def _moe_sharded(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _Options, parallel: ExpertParallel):
     """Expert parallel: ``(y, StatSums or None, router probs or None)``, as ``_moe_local``."""
     mesh, token_axes = parallel.mesh, parallel.token_axes
@@ -338,6 +348,7 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _
     if t_pad != t:
         x = jnp.pad(x, ((0, t_pad - t), (0, 0)))
     platform = mesh.devices.flat[0].platform
+    _check_exchange(parallel.exchange, platform)
     body = _ExpertParallelBody(
         opts=opts,
         axis=parallel.expert_axis,
