@@ -471,6 +471,39 @@ def test_closure_over_a_differentiated_value(rng, stack):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
+def test_layer_stack_closure_over_a_differentiated_value_with_layers_of_other_shapes(rng):
+    """Layers whose parameters differ in shape (one trace cannot fit them all) closing
+    over a value ``jax.grad`` differentiates: each shape's trace gets its own trailing
+    args (this raised ``UnexpectedTracerError``), gradients bit for bit the loop's."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
+    f = w1.shape[-1]
+    wide1 = jnp.asarray(rng.standard_normal((w1.shape[1], w1.shape[2], 2 * f)) * 0.05, w1.dtype)
+    wide2 = jnp.asarray(rng.standard_normal((w2.shape[1], 2 * f, w2.shape[3])) * 0.05, w2.dtype)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, x.shape[1]), jnp.bfloat16)
+    bias = jnp.asarray(rng.uniform(-0.5, 0.5, x.shape[1]), jnp.bfloat16)
+    policy = jgm.offload_policy()
+
+    def loss(stacked, params, x, scale, bias):
+        def layer(p, x, gs, probs):  # the wide layer reads bias too: the traces' consts differ
+            h = x * scale + (bias if p[0].shape[-1] == 2 * f else 0)
+            return x + jgm.grouped_mlp(h, p[0], p[1], gs, probs)
+
+        if stacked:
+            y = jgm.layer_stack(layer, params, x, gs, probs, policy=policy)
+        else:
+            for p in params:
+                y = x = jax.checkpoint(layer, policy=policy)(p, x, gs, probs)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    params = [(w1[0], w2[0]), (wide1, wide2), (w1[1], w2[1]), (wide1 * 0.5, wide2)]
+    want = jax.jit(jax.grad(functools.partial(loss, False), argnums=(0, 1, 2, 3)))(params, x, scale, bias)
+    got = jax.jit(jax.grad(functools.partial(loss, True), argnums=(0, 1, 2, 3)))(params, x, scale, bias)
+    assert np.abs(np.asarray(want[2])).max() > 0 and np.abs(np.asarray(want[3])).max() > 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=jax.tree_util.keystr(path))
+
+
 def test_layer_scan_python_numbers_in_args(rng):
     """A Python number among ``args`` stayed a constant of one trace and an input of
     another ("please report this"); it is the loop's now."""

@@ -76,10 +76,8 @@ def layer_stack(
       layer: ``layer(p, x, *args) -> x``: one layer (e.g. attention and a
         :func:`grouped_mlp` expert block); its output has ``x``'s structure, shapes
         and dtypes. It may close over concrete values and values of the enclosing
-        ``jax.jit``; over values an enclosing ``jax.grad`` traces only when every
-        layer's parameters have the same shapes and dtypes (they are then passed as
-        ``args``, their gradients summed over the layers), else JAX raises
-        ``UnexpectedTracerError``: pass those through ``params``, ``x`` or ``args``.
+        ``jax.jit``, and over values an enclosing ``jax.grad`` traces (with ``prefetch``
+        they are then passed as ``args``, their gradients summed over the layers).
       params: one parameter pytree per layer (a list; layers may differ in values,
         not in structure). An empty list returns ``x``.
       x: the carry (any pytree of arrays).
@@ -125,14 +123,19 @@ def layer_stack(
 
     if not prefetch or policy is None:  # (nothing to prefetch without a policy that offloads)
         return run(params, x, args)
-    avals = {tuple((jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(p)) for p in params}
-    if len(avals) == 1:  # (layers of other shapes keep their closures: one trace must fit them all)
-        layer, args = closure_as_args(layer, params[0], x, tuple(args), only_traced=True)
-        ckpt = jax.checkpoint(layer, policy=policy)
+    layers, args = _closures_as_args(layer, params, x, tuple(args))
+    ckpts: dict = {}
+
+    def checkpointed(f: Callable, layer_policy) -> Callable:  # one per function and policy: JAX caches its trace
+        if (f, layer_policy) not in ckpts:
+            ckpts[f, layer_policy] = jax.checkpoint(f, policy=layer_policy)
+        return ckpts[f, layer_policy]
 
     @jax.custom_vjp
     def stack(params, x, args):
-        return run(params, x, args)
+        for f, p in zip(layers, params):
+            x = checkpointed(f, policy)(p, x, *args)
+        return x
 
     # The forward: each layer's host copies are waited for by the next layer's output
     # (LAG_FENCE), so they overlap that layer's compute; the op's own fence (the layer's
@@ -143,11 +146,12 @@ def layer_stack(
 
     def fwd(params, x, args):
         lagged = LAG_FENCE and policy is not None and not residuals._in_loop_body()
-        ckpt_fwd = jax.checkpoint(layer, policy=residuals.FencedByCaller(policy)) if lagged else ckpt
-        ckpt_last = jax.checkpoint(layer, policy=KeepOnDevice(policy)) if keep_last else ckpt_fwd
+        fwd_policy = residuals.FencedByCaller(policy) if lagged else policy
+        last = len(params) - 1
         pullbacks = []
         for i, p in enumerate(params):
-            x, pullback = jax.vjp(ckpt_last if i == len(params) - 1 else ckpt_fwd, p, x, *args)
+            layer_policy = KeepOnDevice(policy) if i == last and keep_last else fwd_policy
+            x, pullback = jax.vjp(checkpointed(layers[i], layer_policy), p, x, *args)
             if lagged and pullbacks:
                 x = _wait(x, _host_leaves(pullbacks[-1]))
             pullbacks.append(pullback)
@@ -166,6 +170,35 @@ def layer_stack(
 
     stack.defvjp(fwd, bwd)
     return stack(params, x, tuple(args))
+
+
+def _closures_as_args(layer: Callable, params: list, x, args: tuple) -> tuple[list[Callable], tuple]:
+    """Per layer, the function to run, and the args they all take: ``args`` followed by
+    the traced arrays ``layer`` closes over (:func:`closure_as_args`, once per distinct
+    set of parameter shapes and dtypes; each function reads its own of those, each array
+    passed once however many traces read it, so its gradient sums the layers in the
+    loop's order). A closed-over value an enclosing ``jax.grad`` traces would otherwise
+    leak out of the stack's ``custom_vjp`` (``UnexpectedTracerError``)."""
+    n, extra, by_avals, layers = len(args), [], {}, []
+    for p in params:
+        key = tuple((jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(p))
+        if key not in by_avals:
+            converted, with_consts = closure_as_args(layer, p, x, args, only_traced=True)
+            where = []
+            for c in with_consts[n:]:
+                at = next((i for i, e in enumerate(extra) if e is c), None)
+                if at is None:
+                    at = len(extra)
+                    extra.append(c)
+                where.append(n + at)
+            by_avals[key] = _reading(converted, n, tuple(where)) if where else layer
+        layers.append(by_avals[key])
+    return layers, (*args, *extra)
+
+
+def _reading(converted: Callable, n: int, where: tuple[int, ...]) -> Callable:
+    """``converted(p, x, *args[:n], *(args[i] for i in where))``: one trace's consts."""
+    return lambda p, x, *args: converted(p, x, *args[:n], *(args[i] for i in where))
 
 
 def closure_as_args(layer: Callable, p0, x, args: tuple, *, only_traced: bool = False,
