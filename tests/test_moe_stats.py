@@ -544,3 +544,27 @@ def test_flax_modules_name_rngs_when_it_is_not_an_nnx_rngs(rngs):
         MoEBlock(8, 32, 64, routing=RoutingConfig(2), rngs=rngs)
     with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
         jgm.flax.GroupedMLP(4, 32, 64, rngs=rngs)
+
+
+def test_sigmoid_balance_probs_stay_finite_when_every_score_underflows():
+    """Logits all below about -88: sigmoid scores are 0 in float32 and their normalisation
+    was 0 / 0, a NaN load-balancing loss and router gradient (found by a review)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((8, 32)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((4, 32, 64)) * 0.1, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((4, 64, 32)) * 0.1, jnp.bfloat16)
+    routing = RoutingConfig(2, "sigmoid")
+
+    def lb(router):
+        _, stats = moe_block(x, router, w1, w2, routing=routing, return_stats=True, recipe="bf16")
+        return stats.load_balancing_loss
+
+    far = jnp.asarray(rng.uniform(-30.0, -20.0, (32, 4)), jnp.float32)  # logits ~ -1000
+    assert np.isfinite(float(lb(far))) and np.isfinite(np.asarray(jax.grad(lb)(far))).all()
+    near = jnp.asarray(rng.standard_normal((32, 4)) * 0.1, jnp.float32)
+    logits = (x.astype(jnp.float32) @ near)
+    scores = jax.nn.sigmoid(logits)
+    from jax_grouped_mlp._src.moe import router_stats
+
+    np.testing.assert_allclose(np.asarray(router_stats.balance_probs(logits, routing)),
+                               np.asarray(scores / scores.sum(-1, keepdims=True)), rtol=2e-6)

@@ -78,8 +78,9 @@ def balance_probs(logits: jax.Array, routing: RoutingConfig) -> jax.Array:
     logits = logits.astype(jnp.float32)
     if routing.score_function is ScoreFunction.SOFTMAX:
         return jax.nn.softmax(logits, axis=-1)
-    scores = jax.nn.sigmoid(logits)
-    return scores / jnp.sum(scores, axis=-1, keepdims=True)
+    # sigmoid(l) / sum(sigmoid(l)), as a softmax of log-sigmoids: finite where every
+    # score underflows (all logits below about -88 made 0 / 0, a NaN loss and gradient).
+    return jax.nn.softmax(jax.nn.log_sigmoid(logits), axis=-1)
 
 
 def sums(
