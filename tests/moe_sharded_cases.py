@@ -384,6 +384,27 @@ def test_stats_and_shared_expert_match_single_device(single_device_results, layo
     np.testing.assert_allclose(float(got.load_balancing_loss), lb, rtol=1e-5)
 
 
+@pytest.mark.parametrize("exchange", ["auto", "all_gather"])
+@pytest.mark.parametrize("shape", [(0, H), (2, 0, H)])
+def test_no_tokens_match_single_device(shape, exchange):
+    """Zero tokens: what the block gives on one device (an empty output, zero stats,
+    zero gradients). ``exchange="all_gather"`` failed to lower (a size-0 reduce-scatter)."""
+    _, router, w1, w2, _, bias = make_inputs(np.random.default_rng(5))
+    sw1, sw2 = jnp.ones((H, 40), jnp.float32), jnp.ones((40, H), jnp.float32)
+    x = jnp.zeros(shape, jnp.bfloat16)
+    config = RoutingConfig(2, "sigmoid", True, 2.5)
+    args = (x, router, w1, w2, sw1, sw2, x, bias)
+    want = stats_and_grads(config, None, True)(*args)
+    parallel = ExpertParallel(mesh_of(2, 2), "expert", ("data",), exchange=exchange)
+    got = stats_and_grads(config, parallel, True)(*args)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g, w)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    for g in got[1]:  # zeros, not NaN
+        assert not np.any(np.asarray(g, np.float32))
+
+
 def test_flax_moe_block_shared_expert_and_aux_loss_expert_parallel():
     from flax import nnx
 

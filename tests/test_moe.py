@@ -309,6 +309,40 @@ def test_no_tokens(rng):
     assert y.shape == (0, h)
 
 
+@pytest.mark.parametrize("exchange, capacity_factor", [("all_gather", None), ("all_gather", 1.5), ("dense", None)])
+def test_no_tokens_under_expert_parallelism(rng, exchange, capacity_factor):
+    """Zero tokens (``[0, H]`` or ``[B, 0, H]``) under ExpertParallel give what the block
+    gives on one device: an empty output, the same (zero) stats, zero gradients.
+    ``exchange="all_gather"`` failed to lower (a size-0 reduce-scatter). One device's
+    mesh shows it; moe_sharded_cases.py has four devices with data axes."""
+    h, f, e, fs = 8, 16, 4, 12
+    router = jnp.asarray(rng.standard_normal((h, e)), jnp.float32)
+    w1, w2 = jnp.asarray(rng.standard_normal((e, h, f)), jnp.float32), jnp.asarray(rng.standard_normal((e, f, h)))
+    sw1, sw2 = jnp.asarray(rng.standard_normal((h, fs))), jnp.asarray(rng.standard_normal((fs, h)))
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    parallel = ExpertParallel(mesh, "expert", exchange=exchange, capacity_factor=capacity_factor)
+
+    def loss(x, router, w1, w2, sw1, sw2, parallel):
+        y, st = moe_block(x, router, w1, w2, routing=RoutingConfig(2, "sigmoid"), recipe="bf16", parallel=parallel,
+                          shared_w1=sw1, shared_w2=sw2, return_stats=True, return_router_probs=True)
+        return jnp.sum(y.astype(jnp.float32)) + st.load_balancing_loss + st.z_loss, (y, st)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True), static_argnums=6)
+    for shape in ((0, h), (2, 0, h)):
+        x = jnp.zeros(shape, jnp.bfloat16)
+        want = run(x, router, w1, w2, sw1, sw2, None)
+        got = run(x, router, w1, w2, sw1, sw2, parallel)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.shape == w.shape and g.dtype == w.dtype, (g, w)
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        (_, (y, st)), grads = got
+        assert y.shape == shape and st.router_probs.shape == (*shape[:-1], e)
+        assert not np.any(np.asarray(st.expert_load)) and float(st.load_balancing_loss) == 0 == float(st.z_loss)
+        for g in grads:  # zeros, not NaN
+            assert not np.any(np.asarray(g, np.float32)), g
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fuse_fc1_epilogue_reaches_the_mlp(rng, monkeypatch, fuse):
     """moe_block and the Flax MoEBlock pass fuse_fc1_epilogue on to grouped_mlp (the flag

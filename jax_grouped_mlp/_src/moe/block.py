@@ -329,6 +329,18 @@ def _moe_local(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _Op
     return y, sums, probs if opts.router_probs else None
 
 
+def _no_tokens(x, router_kernel, num_experts: int, opts: _Options):
+    """What :func:`_moe_local` returns for ``x [0, H]``, without the experts: an empty
+    output and the stats of no tokens (zero sums; zero gradients)."""
+    y = jnp.zeros(x.shape, x.dtype)
+    if not opts.stats:
+        return y, None, None
+    logits = _router_logits(x, router_kernel)
+    probs = router_stats.balance_probs(logits, opts.routing)
+    sums = router_stats.sums(logits, probs, jnp.zeros((num_experts,), jnp.int32), None)
+    return y, sums, probs if opts.router_probs else None
+
+
 def _check_exchange(exchange: Exchange, platform: str) -> None:
     """At trace time, what XLA:CPU would otherwise refuse only when it compiles (with an
     error naming an HLO opcode, not the argument)."""
@@ -349,6 +361,8 @@ def _moe_sharded(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _
         x = jnp.pad(x, ((0, t_pad - t), (0, 0)))
     platform = mesh.devices.flat[0].platform
     _check_exchange(parallel.exchange, platform)
+    if t == 0:  # nothing to exchange (and a size-0 reduce-scatter does not lower)
+        return _no_tokens(x, router_kernel, w1.shape[0], opts)
     body = _ExpertParallelBody(
         opts=opts,
         axis=parallel.expert_axis,
