@@ -233,6 +233,21 @@ def _good(e=4, h=8, f=16):
         (lambda a: {"routing": 2}, TypeError, "routing"),
         (lambda a: {"parallel": "expert"}, TypeError, "parallel"),
         (lambda a: {"recipe": "fp4"}, ValueError, "recipe"),
+        # What grouped_mlp would refuse, named here as moe_block's arguments (the routed
+        # F = 0 named w1 with a permuted x's shape; H = 0 was a ZeroDivisionError; the
+        # shared expert's errors named w1 / x of its one-group call).
+        (lambda a: {"w1": jnp.zeros((4, 8, 0)), "w2": jnp.zeros((4, 0, 8))}, ValueError,
+         r"w1 must be \[E, H, F\] with F >= 1, got w1.shape=\(4, 8, 0\)"),
+        (lambda a: {"x": jnp.zeros((5, 0), jnp.bfloat16), "router_kernel": jnp.zeros((0, 4)),
+                    "w1": jnp.zeros((4, 0, 16)), "w2": jnp.zeros((4, 16, 0))}, ValueError,
+         r"x must be \[..., H\] with H >= 1, got x.shape=\(5, 0\)"),
+        (lambda a: {"x": jnp.zeros((5, 8), jnp.float16)}, TypeError, "x must be bfloat16 or float32"),
+        (lambda a: {"shared_w1": jnp.zeros((8, 16), jnp.float16), "shared_w2": jnp.zeros((16, 8))},
+         TypeError, "shared_w1 must be bfloat16 or float32, got shared_w1.dtype=float16"),
+        (lambda a: {"shared_w1": jnp.zeros((8, 16)), "shared_w2": jnp.zeros((16, 8), jnp.float16)},
+         TypeError, "shared_w2 must be bfloat16 or float32, got shared_w2.dtype=float16"),
+        (lambda a: {"shared_w1": jnp.zeros((8, 0)), "shared_w2": jnp.zeros((0, 8))},
+         ValueError, r"shared_w1 must be \[H, Fs\] with Fs >= 1.*shared_w1.shape=\(8, 0\)"),
     ],
 )
 def test_bad_block_arguments(change, error, match):

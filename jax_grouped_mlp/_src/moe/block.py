@@ -36,6 +36,7 @@ from jax_grouped_mlp._src.moe.exchange import Exchange, exclusive_cumsum, ragged
 from jax_grouped_mlp._src.op.mlp import grouped_mlp
 from jax_grouped_mlp._src.op.prepared import PreparedWeights, check_prepared
 from jax_grouped_mlp._src.op.recipes import Recipe
+from jax_grouped_mlp._src.op.validation import is_mlp_float
 from jax_grouped_mlp._src.moe.router_stats import RouterStats
 from jax_grouped_mlp._src.moe.routing import RoutingConfig
 
@@ -157,7 +158,9 @@ def moe_block(
 
     Raises:
       TypeError, ValueError: at trace time, naming the argument, for bad shapes,
-        dtypes, ``top_k > E`` or ``E`` not divisible by the expert axis size.
+        dtypes (``x``, ``w1``, ``w2`` and the shared expert's weights must be
+        bfloat16 or float32, as ``grouped_mlp`` takes them), ``H``, ``F`` or ``Fs``
+        of 0, ``top_k > E`` or ``E`` not divisible by the expert axis size.
     """
     if not isinstance(routing, RoutingConfig):
         raise TypeError(f"routing must be a RoutingConfig, got routing={type(routing).__name__}")
@@ -227,9 +230,14 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
             raise TypeError(f"{name} must be an array, got {name}={type(arr).__name__}")
         if not jnp.issubdtype(arr.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got {name}.dtype={arr.dtype}")
+    for name, arr in (("x", x), ("w1", w1), ("w2", w2)):  # grouped_mlp's operands
+        if not is_mlp_float(arr):
+            raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={arr.dtype}")
     if x.ndim < 2:
         raise ValueError(f"x must be [..., H] with at least one token axis, got x.shape={x.shape}")
     h = x.shape[-1]
+    if h == 0:  # grouped_mlp takes no H = 0
+        raise ValueError(f"x must be [..., H] with H >= 1, got x.shape={x.shape}")
     if router_kernel.ndim != 2:
         raise ValueError(f"router_kernel must be [H, E] (rank 2), got router_kernel.shape={router_kernel.shape}")
     if router_kernel.shape[0] != h:
@@ -241,6 +249,8 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
     if w1.ndim != 3 or w1.shape[:2] != (e, h):
         raise ValueError(f"w1 must be [E, H, F] with E={e}, H={h}, got w1.shape={w1.shape}")
     f = w1.shape[2]
+    if f == 0:  # grouped_mlp takes no F = 0 (its error would show the permuted x)
+        raise ValueError(f"w1 must be [E, H, F] with F >= 1, got w1.shape={w1.shape}")
     if w2.shape != (e, f, h):
         raise ValueError(f"w2 must be [E, F, H]={(e, f, h)}, got w2.shape={w2.shape}")
     if score_bias is not None and getattr(score_bias, "shape", None) != (e,):
@@ -273,11 +283,11 @@ def _check_extras(x, shared_w1, shared_w2, return_stats, return_router_probs):
     for name, arr in (("shared_w1", shared_w1), ("shared_w2", shared_w2)):
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
             raise TypeError(f"{name} must be an array, got {name}={type(arr).__name__}")
-        if not jnp.issubdtype(arr.dtype, jnp.floating):
-            raise TypeError(f"{name} must be a float array, got {name}.dtype={arr.dtype}")
+        if not is_mlp_float(arr):  # what the one-group grouped_mlp call takes, named here
+            raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={arr.dtype}")
     h = x.shape[-1]
-    if shared_w1.ndim != 2 or shared_w1.shape[0] != h:
-        raise ValueError(f"shared_w1 must be [H, Fs] with H={h}, got shared_w1.shape={shared_w1.shape}")
+    if shared_w1.ndim != 2 or shared_w1.shape[0] != h or shared_w1.shape[1] == 0:
+        raise ValueError(f"shared_w1 must be [H, Fs] with Fs >= 1, H={h}, got shared_w1.shape={shared_w1.shape}")
     fs = shared_w1.shape[1]
     if shared_w2.shape != (fs, h):
         raise ValueError(f"shared_w2 must be [Fs, H]={(fs, h)}, got shared_w2.shape={shared_w2.shape}")

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def _is_float(x) -> bool:
+def is_mlp_float(x) -> bool:
+    """Whether ``x``'s dtype is one :func:`grouped_mlp` takes for ``x``, ``w1`` and ``w2``."""
     return jnp.dtype(x.dtype) in _FLOATS
 
 
@@ -38,7 +39,7 @@ def check_mlp_args(x, w1, w2, group_sizes, probs) -> None:
         raise ValueError(f"the hidden size H and the FFN size F must be positive, got x.shape={x.shape}, "
                          f"w1.shape={w1.shape}")
     for name, arr in (("x", x), ("w1", w1), ("w2", w2)):
-        if not _is_float(arr):
+        if not is_mlp_float(arr):
             raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={arr.dtype}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer) or group_sizes.dtype == jnp.bool_:
         raise TypeError(
