@@ -258,6 +258,34 @@ def test_bad_permute_combine_arguments(call, match):
         call(x, ids, w)
 
 
+def test_weights_must_be_float_arrays():
+    """A list was an AttributeError from the error message itself; combine took integer
+    weights (permute now refuses them too: routing weights are floats)."""
+    x, ids, w = jnp.zeros((5, 8)), jnp.zeros((5, 2), jnp.int32), jnp.zeros((5, 2))
+    xs, ws, _, perm = jgm.permute(x, ids, w, 4)
+    calls = {
+        "weights must be an array or None, got weights=list": lambda: jgm.permute(x, ids, w.tolist(), 4),
+        "weights must be a float array, got weights.dtype=int32": lambda: jgm.permute(x, ids, w.astype(jnp.int32), 4),
+        "weights must be a float array, got weights.dtype=bool": lambda: jgm.permute(x, ids, w > 0, 4),
+        "weights_sorted must be an array or None, got weights_sorted=list": lambda: jgm.combine(xs, perm, ws.tolist()),
+        "weights_sorted must be a float array, got weights_sorted.dtype=int32":
+            lambda: jgm.combine(xs, perm, ws.astype(jnp.int32)),
+    }
+    for match, call in calls.items():
+        with pytest.raises(TypeError, match=match):
+            call()
+
+
+def test_route_refuses_complex_and_bool_score_bias():
+    """The imaginary part was dropped; the same rule as moe_block's (float or int)."""
+    logits = jnp.zeros((5, 4))
+    for dtype in (jnp.complex64, jnp.bool_):
+        with pytest.raises(TypeError, match=r"score_bias must be a real \(float\) array, got score_bias.dtype="):
+            jgm.route(logits, RoutingConfig(2), jnp.zeros(4, dtype))
+    ids, _ = jgm.route(logits, RoutingConfig(1), jnp.asarray([0, 0, 1, 0], jnp.int32))
+    assert not np.any(np.asarray(ids) != 2)
+
+
 def test_skipped_pairs_contribute_zero_whatever_they_hold(rng):
     """Masked tokens (logits -inf: NaN softmax weights) skipped by id: their pairs give
     zero output and zero gradients, and an int64 id past 2^32 is skipped, not wrapped

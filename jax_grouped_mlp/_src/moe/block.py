@@ -253,10 +253,7 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
         raise ValueError(f"w1 must be [E, H, F] with F >= 1, got w1.shape={w1.shape}")
     if w2.shape != (e, f, h):
         raise ValueError(f"w2 must be [E, F, H]={(e, f, h)}, got w2.shape={w2.shape}")
-    if score_bias is not None and getattr(score_bias, "shape", None) != (e,):
-        raise ValueError(f"score_bias must be [E]=({e},), got score_bias.shape={getattr(score_bias, 'shape', None)}")
-    if score_bias is not None and not any(jnp.issubdtype(score_bias.dtype, t) for t in (jnp.floating, jnp.integer)):
-        raise TypeError(f"score_bias must be a real (float) array, got score_bias.dtype={score_bias.dtype}")
+    routing_lib.check_score_bias(score_bias, e)
     if routing.top_k > e:
         raise ValueError(f"routing.top_k={routing.top_k} is larger than the number of experts E={e}")
     if parallel is not None and e % parallel.expert_size:

@@ -67,8 +67,9 @@ def route(
     normalised and scaled as ``config`` says. Ties go to the lower expert index
     (``lax.top_k``). Differentiable in ``logits`` through the weights. Feed the
     result to :func:`permute`. Raises TypeError for a ``config`` that is not a
-    :class:`RoutingConfig`, ValueError for logits that are not a float ``[T, E]``
-    array, ``config.top_k > E`` or a ``score_bias`` that is not ``[E]``.
+    :class:`RoutingConfig` or a ``score_bias`` that is not real (float or integer; a
+    complex bias would lose its imaginary part), ValueError for logits that are not a
+    float ``[T, E]`` array, ``config.top_k > E`` or a ``score_bias`` that is not ``[E]``.
     """
     _check_route_args(logits, config, score_bias)
     logits = logits.astype(jnp.float32)
@@ -97,8 +98,32 @@ def _check_route_args(logits, config, score_bias) -> None:
     e = logits.shape[1]
     if config.top_k > e:
         raise ValueError(f"config.top_k={config.top_k} is larger than the number of experts E={e} (logits' last axis)")
-    if score_bias is not None and getattr(score_bias, "shape", None) != (e,):
-        raise ValueError(f"score_bias must be [E]=({e},), got score_bias.shape={getattr(score_bias, 'shape', None)}")
+    check_score_bias(score_bias, e)
+
+
+def check_score_bias(score_bias, num_experts: int) -> None:
+    """``score_bias`` is None or a real ``[E]`` array, float or integer (a complex one would
+    lose its imaginary part, a bool one is no bias): :func:`route`'s and ``moe_block``'s rule."""
+    if score_bias is None:
+        return
+    if getattr(score_bias, "shape", None) != (num_experts,):
+        raise ValueError(
+            f"score_bias must be [E]=({num_experts},), got score_bias.shape={getattr(score_bias, 'shape', None)}"
+        )
+    if not any(jnp.issubdtype(score_bias.dtype, t) for t in (jnp.floating, jnp.integer)):
+        raise TypeError(f"score_bias must be a real (float) array, got score_bias.dtype={score_bias.dtype}")
+
+
+def _check_weights(name: str, weights, shape: tuple[int, ...], expected: str) -> None:
+    """``weights`` is None or a float array of ``shape`` (``expected`` describes it)."""
+    if weights is None:
+        return
+    if not hasattr(weights, "shape") or not hasattr(weights, "dtype"):
+        raise TypeError(f"{name} must be an array or None, got {name}={type(weights).__name__}")
+    if weights.shape != shape:
+        raise ValueError(f"{name} must be {expected}, got {name}.shape={weights.shape}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a float array, got {name}.dtype={weights.dtype}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +170,7 @@ def permute(
       expert_ids: ``[T, k]`` integer expert of each pair (:func:`route`'s first
         output). Ids outside ``[0, num_experts)`` mark pairs to skip: they sort last,
         count in no group, and :func:`combine` gives them zero.
-      weights: ``[T, k]`` routing weights (:func:`route`'s second output), or None.
+      weights: ``[T, k]`` float routing weights (:func:`route`'s second output), or None.
       num_experts: ``E``, a static int.
 
     Returns:
@@ -154,6 +179,10 @@ def permute(
       expert ``e`` owns the ``group_sizes[e]`` rows after those of experts ``0..e-1``,
       in token order (stable sort), and the skipped pairs come last. Everything stays
       on the device with static shapes.
+
+    Raises:
+      TypeError, ValueError: naming the argument, for non-array or non-float
+        ``weights``, bad shapes, non-integer ``expert_ids`` or ``num_experts < 1``.
     """
     num_experts = checks.positive_int("num_experts", num_experts)
     if getattr(expert_ids, "ndim", None) != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
@@ -164,8 +193,7 @@ def permute(
     t, k = expert_ids.shape
     if getattr(x, "ndim", None) != 2 or x.shape[0] != t:
         raise ValueError(f"x must be [T, H] with T={t} (expert_ids' rows), got x.shape={getattr(x, 'shape', None)}")
-    if weights is not None and getattr(weights, "shape", None) != (t, k):
-        raise ValueError(f"weights must be [T, k]={(t, k)} like expert_ids, got weights.shape={weights.shape}")
+    _check_weights("weights", weights, (t, k), f"[T, k]={(t, k)} like expert_ids")
     ids = expert_ids.astype(jnp.int32)
     valid = (ids >= 0) & (ids < num_experts)
     if jnp.iinfo(expert_ids.dtype).bits > 32:  # a 64-bit id the cast wraps into [0, E) is skipped too
@@ -188,7 +216,8 @@ def combine(
     already multiplied its rows by the weights (``grouped_mlp``'s ``probs`` does),
     the weights when it has not. Rows at or past ``sum(group_sizes)`` (the skipped
     pairs) contribute zero whatever they hold. Differentiable in ``y_sorted`` and
-    ``weights_sorted``.
+    ``weights_sorted``. Raises ValueError for bad shapes, TypeError for
+    ``weights_sorted`` that is not a float array.
     """
     n = permutation.order.shape[0]
     if getattr(y_sorted, "ndim", None) != 2 or y_sorted.shape[0] != n:
@@ -196,8 +225,7 @@ def combine(
             f"y_sorted must be [T*k, H] with T*k={n} (the permutation's pairs), "
             f"got y_sorted.shape={getattr(y_sorted, 'shape', None)}"
         )
-    if weights_sorted is not None and weights_sorted.shape != (n,):
-        raise ValueError(f"weights_sorted must be [T*k]=({n},), got weights_sorted.shape={weights_sorted.shape}")
+    _check_weights("weights_sorted", weights_sorted, (n,), f"[T*k]=({n},)")
     y = combine_f32(y_sorted, permutation, weights_sorted)
     return y.astype(y_sorted.dtype if dtype is None else dtype)
 
