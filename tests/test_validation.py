@@ -192,3 +192,26 @@ def test_dequantize_dtype_and_quantize_axis():
         with pytest.raises(TypeError, match="axis must be an int"):
             jgm.quantize_mxfp8(x, axis=bad)
     assert jgm.quantize_mxfp8(x, axis=np.int64(0)).axis == 0
+
+
+@pytest.mark.parametrize(
+    "group_sizes",
+    [
+        [True, 3, 0, 4],  # True was a size of 1
+        (1, 2, np.True_, 4),
+        [np.int32(1), False, 3, 4],
+        np.array([True, True, False, True]),
+        jnp.array([True, True, False, True]),
+    ],
+    ids=["list", "tuple_np_bool", "list_false", "numpy_bool", "jax_bool"],
+)
+def test_bool_group_sizes_rejected(group_sizes):
+    with pytest.raises(TypeError, match="group_sizes"):
+        jax.eval_shape(lambda x, w1, w2: jgm.grouped_mlp(x, w1, w2, group_sizes), X, W1, W2)
+    with pytest.raises(TypeError, match="group_sizes"):  # the group-aware quantizer's check
+        jax.eval_shape(lambda x: jgm.quantize_mxfp8_grouped(x, group_sizes), sds((M, 64)))
+    from jax_grouped_mlp._src import groups
+
+    if not isinstance(group_sizes, jax.Array):  # host_clip leaves device arrays to their callers
+        with pytest.raises(TypeError, match="group_sizes must be integer sizes, not bools"):
+            groups.host_clip(group_sizes)

@@ -38,11 +38,16 @@ def host_clip(group_sizes):
     range (``2**40`` becomes 0), and of a Python int past it raises: clipping first
     keeps them "huge", so they are cut at ``M`` like any other. Anything else (device
     arrays, tracers, non-integer input, which the caller rejects) is returned unchanged.
+
+    Raises:
+      TypeError: naming ``group_sizes``, for bools (a NumPy bool array, or a bool among
+        a list's elements, which NumPy would otherwise count as a size of 0 or 1).
     """
     if isinstance(group_sizes, jax.Array) or not isinstance(
         group_sizes, (np.ndarray, np.generic, list, tuple)
     ):
         return group_sizes
+    _refuse_bools(group_sizes)
     try:
         arr = np.asarray(group_sizes)
     except (TypeError, ValueError):
@@ -55,6 +60,23 @@ def host_clip(group_sizes):
     if arr.dtype.kind not in "iu":
         return group_sizes
     return np.clip(arr, 0, min(_INT32_MAX, np.iinfo(arr.dtype).max)).astype(np.int32)
+
+
+def _refuse_bools(group_sizes) -> None:
+    """A TypeError for host sizes that are bools (``np.asarray([True, 3])`` is int64)."""
+    expected = "group_sizes must be integer sizes, not bools (True would count as 1)"
+    if not isinstance(group_sizes, (list, tuple)):
+        dtype = np.asarray(group_sizes).dtype
+        if dtype == np.bool_:
+            raise TypeError(f"{expected}, got group_sizes.dtype={dtype}")
+        return
+    try:
+        flat = np.asarray(group_sizes, dtype=object).reshape(-1)
+    except (TypeError, ValueError):  # ragged: the caller's conversion refuses it
+        return
+    for i, v in enumerate(flat):
+        if isinstance(v, (bool, np.bool_)) or getattr(v, "dtype", None) == np.bool_:
+            raise TypeError(f"{expected}, got {v!r} at (flat) index {i} of group_sizes")
 
 
 def _clip_sizes(group_sizes: jax.Array, m) -> jax.Array:
