@@ -244,3 +244,35 @@ def test_fp8_block_hessian_in_probs(rng):
     x, w1, w2, gs, p = _inputs(rng)
     h = _reference_path(lambda: jax.jit(jax.hessian(lambda p: _loss("fp8_block")(x, w1, w2, p, gs)))(p))
     assert np.isfinite(np.asarray(h)).all()
+
+
+@pytest.mark.parametrize("w_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "fp8_block"])
+def test_prepared_weights_same_second_order(rng, recipe, w_dtype):
+    """grad of grad (every cross term of x, w1, w2, probs) and the first-order gradients
+    are bitwise those without ``prepared`` when ``prepare_weights`` runs inside the
+    differentiated function (as documented): the prepared copies carried no derivative
+    (stop_gradient), so every second-order term through the weights was 0."""
+    x, w1, w2, gs, p = _inputs(rng)
+    w1, w2 = w1.astype(w_dtype), w2.astype(w_dtype)
+    cs = [jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (x, w1, w2, p)]
+
+    def make(use_prepared):
+        def loss(x, w1, w2, p):
+            pw = jgm.prepare_weights(w1, w2, recipe=recipe) if use_prepared else None
+            y = jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe, prepared=pw)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        def inner(*args):
+            grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+            return sum(jnp.vdot(c, g.astype(jnp.float32)) for c, g in zip(cs, grads))
+
+        first = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        return first(x, w1, w2, p), jax.jit(jax.grad(inner, argnums=(0, 1, 2, 3)))(x, w1, w2, p)
+
+    (g1, g2), (want1, want2) = make(True), make(False)
+    for got, want in zip(jax.tree.leaves((g1, g2)), jax.tree.leaves((want1, want2))):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # The weight terms of the second order are there (they were all 0 with prepared).
+    assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in g2[1:3])

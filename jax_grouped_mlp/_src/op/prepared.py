@@ -6,9 +6,12 @@ forward GEMM, along N for the data gradient), for ``fp8_block`` quantized into 1
 tiles. With gradient accumulation the weights do not change between micro-batches, so
 that work (at the Nemotron-3-Nano shape, reading 2.5 GB of weights per step) can be done
 once per optimizer step: :func:`prepare_weights` returns the prepared copies, and
-``grouped_mlp(..., prepared=...)`` reads them instead of preparing its own. The copies
-carry no gradient (they are ``stop_gradient``-ed); the weight gradients still flow to
-``w1`` and ``w2`` themselves, in their dtypes, so pass the same weights to both.
+``grouped_mlp(..., prepared=...)`` reads them instead of preparing its own. The op
+sends no first-order gradient into the copies: the weight gradients flow to ``w1`` and
+``w2`` themselves, in their dtypes, so pass the same weights to both. The copies still
+depend on the weights as the op's own copies do (straight-through quantization), so
+higher-order derivatives through the weights (grad of grad, Hessian-vector products) are
+those without ``prepared``.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ class PreparedWeights:
 
     Attributes:
       w1_fprop, w1_dgrad: ``w1 [G, H, F]`` for FC1 (blocked along H) and for the FC1
-        data gradient (blocked along F). The same object when the recipe blocks both
-        uses alike (``bf16``).
+        data gradient (blocked along F). Equal copies when the recipe blocks both uses
+        alike (``bf16``; the same array for bf16 weights).
       w2_fprop, w2_dgrad: the same for ``w2 [G, F, H]``.
       recipe: the recipe they were prepared for (static).
       fprop_k_major: the forward copies are stored transposed, ``w1_fprop [G, F, H]``
@@ -47,7 +50,8 @@ class PreparedWeights:
     weights (``moe_block`` under expert parallelism passes each device its experts').
 
     Memory: ``mxfp8`` keeps four bf16 copies (twice the bf16 weights), ``bf16`` one bf16
-    copy of each weight (none extra for bf16 weights), ``fp8_block`` two FP8 copies of
+    copy of each float32 weight under jit (XLA computes the equal casts once; two outside
+    jit) and none extra for bf16 weights, ``fp8_block`` two FP8 copies of
     each (as stored and transposed) plus their tile scales (the bf16 bytes).
     """
 
@@ -80,7 +84,10 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     prepared=p)`` with the same ``w1`` and ``w2``: the op then neither casts nor quantizes
     the weights, and its results are bitwise those without ``prepared``. Call it inside
     the differentiated function but outside the loop over micro-batches (see
-    docs/design.md, "Weights prepared once per step"); the copies carry no gradient.
+    docs/design.md, "Weights prepared once per step"). The op sends the first-order
+    weight gradients to ``w1`` and ``w2``, none into the copies; the copies depend on the
+    weights as the op's own do, so second-order derivatives through the weights (grad of
+    grad, ``jax.hessian``) are bitwise those without ``prepared`` too.
 
     Raises:
       TypeError, ValueError: naming the argument, for a bad recipe, rank, shape or dtype.
@@ -96,19 +103,30 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     g, h, f = w1.shape
     if w2.shape != (g, f, h):
         raise ValueError(f"w2 must be [G, F, H]={(g, f, h)} to match w1.shape={w1.shape}, got w2.shape={w2.shape}")
-    # No gradient through the copies: the op sends the weight gradients to w1 and w2.
-    # (jnp.asarray: a NumPy array would stay one through stop_gradient and astype.)
-    b1 = jax.lax.stop_gradient(jnp.asarray(w1)).astype(jnp.bfloat16)
-    b2 = jax.lax.stop_gradient(jnp.asarray(w2)).astype(jnp.bfloat16)
+    # The copies depend on w1 and w2 as the op's own copies do (the same casts and
+    # straight-through quantizers), so differentiating the op's backward pass (grad of
+    # grad, Hessian-vector products) sees the weights through them, as without
+    # ``prepared``. First-order gradients are unchanged: the op returns no cotangent for
+    # ``prepared`` and sends the weight gradients to w1 and w2 themselves.
+    def bf16(w):  # (jnp.asarray: a NumPy array would stay one through astype)
+        return jnp.asarray(w).astype(jnp.bfloat16)
+
+    # One cast per use, not one shared bf16 array: a second-order cotangent then comes
+    # back to a float32 weight through each use's own cast and is summed in float32, as
+    # in the op (a shared bf16 copy summed the uses' cotangents in bf16: 0.35 % off).
+    # Under jit XLA computes the equal casts once; for bf16 weights they are no-ops.
     if recipe_ is Recipe.MXFP8:
-        ops = (recipe_.weight(b1, 1), recipe_.weight(b1, 2), recipe_.weight(b2, 1), recipe_.weight(b2, 2))
+        ops = (recipe_.weight(bf16(w1), 1), recipe_.weight(bf16(w1), 2), recipe_.weight(bf16(w2), 1),
+               recipe_.weight(bf16(w2), 2))
     elif recipe_ is Recipe.FP8_BLOCK:  # the same tiles; the forward GEMM reads them K-major
+        # (One shared cast: it gives the op's second-order bits here, test_higher_order.py.)
+        b1, b2 = bf16(w1), bf16(w2)
         ops = (recipe_.fprop_weight_k_major(b1), recipe_.weight(b1, 2), recipe_.fprop_weight_k_major(b2),
                recipe_.weight(b2, 2))
         return PreparedWeights(*ops, recipe=recipe_.value, fprop_k_major=True)
-    else:  # one copy serves both uses
-        q1, q2 = recipe_.weight(b1, 1), recipe_.weight(b2, 1)
-        ops = (q1, q1, q2, q2)
+    else:  # bf16: equal copies for both uses (the same array for bf16 weights)
+        ops = (recipe_.weight(bf16(w1), 1), recipe_.weight(bf16(w1), 2), recipe_.weight(bf16(w2), 1),
+               recipe_.weight(bf16(w2), 2))
     return PreparedWeights(*ops, recipe=recipe_.value)
 
 
