@@ -189,3 +189,51 @@ def test_grouped_with_no_groups_and_no_rows(rng):
     assert np.all(_u8(q0.scale) == 0), "unused scale rows must be byte 0 (not E8M0 NaN)"
 
 
+
+
+_QUANTIZERS = {
+    "quantize_mxfp8": (lambda x: jgm.quantize_mxfp8(x, axis=1), jgm.dequantize),
+    "quantize_mxfp8_grouped": (lambda x: jgm.quantize_mxfp8_grouped(x, jnp.array([40, 0, 24], jnp.int32)),
+                               jgm.dequantize),
+    "quantize_fp8_block": (lambda x: jgm.quantize_fp8_block(x, 1), jgm.dequantize_fp8_block),
+    "quantize_fp8_block_grouped": (lambda x: jgm.quantize_fp8_block(x, 0, group_sizes=jnp.array([40, 0, 24])),
+                                   jgm.dequantize_fp8_block),
+}
+
+
+@pytest.mark.parametrize("name", list(_QUANTIZERS))
+def test_quantizers_refuse_derivatives(rng, name):
+    """Differentiating through a public quantizer is a TypeError naming it (JAX's own
+    derivative rounded the gradient to E4M3 on the block scales: 0 for small cotangents,
+    NaN for large ones); a stop_gradient-ed input quantizes as before."""
+    quantize, deq = _QUANTIZERS[name]
+    x = jnp.asarray(rng.standard_normal((64, 160)), jnp.float32)
+    fq = lambda x: deq(quantize(x), jnp.float32)
+    fn = name.removesuffix("_grouped") if name.startswith("quantize_fp8") else name
+    with pytest.raises(TypeError, match=f"{fn} is not differentiable.*stop_gradient"):
+        jax.grad(lambda x: jnp.sum(fq(x) * 1e-3))(x)
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.jvp(fq, (x,), (x,))
+    g = jax.jit(jax.grad(lambda x: jnp.sum(fq(jax.lax.stop_gradient(x)) * x)))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(fq(x)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", list(_QUANTIZERS))
+def test_documented_straight_through_fake_quantization(rng, name, dtype):
+    """The docstrings' straight-through fake quantization, ``x + (fq(xs) - xs)`` in float32
+    with ``xs = stop_gradient(x)``: bitwise the quantized values (Sterbenz: fq(x) is within
+    a factor 2 of x, or 0), gradient exactly the cotangent."""
+    quantize, deq = _QUANTIZERS[name]
+    x = rng.standard_normal((64, 160)) * np.exp2(rng.integers(-30, 30, size=(64, 1)))
+    x[3, 5], x[7, :] = 0.0, 1e-3 * x[7, :] ** 3  # zeros and a wide range within a block
+    x = jnp.asarray(x, dtype)
+
+    def st(x):
+        xs = jax.lax.stop_gradient(x)
+        return (x.astype(jnp.float32) + (deq(quantize(xs), jnp.float32) - xs.astype(jnp.float32))).astype(dtype)
+
+    np.testing.assert_array_equal(np.asarray(st(x), np.float32), np.asarray(deq(quantize(x), dtype), np.float32))
+    c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32) * 1e-3
+    g = jax.grad(lambda x: jnp.sum(st(x).astype(jnp.float32) * c))(x)
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(c.astype(dtype), np.float32))

@@ -36,6 +36,7 @@ import numpy as np
 
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
+from jax_grouped_mlp._src.formats.derivatives import refuse_derivative
 
 BLOCK = 128
 
@@ -166,6 +167,14 @@ def quantize_fp8_block(
       MXFP8's (RCEIL); zeros, NaN and Inf behave as documented for
       :func:`quantize_mxfp8`, per 128-block (a NaN or Inf makes its whole block NaN).
 
+    Not differentiable: differentiating through it is a TypeError at trace time (JAX's
+    derivative would round the gradient to E4M3 on the block scales). Quantize
+    ``jax.lax.stop_gradient(x)``; for straight-through fake quantization, with ``xs =
+    stop_gradient(x)``, use ``(x.astype(f32) + (dequantize_fp8_block(quantize_fp8_block(xs,
+    ...), f32) - xs.astype(f32))).astype(x.dtype)`` (bitwise the quantized values,
+    gradient 1).
+    ``dequantize_fp8_block`` is linear in ``t.data`` and differentiable.
+
     Raises:
       TypeError, ValueError: at trace time, naming the argument: ``x`` not
         bfloat16/float32 or a scalar, ``axis`` not an int or a pair of distinct axes
@@ -179,12 +188,12 @@ def quantize_fp8_block(
         raise ValueError("x must have rank >= 1 to be quantized, got a scalar")
     axes = _normalize_axes(axis, x.ndim)
     if group_sizes is None:
-        return _quantize_plain(x, axes)
+        return _quantize_plain(refuse_derivative("quantize_fp8_block", x), axes)
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K] for group-aware quantization, got x.shape={x.shape}")
     if axes != (0,):
         raise ValueError(f"group-aware blocks run along the token axis: axis must be 0, got axis={axis!r}")
-    return _quantize_grouped(x, group_sizes)
+    return _quantize_grouped(refuse_derivative("quantize_fp8_block", x), group_sizes)
 
 
 def _scale_shape(t: FP8BlockTensor) -> tuple[int, ...]:

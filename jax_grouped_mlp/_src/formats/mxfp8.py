@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src.formats.derivatives import refuse_derivative
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -157,12 +158,22 @@ def quantize_mxfp8(x: jax.Array, axis: int = -1) -> MXFP8Tensor:
     Returns:
       An :class:`MXFP8Tensor` whose ``data`` has ``x``'s shape. See the module
       docstring for the rule and for zeros, subnormals, NaN and Inf.
+
+    Not differentiable: differentiating through it (``jax.grad``, ``jax.jvp``) is a
+    TypeError at trace time, since JAX's derivative would round the gradient to E4M3 on
+    the block scales. Quantize ``jax.lax.stop_gradient(x)``; for straight-through fake
+    quantization, with ``xs = stop_gradient(x)``, use ``(x.astype(f32) +
+    (dequantize(quantize_mxfp8(xs), f32) - xs.astype(f32))).astype(x.dtype)`` (bitwise
+    the quantized values, gradient 1); ``grouped_mlp``'s recipes are straight-through
+    inside. (``dequantize`` is linear in
+    ``t.data`` and differentiable.)
     """
     x = jnp.asarray(x)
     _check_input(x)
     if x.ndim == 0:
         raise ValueError("x must have rank >= 1 to be quantized, got a scalar")
     axis = _normalize_axis(axis, x.ndim)
+    x = refuse_derivative("quantize_mxfp8", x)
     n = x.shape[axis]
     nb = groups.cdiv(n, BLOCK)
     xm = jnp.moveaxis(x, axis, -1)
@@ -194,6 +205,8 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
     Group sizes are read on the device; nothing is synchronised with the host. The
     tensor keeps them clamped (``groups.clamp_group_sizes``: int32, summing to at most
     ``M``), which describes the same blocks.
+
+    Not differentiable (a TypeError at trace time), like :func:`quantize_mxfp8`.
     """
     x = jnp.asarray(x)
     _check_input(x)
@@ -201,6 +214,7 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
         raise ValueError(f"x must be [M, K] for group-aware quantization, got {x.shape=}")
     m, k = x.shape
     group_sizes = groups.checked_group_sizes(group_sizes, m)
+    x = refuse_derivative("quantize_mxfp8_grouped", x)
     nblocks = grouped_scale_rows(m, group_sizes.shape[0])
     if m == 0:
         return MXFP8Tensor(
@@ -264,6 +278,9 @@ def _check_tensor(t: MXFP8Tensor) -> None:
 def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     """Back to ``dtype``, a float dtype (exact for bfloat16 and float32 except below float32's
     normal range).
+
+    Differentiable: linear in ``t.data`` (whose tangent is FP8 like the data). The
+    quantizers themselves are not (:func:`quantize_mxfp8`).
 
     Raises:
       TypeError, ValueError: for a ``dtype`` that is not a float, or a (hand-built)
