@@ -215,3 +215,63 @@ def test_bool_group_sizes_rejected(group_sizes):
     if not isinstance(group_sizes, jax.Array):  # host_clip leaves device arrays to their callers
         with pytest.raises(TypeError, match="group_sizes must be integer sizes, not bools"):
             groups.host_clip(group_sizes)
+
+
+def _prepared_fp8_cast_to_bf16():
+    w = jnp.ones((1, 32, 32))
+    pw = jax.tree.map(lambda a: a.astype(jnp.bfloat16), jgm.prepare_weights(w, w, recipe="fp8_block"))
+    jgm.grouped_mlp(jnp.ones((8, 32), jnp.bfloat16), w, w, jnp.array([8]), recipe="fp8_block", prepared=pw)
+
+
+_SDS_W = jax.ShapeDtypeStruct((1, 32, 32), jnp.float32)
+UNCLEAR_ERRORS = {
+    "quantize_mxfp8_sds": (lambda: jgm.quantize_mxfp8(sds((4, 64))), TypeError, r"x must be an array, got a jax.ShapeDtypeStruct"),
+    "quantize_fp8_block_sds": (lambda: jgm.quantize_fp8_block(sds((4, 64))), TypeError, r"x must be an array, got a jax.ShapeDtypeStruct"),
+    "quantize_mxfp8_grouped_sds": (lambda: jgm.quantize_mxfp8_grouped(sds((4, 64)), jnp.array([4])), TypeError, r"x must be an array"),
+    "quantize_mxfp8_grouped_none": (lambda: jgm.quantize_mxfp8_grouped(jnp.ones((4, 8)), None), TypeError, r"group_sizes must be .*got None"),
+    "quantize_fp8_block_group_sizes_sds": (lambda: jgm.quantize_fp8_block(jnp.ones((4, 8)), 0, group_sizes=sds((2,), jnp.int32)),
+                                           TypeError, r"group_sizes must be an array, got a jax.ShapeDtypeStruct"),
+    "prepare_weights_sds": (lambda: jgm.prepare_weights(_SDS_W, _SDS_W), TypeError, r"w1 must be an array, got a jax.ShapeDtypeStruct"),
+    "roofline_tuple": (lambda: jgm.LayerTime.roofline((8192, 1024, 512, 8)), TypeError, r"shape must be a LayerShape"),
+    "from_total_none": (lambda: jgm.LayerTime.from_total(1e-3, None), TypeError, r"shape must be a LayerShape.*None"),
+    "host_bandwidth_device_str": (lambda: jgm.measure_host_bandwidth(1 << 16, repeats=1, device="cpu"), TypeError,
+                                  r"device must be a jax.Device.*'cpu'"),
+    "layer_time_seed_none": (lambda: jgm.measure_layer_time(tokens=64, hidden=32, ffn=32, num_experts=2, repeats=1, seed=None),
+                             TypeError, r"seed must be an int.*None"),
+    "layer_time_seed_float": (lambda: jgm.measure_layer_time(tokens=64, hidden=32, ffn=32, num_experts=2, repeats=1, seed=1.5),
+                              TypeError, r"seed must be an int.*1.5"),
+    "prepared_fp8_leaves_cast": (_prepared_fp8_cast_to_bf16, TypeError, r"prepared.w1_fprop must be an FP8BlockTensor .*float8_e4m3fn"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNCLEAR_ERRORS))
+def test_public_entry_points_name_the_bad_argument(case):
+    """Each error names the argument and what was expected (they came from deep inside
+    JAX or Python: 'expected number', 'None is not a valid value for jnp.array',
+    AttributeError 'tokens' / 'addressable_memories', 'rhs.data must be ...')."""
+    fn, exc, match = UNCLEAR_ERRORS[case]
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16", "fp8_block"])
+def test_prepare_weights_accepts_what_grouped_mlp_accepts(rng, recipe):
+    """NumPy float64 masters (float32 with x64 off) and nested lists, as grouped_mlp takes
+    them: the same y as without prepared (prepare_weights raised 'w1 must be bfloat16 or
+    float32, got float64' / 'must be an array')."""
+    w1 = rng.standard_normal((2, 32, 64)) * 0.1
+    w2 = rng.standard_normal((2, 64, 32)) * 0.1
+    x, gs = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16), jnp.array([8, 8])
+    want = jgm.grouped_mlp(x, w1, w2, gs, recipe=recipe)
+    for a, b in ((w1, w2), (w1.tolist(), w2.tolist())):
+        pw = jgm.prepare_weights(a, b, recipe=recipe)
+        got = jgm.grouped_mlp(x, a, b, gs, recipe=recipe, prepared=pw)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("shapes", [((0, 32, 48), (0, 48, 32)), ((2, 0, 48), (2, 48, 0)), ((2, 32, 0), (2, 0, 32))],
+                         ids=["g_zero", "h_zero", "f_zero"])
+def test_prepare_weights_refuses_what_grouped_mlp_refuses(shapes):
+    w1, w2 = jnp.ones(shapes[0]), jnp.ones(shapes[1])
+    with pytest.raises(ValueError, match=r"(at least one expert|H and the FFN size F must be positive).*w1.shape"):
+        jgm.prepare_weights(w1, w2, recipe="bf16")

@@ -125,7 +125,9 @@ def checked_group_sizes(group_sizes, m: int) -> jax.Array:
     """:func:`clamp_group_sizes` after checking that ``group_sizes`` is a 1-D integer
     array (a ``TypeError`` naming it otherwise): the argument check of the group-aware
     quantizers."""
-    group_sizes = jnp.asarray(host_clip(group_sizes))
+    from jax_grouped_mlp._src.op.validation import as_array  # (op imports this module)
+
+    group_sizes = as_array("group_sizes", host_clip(group_sizes))
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer) or group_sizes.dtype == jnp.bool_:
         raise TypeError(
             f"group_sizes must be a 1-D integer array, got group_sizes.shape={group_sizes.shape} "

@@ -37,6 +37,7 @@ import numpy as np
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.formats.derivatives import refuse_derivative
+from jax_grouped_mlp._src.op.validation import as_array
 
 BLOCK = 128
 
@@ -181,7 +182,7 @@ def quantize_fp8_block(
         in range, ``group_sizes`` not a 1-D integer array, or ``group_sizes`` with an
         ``x`` that is not ``[M, K]`` or an ``axis`` other than 0.
     """
-    x = jnp.asarray(x)
+    x = as_array("x", x)
     if jnp.dtype(x.dtype) not in mxfp8._SUPPORTED_INPUT_DTYPES:
         raise TypeError(f"x must be bfloat16 or float32 to quantize to FP8 blocks, got x.dtype={x.dtype}")
     if x.ndim == 0:

@@ -38,6 +38,7 @@ import numpy as np
 
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats.derivatives import refuse_derivative
+from jax_grouped_mlp._src.op.validation import as_array
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -168,7 +169,7 @@ def quantize_mxfp8(x: jax.Array, axis: int = -1) -> MXFP8Tensor:
     inside. (``dequantize`` is linear in
     ``t.data`` and differentiable.)
     """
-    x = jnp.asarray(x)
+    x = as_array("x", x)
     _check_input(x)
     if x.ndim == 0:
         raise ValueError("x must have rank >= 1 to be quantized, got a scalar")
@@ -208,7 +209,7 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
 
     Not differentiable (a TypeError at trace time), like :func:`quantize_mxfp8`.
     """
-    x = jnp.asarray(x)
+    x = as_array("x", x)
     _check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K] for group-aware quantization, got {x.shape=}")

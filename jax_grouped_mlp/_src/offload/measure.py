@@ -51,6 +51,9 @@ def measure_host_bandwidth(nbytes: int = 1 << 30, *, repeats: int = 5, device=No
     """
     _check_positive_int("nbytes", nbytes)
     _check_positive_int("repeats", repeats)
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(f"device must be a jax.Device (one of jax.devices()) or None, got device={device!r} "
+                        f"({type(device).__name__})")
     device = device or jax.devices()[0]
     kinds = {m.kind for m in device.addressable_memories()}
     if "pinned_host" not in kinds:
@@ -132,6 +135,8 @@ def measure_layer_time(
     """
     shape = LayerShape(tokens, hidden, ffn, num_experts)
     _check_positive_int("repeats", repeats)
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int (a jax.random.key seed), got seed={seed!r} ({type(seed).__name__})")
     layer = _Layer.make(shape, _check_recipe(recipe), seed)
     keep = {n: "device" for n in RESIDUAL_NAMES}
     fns = {"forward": layer.forward(), "all_device": layer.step(**keep)}

@@ -192,6 +192,13 @@ def _check_recipe(recipe) -> str:
     return value
 
 
+def _check_layer_shape(shape) -> None:
+    # (Defined before LayerShape; looked up when called.)
+    if not isinstance(shape, LayerShape):
+        raise TypeError(f"shape must be a LayerShape(tokens, hidden, ffn, num_experts), "
+                        f"got shape={shape!r} ({type(shape).__name__})")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
     """One grouped-MLP layer: ``tokens`` rows of x (M), ``hidden`` (H), ``ffn`` (F), experts (G)."""
@@ -282,6 +289,7 @@ class LayerTime:
         columnwise (forward), dy rowwise and columnwise and dh (backward). Defaults
         are the H200 ballpark.
         """
+        _check_layer_shape(shape)
         recipe = _check_recipe(recipe)
         flops = H200_GEMM_FLOPS[recipe] if gemm_flops is None else gemm_flops
         flops = _check_positive_float("gemm_flops", flops)
@@ -303,6 +311,7 @@ class LayerTime:
     def from_total(cls, seconds: float, shape: LayerShape, recipe: str = "mxfp8") -> "LayerTime":
         """One measured forward+backward time, split in the proportions of :meth:`roofline`."""
         seconds = _check_positive_float("layer_time", seconds)
+        _check_layer_shape(shape)
         est = cls.roofline(shape, recipe)
         return est.scaled(seconds / est.total)
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
 from jax_grouped_mlp._src.op.primitives import QUANTIZED, Operand
 from jax_grouped_mlp._src.op.recipes import Recipe
+from jax_grouped_mlp._src.op.validation import as_array
 
 
 @jax.tree_util.register_dataclass
@@ -89,13 +90,18 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     weights as the op's own do, so second-order derivatives through the weights (grad of
     grad, ``jax.hessian``) are bitwise those without ``prepared`` too.
 
+    ``w1`` and ``w2`` are converted as ``grouped_mlp`` converts them (NumPy float64 or
+    lists become float32 with x64 off).
+
     Raises:
-      TypeError, ValueError: naming the argument, for a bad recipe, rank, shape or dtype.
+      TypeError, ValueError: naming the argument, for a bad recipe, rank, shape or dtype,
+        and for weights ``grouped_mlp`` refuses (``G = 0``, ``H = 0`` or ``F = 0``).
     """
     recipe_ = Recipe.parse(recipe)
+    # Converted as grouped_mlp converts them (NumPy float64 masters become float32 with
+    # x64 off), so the same w1 and w2 are accepted by both.
+    w1, w2 = as_array("w1", w1), as_array("w2", w2)
     for name, w in (("w1", w1), ("w2", w2)):
-        if not hasattr(w, "shape") or not hasattr(w, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(w).__name__}")
         if w.ndim != 3:
             raise ValueError(f"{name} must be rank 3 ([G, H, F] / [G, F, H]), got {name}.shape={w.shape}")
         if w.dtype not in (jnp.bfloat16, jnp.float32):
@@ -103,13 +109,19 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     g, h, f = w1.shape
     if w2.shape != (g, f, h):
         raise ValueError(f"w2 must be [G, F, H]={(g, f, h)} to match w1.shape={w1.shape}, got w2.shape={w2.shape}")
+    # What grouped_mlp refuses (check_mlp_args), refused one call earlier.
+    if g == 0:
+        raise ValueError(f"w1 must hold at least one expert (G > 0), got w1.shape={w1.shape}")
+    if h == 0 or f == 0:
+        raise ValueError(f"the hidden size H and the FFN size F must be positive, got w1.shape={w1.shape} "
+                         f"([G, H, F])")
     # The copies depend on w1 and w2 as the op's own copies do (the same casts and
     # straight-through quantizers), so differentiating the op's backward pass (grad of
     # grad, Hessian-vector products) sees the weights through them, as without
     # ``prepared``. First-order gradients are unchanged: the op returns no cotangent for
     # ``prepared`` and sends the weight gradients to w1 and w2 themselves.
-    def bf16(w):  # (jnp.asarray: a NumPy array would stay one through astype)
-        return jnp.asarray(w).astype(jnp.bfloat16)
+    def bf16(w):
+        return w.astype(jnp.bfloat16)
 
     # One cast per use, not one shared bf16 array: a second-order cotangent then comes
     # back to a float32 weight through each use's own cast and is summed in float32, as
@@ -147,14 +159,18 @@ def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Arra
         g, a, b = w.shape
         want = (g, b, a) if prepared.fprop_k_major and field.endswith("fprop") else (g, a, b)
         if recipe is Recipe.FP8_BLOCK:
-            ok = isinstance(op, FP8BlockTensor) and tuple(op.axes) == (1, 2) and not op.is_grouped
-            kind = "an FP8BlockTensor in 128 x 128 tiles over axes (1, 2)"
+            ok = (isinstance(op, FP8BlockTensor) and tuple(op.axes) == (1, 2) and not op.is_grouped
+                  and op.data.dtype == jnp.float8_e4m3fn and op.scale.dtype in (jnp.float8_e8m0fnu, jnp.uint8))
+            kind = ("an FP8BlockTensor (float8_e4m3fn data, float8_e8m0fnu or uint8 scales) in 128 x 128 tiles "
+                    "over axes (1, 2)")
         else:
             ok = isinstance(op, jax.Array) and op.dtype == jnp.bfloat16  # (tracers are jax.Arrays)
             kind = "a bfloat16 array"
         if not ok:
+            got = (f"data {op.data.dtype}, scale {op.scale.dtype}" if isinstance(op, QUANTIZED)
+                   else getattr(op, "dtype", None))
             raise TypeError(f"prepared.{field} must be {kind} for recipe={recipe.value!r}, got {type(op).__name__}"
-                            f"{'' if not hasattr(op, 'dtype') else ' of ' + str(op.dtype)}: build it with prepare_weights")
+                            f"{'' if got is None else ' of ' + str(got)}: build it with prepare_weights")
         if _shape(op) != want:
             raise ValueError(f"prepared.{field} has shape {_shape(op)}, but the op's weight is {tuple(w.shape)} "
                              f"(so {field} must be {want}): prepare_weights of these w1 ({tuple(w1.shape)}) "

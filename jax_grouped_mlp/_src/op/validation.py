@@ -63,6 +63,10 @@ def as_array(name: str, value) -> jax.Array:
     """``jnp.asarray`` that turns conversion failures into an error naming the argument."""
     if value is None:
         raise TypeError(f"{name} must be an array, got None")
+    if isinstance(value, jax.ShapeDtypeStruct):
+        raise TypeError(f"{name} must be an array, got a jax.ShapeDtypeStruct ({name}.shape={value.shape}, "
+                        f"{name}.dtype={value.dtype}): a shape and dtype, not values (trace with jax.eval_shape "
+                        f"or jax.jit(...).lower to use it)")
     try:
         return jnp.asarray(value)
     except TypeError as err:
