@@ -132,12 +132,23 @@ def test_prepared_weights_are_a_pytree_differentiated_straight_through(rng):
                                   np.asarray(jnp.swapaxes(pw.w1_dgrad.data, 1, 2).astype(jnp.float32)))
     np.testing.assert_array_equal(np.asarray(pw.w2_fprop.scale.astype(jnp.float32)),
                                   np.asarray(jnp.swapaxes(pw.w2_dgrad.scale, 1, 2).astype(jnp.float32)))
-    g = jax.grad(lambda w: jnp.sum(jgm.dequantize_fp8_block(jgm.prepare_weights(w, w2, recipe="fp8_block").w1_fprop,
-                                                            jnp.float32)))(w1)
     # The copies depend on w as the op's own copies do (straight-through quantization),
     # so higher-order derivatives through them see the weights (test_higher_order.py);
-    # the op itself sends no cotangent into them, only into its w1 and w2.
+    # the op itself sends no cotangent into them, only into its w1 and w2. The
+    # straight-through cotangent travels as E4M3 on the tiles' scales (FP8 data has FP8
+    # tangents): exactly 1 where a tile's scale is an E4M3 normal (amax > 448 * 2**-7,
+    # here every tile: w1 * 16 has amax ~ 8), 0 where it underflows (amax <= 448 * 2**-10,
+    # the documented limitation; w1 itself has tiles with amax ~ 0.44, so which experts
+    # get 0 would depend on the seed).
+    big = w1 * 16
+    assert float(jnp.min(jnp.max(jnp.abs(big), axis=(1, 2)))) > 448 * 2.0**-7
+    g = jax.grad(lambda w: jnp.sum(jgm.dequantize_fp8_block(jgm.prepare_weights(w, w2, recipe="fp8_block").w1_fprop,
+                                                            jnp.float32)))(big)
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.ones(w1.shape, np.float32))
+    tiny = w1 * (448 * 2.0**-11 / jnp.max(jnp.abs(w1), axis=(1, 2), keepdims=True))
+    g = jax.grad(lambda w: jnp.sum(jgm.dequantize_fp8_block(jgm.prepare_weights(w, w2, recipe="fp8_block").w1_fprop,
+                                                            jnp.float32)))(tiny)
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.zeros(w1.shape, np.float32))
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "fp8_block"])
