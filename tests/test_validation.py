@@ -234,6 +234,8 @@ UNCLEAR_ERRORS = {
     "prepare_weights_sds": (lambda: jgm.prepare_weights(_SDS_W, _SDS_W), TypeError, r"w1 must be an array, got a jax.ShapeDtypeStruct"),
     "roofline_tuple": (lambda: jgm.LayerTime.roofline((8192, 1024, 512, 8)), TypeError, r"shape must be a LayerShape"),
     "from_total_none": (lambda: jgm.LayerTime.from_total(1e-3, None), TypeError, r"shape must be a LayerShape.*None"),
+    "from_total_seconds": (lambda: jgm.LayerTime.from_total(-1.0, jgm.LayerShape(64, 64, 96, 4)), ValueError,
+                           r"seconds must be finite and > 0, got seconds=-1.0"),
     "host_bandwidth_device_str": (lambda: jgm.measure_host_bandwidth(1 << 16, repeats=1, device="cpu"), TypeError,
                                   r"device must be a jax.Device.*'cpu'"),
     "layer_time_seed_none": (lambda: jgm.measure_layer_time(tokens=64, hidden=32, ffn=32, num_experts=2, repeats=1, seed=None),

@@ -310,7 +310,7 @@ class LayerTime:
     @classmethod
     def from_total(cls, seconds: float, shape: LayerShape, recipe: str = "mxfp8") -> "LayerTime":
         """One measured forward+backward time, split in the proportions of :meth:`roofline`."""
-        seconds = _check_positive_float("layer_time", seconds)
+        seconds = _check_positive_float("seconds", seconds)
         _check_layer_shape(shape)
         est = cls.roofline(shape, recipe)
         return est.scaled(seconds / est.total)
@@ -624,7 +624,7 @@ def plan_offload(
     if isinstance(layer_time, LayerTime):
         lt = layer_time
     elif checks.is_real(layer_time):
-        lt = LayerTime.from_total(layer_time, shape, recipe)
+        lt = LayerTime.from_total(_check_positive_float("layer_time", layer_time), shape, recipe)
     else:
         raise ValueError(f"layer_time must be a LayerTime or seconds (float), got {layer_time=!r}")
 
