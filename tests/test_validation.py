@@ -138,6 +138,27 @@ def test_complex_score_bias_rejected():
             )
 
 
+def test_routing_helpers_name_non_array_arguments():
+    """Lists or scalars where route/permute/combine/moe_block take arrays: a TypeError
+    naming the argument (it was a ValueError reading ``shape=None``)."""
+    logits = jnp.ones((8, 4), jnp.float32)
+    ids, w = jgm.route(logits, jgm.RoutingConfig(2))
+    x = jnp.ones((8, H), jnp.bfloat16)
+    _, _, _, perm = jgm.permute(x, ids, w, 4)
+    cases = {
+        "score_bias": lambda: jgm.route(logits, jgm.RoutingConfig(2), score_bias=[0.0] * 4),
+        "x": lambda: jgm.permute(x.tolist(), ids, w, 4),
+        "expert_ids": lambda: jgm.permute(x, ids.tolist(), w, 4),
+        "y_sorted": lambda: jgm.combine(jnp.ones((16, H)).tolist(), perm),
+    }
+    for name, call in cases.items():
+        with pytest.raises(TypeError, match=f"{name} must be a.*got {name}=list"):
+            call()
+    with pytest.raises(TypeError, match="score_bias must be a real .E. array or None, got score_bias=list"):
+        jgm.moe_block(x, jnp.ones((H, 4), jnp.float32), jnp.ones((4, H, F), jnp.bfloat16),
+                      jnp.ones((4, F, H), jnp.bfloat16), routing=jgm.RoutingConfig(2), score_bias=[0.0] * 4)
+
+
 def test_module_constructors_check_dtypes_and_top_k():
     from flax import nnx
 

@@ -67,8 +67,8 @@ def route(
     normalised and scaled as ``config`` says. Ties go to the lower expert index
     (``lax.top_k``). Differentiable in ``logits`` through the weights. Feed the
     result to :func:`permute`. Raises TypeError for a ``config`` that is not a
-    :class:`RoutingConfig` or a ``score_bias`` that is not real (float or integer; a
-    complex bias would lose its imaginary part), ValueError for logits that are not a
+    :class:`RoutingConfig` or a ``score_bias`` that is not a real array (float or
+    integer; a complex bias would lose its imaginary part), ValueError for logits that are not a
     float ``[T, E]`` array, ``config.top_k > E`` or a ``score_bias`` that is not ``[E]``.
     """
     _check_route_args(logits, config, score_bias)
@@ -106,7 +106,8 @@ def check_score_bias(score_bias, num_experts: int) -> None:
     lose its imaginary part, a bool one is no bias): :func:`route`'s and ``moe_block``'s rule."""
     if score_bias is None:
         return
-    if getattr(score_bias, "shape", None) != (num_experts,):
+    _require_array("score_bias", score_bias, "a real [E] array or None")
+    if score_bias.shape != (num_experts,):
         raise ValueError(
             f"score_bias must be [E]=({num_experts},), got score_bias.shape={getattr(score_bias, 'shape', None)}"
         )
@@ -114,12 +115,18 @@ def check_score_bias(score_bias, num_experts: int) -> None:
         raise TypeError(f"score_bias must be a real (float) array, got score_bias.dtype={score_bias.dtype}")
 
 
+def _require_array(name: str, value, expected: str) -> None:
+    """A TypeError naming ``name`` unless ``value`` has a shape and a dtype (a list or a
+    scalar would otherwise fail later with a shape error that reads ``shape=None``)."""
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise TypeError(f"{name} must be {expected}, got {name}={type(value).__name__}")
+
+
 def _check_weights(name: str, weights, shape: tuple[int, ...], expected: str) -> None:
     """``weights`` is None or a float array of ``shape`` (``expected`` describes it)."""
     if weights is None:
         return
-    if not hasattr(weights, "shape") or not hasattr(weights, "dtype"):
-        raise TypeError(f"{name} must be an array or None, got {name}={type(weights).__name__}")
+    _require_array(name, weights, "an array or None")
     if weights.shape != shape:
         raise ValueError(f"{name} must be {expected}, got {name}.shape={weights.shape}")
     if not jnp.issubdtype(weights.dtype, jnp.floating):
@@ -181,10 +188,12 @@ def permute(
       on the device with static shapes.
 
     Raises:
-      TypeError, ValueError: naming the argument, for non-array or non-float
-        ``weights``, bad shapes, non-integer ``expert_ids`` or ``num_experts < 1``.
+      TypeError, ValueError: naming the argument, for non-array ``x`` or
+        ``expert_ids``, non-array or non-float ``weights``, bad shapes, non-integer ``expert_ids`` or ``num_experts < 1``.
     """
     num_experts = checks.positive_int("num_experts", num_experts)
+    _require_array("x", x, "a [T, H] array")
+    _require_array("expert_ids", expert_ids, "an integer [T, k] array")
     if getattr(expert_ids, "ndim", None) != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(
             f"expert_ids must be an integer [T, k] array, got expert_ids.shape="
@@ -216,10 +225,11 @@ def combine(
     already multiplied its rows by the weights (``grouped_mlp``'s ``probs`` does),
     the weights when it has not. Rows at or past ``sum(group_sizes)`` (the skipped
     pairs) contribute zero whatever they hold. Differentiable in ``y_sorted`` and
-    ``weights_sorted``. Raises ValueError for bad shapes, TypeError for
-    ``weights_sorted`` that is not a float array.
+    ``weights_sorted``. Raises ValueError for bad shapes, TypeError for a
+    ``y_sorted`` that is not an array or ``weights_sorted`` that is not a float array.
     """
     n = permutation.order.shape[0]
+    _require_array("y_sorted", y_sorted, "a [T*k, H] array")
     if getattr(y_sorted, "ndim", None) != 2 or y_sorted.shape[0] != n:
         raise ValueError(
             f"y_sorted must be [T*k, H] with T*k={n} (the permutation's pairs), "
