@@ -79,13 +79,35 @@ BF16_STEP = jax.jit(functools.partial(_step, recipe="bf16"))
 FORWARD = {r: jax.jit(functools.partial(jgm.grouped_mlp, recipe=r)) for r in ("bf16", "mxfp8")}
 
 
+def _dprobs_magnitudes(x, w1, w2, sizes, dy) -> np.ndarray:
+    """Per row, the float64 sum of |terms| of its dprobs (a dot product over F:
+    ``sum_f (dy w2_g^T)_f * relu(x w1_g)_f**2``), 0 on rows in no group."""
+    out = np.zeros(x.shape[0])
+    for g, (s, e) in enumerate(group_slices(sizes, x.shape[0])):
+        r = np.maximum(np.asarray(x[s:e], np.float64) @ np.asarray(w1[g], np.float64), 0.0)
+        da = np.asarray(dy[s:e], np.float64) @ np.asarray(w2[g], np.float64).T
+        out[s:e] = np.sum(np.abs(da * r * r), axis=1)
+    return out
+
+
 def check_step(got, x, w1, w2, sizes, probs, dy, band=BANDS["bf16"]):
     y, grads = got
     ry, rgrads = mlp_f64(x, w1, w2, sizes, probs, dy)
     for name, a, r in zip(("y", "dx", "dw1", "dw2", "dprobs"), (y, *grads), (ry, *rgrads)):
         a = np.asarray(a, np.float64)
         assert np.all(np.isfinite(a)), name
-        assert rel_err(a, r) < band, f"{name}: rel err {rel_err(a, r):.4f} for sizes {sizes}"
+        err = rel_err(a, r)
+        if name == "dprobs":
+            # Each row's dprobs is a sum of F terms that cancel (typically to ~0.45 of
+            # their magnitudes' sum, down to ~0.07): bf16 rounding of its operands errs
+            # in proportion to the magnitudes, not to the sum. Over many rows the norm
+            # averages that out; on a handful of rows (negative sizes) one cancelling
+            # row decides it (0.029 on 2 rows, about 1 seed in 150 failed). Measured
+            # against max(|dprobs|, half the magnitudes), in norm: <= 0.009 over 3500
+            # draws; a wrong row or factor still costs O(0.1-1).
+            scale = max(np.linalg.norm(r), 0.5 * np.linalg.norm(_dprobs_magnitudes(x, w1, w2, sizes, dy)))
+            err = float(np.linalg.norm(a - r) / max(scale, 1e-30))
+        assert err < band, f"{name}: rel err {err:.4f} for sizes {sizes}"
     total = sum(clamp_py(sizes, x.shape[0]))
     for name, a in (("y", y), ("dx", grads[0]), ("dprobs", grads[3])):
         assert np.all(np.asarray(a)[total:] == 0), f"{name}: rows past the total {total} not zero"
