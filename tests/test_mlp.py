@@ -18,9 +18,12 @@ from mlp_reference import mlp_f64, rel_err
 # and srelu squares h's error: measured ~6% for y and all gradients at these shapes.
 BANDS = {
     "bf16": {"y": 0.01, "dx": 0.01, "dw1": 0.01, "dw2": 0.01, "dprobs": 0.01},
-    "mxfp8": {"y": 0.08, "dx": 0.09, "dw1": 0.09, "dw2": 0.08, "dprobs": 0.09},
+    # dprobs is one dot product over F per row, so its error has a heavier tail than the
+    # others': over 600 seeds mean 0.060, max 0.085 (tests/ seed sweep, 2026-12-05), too
+    # close to 0.09 for a fresh seed every CI run.
+    "mxfp8": {"y": 0.08, "dx": 0.09, "dw1": 0.09, "dw2": 0.08, "dprobs": 0.11},
     # Measured the same as mxfp8 on these N(0, 1) inputs (tests/test_fp8_block.py says why).
-    "fp8_block": {"y": 0.08, "dx": 0.09, "dw1": 0.09, "dw2": 0.08, "dprobs": 0.09},
+    "fp8_block": {"y": 0.08, "dx": 0.09, "dw1": 0.09, "dw2": 0.08, "dprobs": 0.11},
 }
 
 SIZES = {
