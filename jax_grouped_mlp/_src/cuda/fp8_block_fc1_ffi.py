@@ -93,8 +93,8 @@ def fp8_block_fc1_cuda(lhs, rhs, group_sizes: jax.Array, probs: jax.Array):
     if not variants():
         raise Unsupported("grouped_gemm_fp8_block_fc1 is not compiled into the extension")
     ok = (isinstance(lhs, FP8BlockTensor) and isinstance(rhs, FP8BlockTensor) and not lhs.is_grouped
-          and not rhs.is_grouped and lhs.data.ndim == 2 and tuple(lhs.axes) == (1,) and rhs.data.ndim == 3
-          and tuple(rhs.axes) == (1, 2))
+          and not rhs.is_grouped and lhs.data.ndim == 2 and lhs.blocked_axes == (1,) and rhs.data.ndim == 3
+          and rhs.blocked_axes == (1, 2))
     if not ok:
         raise Unsupported("grouped_gemm_fp8_block_fc1 takes fp8_block lhs [M, K] (1 x 128) and rhs [G, N, K] (tiles)")
     if lhs.data.shape[1] % 16 or rhs.data.shape[1] % 8:

@@ -289,7 +289,7 @@ def _fp8_block_pair(lhs, rhs, transpose_rhs: bool):
     fp8 = fp8_block.FP8BlockTensor
     if not (isinstance(lhs, fp8) and isinstance(rhs, fp8) and grouped_gemm_fp8_block_variants()):
         return None
-    if lhs.is_grouped or tuple(lhs.axes) != (1,) or rhs.is_grouped or tuple(rhs.axes) != (1, 2):
+    if lhs.is_grouped or lhs.blocked_axes != (1,) or rhs.is_grouped or rhs.blocked_axes != (1, 2):
         return None
     rhs_nk = rhs if transpose_rhs else fp8_block.transpose_tiles(rhs)
     m, k = lhs.data.shape
@@ -601,10 +601,10 @@ def _checked_fp8_block_operand(name: str, t, rank: int, axes: tuple[int, ...], l
     ``axes`` with consistent fields, or a TypeError/ValueError naming ``name``."""
     if not isinstance(t, fp8_block.FP8BlockTensor):
         raise TypeError(f"{name} must be an FP8BlockTensor ({layout}), got {name}={type(t).__name__}")
-    if t.is_grouped or jnp.ndim(t.data) != rank or tuple(t.axes) != axes:
+    if t.is_grouped or jnp.ndim(t.data) != rank or t.blocked_axes != axes:
         raise ValueError(
             f"{name} must be {layout}: rank {rank}, blocked over axes={axes}, not group-aware; got "
-            f"{name}.data.shape={jnp.shape(t.data)} {name}.axes={t.axes} grouped={t.is_grouped}"
+            f"{name}.data.shape={jnp.shape(t.data)} {name}.axes={t.blocked_axes} grouped={t.is_grouped}"
         )
     fp8_block._check_tensor(t, name)
 

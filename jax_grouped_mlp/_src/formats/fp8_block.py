@@ -29,6 +29,7 @@ never change a block's amax): ``data`` keeps the input's shape, ``scale`` has
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ BLOCK = 128
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FP8BlockTensor:
-    """An FP8-block-quantized array (a pytree; ``axes`` is static metadata).
+    """An FP8-block-quantized array (a pytree; ``axes`` and ``rank`` are static metadata).
 
     Attributes:
       data: float8_e4m3fn, the shape of the original array.
@@ -55,15 +56,32 @@ class FP8BlockTensor:
         group-aware tensor (``group_sizes`` set, ``axes == (0,)``),
         ``[cdiv(M, 128) + G, K]``: group ``g`` owns consecutive scale rows starting at
         the exclusive cumsum of ``cdiv(size_g, 128)``; unused rows are byte 0.
-      axes: the blocked axes (non-negative, increasing): one axis for ``1 x 128``
-        blocks, two for ``128 x 128`` tiles.
+      axes: the blocked axes (non-negative, increasing) of the array as it was
+        quantized, a rank ``rank`` array: one axis for ``1 x 128`` blocks, two for
+        ``128 x 128`` tiles.
       group_sizes: None, or the int32 ``[G]`` group sizes of a group-aware tensor.
+      rank: the rank of ``data`` when the tensor was made (filled in from ``data``
+        when not given). ``data`` may have ``batch_ndim = data.ndim - rank`` more
+        *leading* axes: a tensor returned by ``jax.vmap`` (default ``out_axes=0``) or
+        stacked as the ``ys`` of ``jax.lax.scan`` is the per-example tensor with batch
+        axes in front of ``data``, ``scale`` and ``group_sizes``, and its blocked axes
+        in ``data`` are ``blocked_axes``, each of ``axes`` plus ``batch_ndim``. Fewer
+        axes (``batch_ndim < 0``) are leading axes sliced off by ``vmap``/``scan`` over
+        a tensor (weights ``[L, G, A, B]`` quantized with ``axis=(2, 3)`` and scanned
+        over ``L``); a blocked axis itself cannot be sliced off.
     """
 
     data: jax.Array
     scale: jax.Array
     axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     group_sizes: jax.Array | None = None
+    rank: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        # Unflattening passes ``rank`` explicitly (with leaves that may be placeholders),
+        # so ``data`` is read only for a tensor built without it.
+        if self.rank is None:
+            object.__setattr__(self, "rank", mxfp8._ndim_or_none(self.data))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,6 +90,18 @@ class FP8BlockTensor:
     @property
     def is_grouped(self) -> bool:
         return self.group_sizes is not None
+
+    @property
+    def batch_ndim(self) -> int:
+        """Leading batch axes of ``data`` (``data.ndim - rank``; negative where ``vmap``
+        or ``scan`` sliced leading axes off)."""
+        return 0 if self.rank is None else self.data.ndim - self.rank
+
+    @property
+    def blocked_axes(self) -> tuple[int, ...]:
+        """The blocked axes of ``data`` as it is now: ``axes`` shifted by ``batch_ndim``."""
+        b = self.batch_ndim
+        return tuple(a + b for a in self.axes)
 
 
 def _normalize_axes(axis, ndim: int) -> tuple[int, ...]:
@@ -199,9 +229,11 @@ def quantize_fp8_block(
 
 def _scale_shape(t: FP8BlockTensor) -> tuple[int, ...]:
     shape = tuple(t.data.shape)
-    if t.is_grouped:
-        return (grouped_scale_rows(shape[0], t.group_sizes.shape[0]), shape[1])
-    return tuple(groups.cdiv(n, BLOCK) if a in t.axes else n for a, n in enumerate(shape))
+    if t.is_grouped:  # [*batch, M, K]
+        b = t.batch_ndim
+        return shape[:b] + (grouped_scale_rows(shape[b], t.group_sizes.shape[-1]), shape[b + 1])
+    axes = t.blocked_axes
+    return tuple(groups.cdiv(n, BLOCK) if a in axes else n for a, n in enumerate(shape))
 
 
 def _check_tensor(t: FP8BlockTensor, arg: str = "t") -> None:
@@ -215,32 +247,43 @@ def _check_tensor(t: FP8BlockTensor, arg: str = "t") -> None:
         raise TypeError(f"{arg}.data must be float8_e4m3fn, got {arg}.data.dtype={t.data.dtype}")
     if jnp.dtype(t.scale.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
         raise TypeError(f"{arg}.scale must be float8_e8m0fnu (or its uint8 bytes), got {arg}.scale.dtype={t.scale.dtype}")
-    nd = t.data.ndim
-    axes = t.axes
+    if t.data.ndim == 0:
+        raise ValueError(f"{arg}.data must have rank >= 1, got a scalar")
+    b = mxfp8.check_rank(t, arg)
+    shape, rank, axes = tuple(t.data.shape), t.rank, t.axes
     ok = (
-        isinstance(axes, tuple) and len(axes) in (1, 2) and nd >= 1
-        and all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) and 0 <= a < nd for a in axes)
+        isinstance(axes, tuple) and len(axes) in (1, 2)
+        and all(mxfp8._is_int(a) and 0 <= a < rank for a in axes)
         and list(axes) == sorted(set(axes))
     )
     if not ok:
         raise ValueError(
-            f"{arg}.axes must be one or two increasing axes in [0, {nd}) for {arg}.data.shape={tuple(t.data.shape)}, "
-            f"got {arg}.axes={axes!r}"
+            f"{arg}.axes must be one or two increasing axes in [0, {rank}) for {arg}.data.shape={shape} "
+            f"({arg}.rank={rank}), got {arg}.axes={axes!r}"
         )
+    if axes[0] + b < 0:
+        raise ValueError(f"{arg}.axes={axes} of a rank-{rank} tensor are not all in {arg}.data.shape={shape}: "
+                         "vmap or scan sliced a blocked axis off")
     if t.is_grouped:
         gs = t.group_sizes
-        if nd != 2 or axes != (0,):
+        if rank != 2 or axes != (0,):
             raise ValueError(
-                f"a group-aware tensor must be [M, K] blocked along axis 0, got {arg}.data.shape={tuple(t.data.shape)} "
-                f"{arg}.axes={axes}"
+                f"a group-aware tensor must be [M, K] blocked along axis 0, got {arg}.data.shape={shape} "
+                f"{arg}.axes={axes}" + (f" {arg}.rank={rank}" if b else "")
             )
-        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 or not jnp.issubdtype(gs.dtype, jnp.integer):
-            raise TypeError(f"{arg}.group_sizes must be a 1-D integer array or None, got {arg}.group_sizes={gs!r}")
+        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 + b or not jnp.issubdtype(gs.dtype, jnp.integer):
+            after = f" (after the {b} batch axes of {arg}.data)" if b else ""
+            raise TypeError(f"{arg}.group_sizes must be a 1-D integer array or None{after}, "
+                            f"got {arg}.group_sizes={gs!r}")
+        if tuple(gs.shape[:b]) != shape[:b]:
+            raise ValueError(f"{arg}.group_sizes must have {arg}.data's batch axes {shape[:b]} in front, "
+                             f"got {arg}.group_sizes.shape={tuple(gs.shape)}")
     want = _scale_shape(t)
     if tuple(t.scale.shape) != want:
         raise ValueError(
-            f"{arg}.scale must have shape {want} for {arg}.data.shape={tuple(t.data.shape)} (axes {axes}"
-            f"{', group-aware' if t.is_grouped else ''}), got {arg}.scale.shape={tuple(t.scale.shape)}"
+            f"{arg}.scale must have shape {want} for {arg}.data.shape={shape} (axes {t.blocked_axes}"
+            f"{', group-aware' if t.is_grouped else ''}{f', {b} batch axes' if b > 0 else ''}), "
+            f"got {arg}.scale.shape={tuple(t.scale.shape)}"
         )
 
 
@@ -259,8 +302,11 @@ def transpose_tiles(t: FP8BlockTensor) -> FP8BlockTensor:
         raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}")
     if len(t.axes) != 2 or t.is_grouped:
         raise ValueError(f"t must be blocked in 128 x 128 tiles over two axes, got t.axes={t.axes}")
-    i, j = t.axes
-    return FP8BlockTensor(data=jnp.swapaxes(t.data, i, j), scale=jnp.swapaxes(t.scale, i, j), axes=t.axes)
+    i, j = t.blocked_axes  # (the same axes of a stacked tensor's examples)
+    if i < 0:
+        raise ValueError(f"t.axes={t.axes} of a rank-{t.rank} tensor are not all in t.data.shape={t.shape}")
+    return FP8BlockTensor(data=jnp.swapaxes(t.data, i, j), scale=jnp.swapaxes(t.scale, i, j), axes=t.axes,
+                          rank=t.rank)
 
 
 def token_major_blocks(t: FP8BlockTensor) -> tuple[jax.Array, jax.Array]:
@@ -338,6 +384,8 @@ def to_token_major(t: FP8BlockTensor) -> TokenMajorBlocks:
     if not t.is_grouped:
         raise ValueError(f"t must be group-aware (quantize_fp8_block(x, 0, group_sizes=...)), got t.axes={t.axes}")
     _check_tensor(t)
+    if t.batch_ndim:
+        raise ValueError(f"t must be one [M, K] tensor, got t.data.shape={t.shape}: stacked by vmap or scan")
     m, k = t.data.shape
     nblocks = t.scale.shape[0]
     if m == 0:
@@ -376,9 +424,14 @@ def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> 
     bfloat16 and float32 except below float32's normal range; rows of a group-aware
     tensor past its groups are 0).
 
+    A tensor stacked by ``jax.vmap`` or ``jax.lax.scan`` (leading batch axes, see
+    :class:`FP8BlockTensor`'s ``rank``), group-aware ones included, dequantizes to the
+    stack of its examples' dequantized arrays.
+
     Raises:
       TypeError, ValueError: for a ``dtype`` that is not a float, or a (hand-built)
-        tensor whose fields do not fit together (dtypes, ``axes``, ``scale``'s shape).
+        tensor whose fields do not fit together (dtypes, ``axes``, ``rank``,
+        ``scale``'s shape).
     """
     if not isinstance(t, FP8BlockTensor):
         raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}")
@@ -389,6 +442,11 @@ def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> 
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"dtype must be a float dtype, got dtype={dtype!r}")
     _check_tensor(t)
+    if t.is_grouped and t.batch_ndim:  # stacked by vmap/scan: each example has its own groups
+        f = functools.partial(dequantize_fp8_block, dtype=out_dtype)
+        for _ in range(t.batch_ndim):
+            f = jax.vmap(f)
+        return f(t)
     e = jax.lax.bitcast_convert_type(t.scale, jnp.uint8)
     values = t.data.astype(jnp.float32)
     if t.is_grouped:
@@ -398,7 +456,7 @@ def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> 
         row_scale = mxfp8._scale_value(e[jnp.minimum(block_of_row, nblocks - 1)])
         return jnp.where((block_of_row < nblocks)[:, None], values * row_scale, 0.0).astype(out_dtype)
     scale = mxfp8._scale_value(e)
-    for a in t.axes:
+    for a in t.blocked_axes:
         n = t.data.shape[a]
         scale = jnp.repeat(scale, BLOCK, axis=a, total_repeat_length=scale.shape[a] * BLOCK)
         scale = jax.lax.slice_in_dim(scale, 0, n, axis=a)

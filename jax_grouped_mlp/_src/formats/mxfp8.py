@@ -31,6 +31,7 @@ The *group-aware* variant blocks along the token axis (axis 0 of ``[M, K]``) in
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,23 +50,39 @@ _SUPPORTED_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MXFP8Tensor:
-    """An MXFP8-quantized array (a pytree; ``axis`` is static metadata).
+    """An MXFP8-quantized array (a pytree; ``axis`` and ``rank`` are static metadata).
 
     Attributes:
       data: float8_e4m3fn, the shape of the original array.
-      scale: float8_e8m0fnu. For a plain tensor, the original shape with ``axis``
-        shrunk to ``cdiv(n, 32)``. For a group-aware tensor (``group_sizes`` set,
+      scale: float8_e8m0fnu. For a plain tensor, the original shape with the blocked
+        axis shrunk to ``cdiv(n, 32)``. For a group-aware tensor (``group_sizes`` set,
         ``axis == 0``), ``[cdiv(M, 32) + G, K]``: group ``g`` owns consecutive scale
         rows starting at the exclusive cumsum of ``cdiv(size_g, 32)``; unused rows
         are byte 0.
-      axis: the blocked axis (non-negative).
+      axis: the blocked axis (non-negative) of the array as it was quantized, a rank
+        ``rank`` array.
       group_sizes: None, or the int32 ``[G]`` group sizes of a group-aware tensor.
+      rank: the rank of ``data`` when the tensor was made (filled in from ``data``
+        when not given). ``data`` may have ``batch_ndim = data.ndim - rank`` more
+        *leading* axes: a tensor returned by ``jax.vmap`` (default ``out_axes=0``) or
+        stacked as the ``ys`` of ``jax.lax.scan`` is the per-example tensor with batch
+        axes in front of ``data``, ``scale`` and ``group_sizes``, and its blocked axis
+        in ``data`` is ``blocked_axis = axis + batch_ndim``. Fewer axes
+        (``batch_ndim < 0``) are leading axes sliced off by ``vmap``/``scan`` over a
+        tensor; the blocked axis itself cannot be sliced off.
     """
 
     data: jax.Array
     scale: jax.Array
     axis: int = dataclasses.field(metadata=dict(static=True))
     group_sizes: jax.Array | None = None
+    rank: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        # Unflattening passes ``rank`` explicitly (with leaves that may be placeholders),
+        # so ``data`` is read only for a tensor built without it.
+        if self.rank is None:
+            object.__setattr__(self, "rank", _ndim_or_none(self.data))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -75,18 +92,48 @@ class MXFP8Tensor:
     def is_grouped(self) -> bool:
         return self.group_sizes is not None
 
+    @property
+    def batch_ndim(self) -> int:
+        """Leading batch axes of ``data`` (``data.ndim - rank``; negative where ``vmap``
+        or ``scan`` sliced leading axes off)."""
+        return 0 if self.rank is None else self.data.ndim - self.rank
+
+    @property
+    def blocked_axis(self) -> int:
+        """The blocked axis of ``data`` as it is now: ``axis + batch_ndim``."""
+        return self.axis + self.batch_ndim
+
     def swap_last_axes(self) -> "MXFP8Tensor":
         """Transposes the last two axes of data and scale (e.g. ``[G,F,H]`` -> ``[G,H,F]``)."""
         if self.is_grouped:
             raise ValueError("swap_last_axes is not defined for group-aware tensors")
         nd = self.data.ndim
-        if nd < 2:
-            raise ValueError(f"swap_last_axes needs rank >= 2, got {self.data.shape=}")
+        if min(nd, self.rank) < 2:
+            raise ValueError(f"swap_last_axes needs rank >= 2, got {self.data.shape=} {self.rank=}")
         perm = list(range(nd - 2)) + [nd - 1, nd - 2]
-        new_axis = {nd - 1: nd - 2, nd - 2: nd - 1}.get(self.axis, self.axis)
+        new_axis = {nd - 1: nd - 2, nd - 2: nd - 1}.get(self.blocked_axis, self.blocked_axis) - self.batch_ndim
         return MXFP8Tensor(
-            jnp.transpose(self.data, perm), jnp.transpose(self.scale, perm), new_axis
+            jnp.transpose(self.data, perm), jnp.transpose(self.scale, perm), new_axis, rank=self.rank
         )
+
+
+def _ndim_or_none(data) -> int | None:
+    """``data.ndim`` of an array-like, None for anything else (checked later)."""
+    ndim = getattr(data, "ndim", None)
+    return int(ndim) if isinstance(ndim, (int, np.integer)) and not isinstance(ndim, bool) else None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_rank(t, arg: str = "t") -> int:
+    """``t.batch_ndim`` after checking that ``t.rank`` is a positive int; a ValueError
+    naming ``arg`` otherwise."""
+    if not _is_int(t.rank) or t.rank < 1:
+        raise ValueError(f"{arg}.rank must be a positive int (the rank of {arg}.data when it was quantized), "
+                         f"got {arg}.rank={t.rank!r}")
+    return t.data.ndim - int(t.rank)
 
 
 def _check_input(x: jax.Array, name: str = "x") -> None:
@@ -243,7 +290,8 @@ def quantize_mxfp8_grouped(x: jax.Array, group_sizes: jax.Array) -> MXFP8Tensor:
 
 def _check_tensor(t: MXFP8Tensor) -> None:
     """Raises TypeError/ValueError, naming the field, for an MXFP8Tensor whose fields do not
-    fit together (as a hand-built one may): dtypes, ``axis`` and ``scale``'s shape."""
+    fit together (as a hand-built one may): dtypes, ``axis``, ``rank`` and ``scale``'s
+    shape, batch axes included."""
     for name in ("data", "scale"):
         arr = getattr(t, name)
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
@@ -255,24 +303,36 @@ def _check_tensor(t: MXFP8Tensor) -> None:
     nd = t.data.ndim
     if nd == 0:
         raise ValueError("t.data must have rank >= 1, got a scalar")
-    if not isinstance(t.axis, (int, np.integer)) or isinstance(t.axis, (bool, np.bool_)) or not 0 <= t.axis < nd:
-        raise ValueError(f"t.axis must be an int in [0, {nd}) for t.data.shape={t.data.shape}, got t.axis={t.axis!r}")
+    b = check_rank(t)
     shape = tuple(t.data.shape)
+    if not _is_int(t.axis) or not 0 <= t.axis < t.rank:
+        raise ValueError(f"t.axis must be an int in [0, {t.rank}) for t.data.shape={shape} (t.rank={t.rank}), "
+                         f"got t.axis={t.axis!r}")
+    axis = t.axis + b
+    if axis < 0:
+        raise ValueError(f"t.axis={t.axis} of a rank-{t.rank} tensor is not in t.data.shape={shape}: vmap or scan "
+                         "sliced the blocked axis off")
     if t.is_grouped:
         gs = t.group_sizes
-        if nd != 2 or t.axis != 0:
+        if t.rank != 2 or t.axis != 0:
             raise ValueError(
                 f"a group-aware tensor must be [M, K] blocked along axis 0, got t.data.shape={shape} t.axis={t.axis}"
+                + (f" t.rank={t.rank}" if b else "")
             )
-        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 or not jnp.issubdtype(gs.dtype, jnp.integer):
-            raise TypeError(f"t.group_sizes must be a 1-D integer array or None, got t.group_sizes={gs!r}")
-        want = (grouped_scale_rows(shape[0], gs.shape[0]), shape[1])
+        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 + b or not jnp.issubdtype(gs.dtype, jnp.integer):
+            raise TypeError(f"t.group_sizes must be a 1-D integer array or None"
+                            f"{f' (after the {b} batch axes of t.data)' if b else ''}, got t.group_sizes={gs!r}")
+        if tuple(gs.shape[:b]) != shape[:b]:
+            raise ValueError(f"t.group_sizes must have t.data's batch axes {shape[:b]} in front, "
+                             f"got t.group_sizes.shape={tuple(gs.shape)}")
+        want = shape[:b] + (grouped_scale_rows(shape[b], gs.shape[-1]), shape[b + 1])
     else:
-        want = shape[: t.axis] + (groups.cdiv(shape[t.axis], BLOCK),) + shape[t.axis + 1 :]
+        want = shape[:axis] + (groups.cdiv(shape[axis], BLOCK),) + shape[axis + 1 :]
     if tuple(t.scale.shape) != want:
         raise ValueError(
-            f"t.scale must have shape {want} for t.data.shape={shape} (axis {t.axis}"
-            f"{', group-aware' if t.is_grouped else ''}), got t.scale.shape={tuple(t.scale.shape)}"
+            f"t.scale must have shape {want} for t.data.shape={shape} (axis {axis}"
+            f"{', group-aware' if t.is_grouped else ''}{f', {b} batch axes' if b > 0 else ''}), "
+            f"got t.scale.shape={tuple(t.scale.shape)}"
         )
 
 
@@ -283,11 +343,16 @@ def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     Differentiable: linear in ``t.data`` (whose tangent is FP8 like the data). The
     quantizers themselves are not (:func:`quantize_mxfp8`).
 
+    A tensor stacked by ``jax.vmap`` or ``jax.lax.scan`` (leading batch axes, see
+    :class:`MXFP8Tensor`'s ``rank``), group-aware ones included, dequantizes to the
+    stack of its examples' dequantized arrays.
+
     Raises:
       TypeError, ValueError: for a ``dtype`` that is not a float, or a (hand-built)
         tensor whose fields do not fit together: data not float8_e4m3fn, scale not
-        E8M0 (or uint8 bytes), ``axis`` out of range, or ``scale`` not the shape that
-        ``data`` and ``axis`` (and ``group_sizes``) imply.
+        E8M0 (or uint8 bytes), ``axis`` out of range or sliced off ``data``, or
+        ``scale`` not the shape that ``data``, ``axis`` and ``rank`` (and
+        ``group_sizes``) imply.
     """
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
@@ -299,6 +364,11 @@ def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
         raise TypeError(f"dtype must be a float dtype, got dtype={dtype!r}")
     dtype = out_dtype
     _check_tensor(t)
+    if t.is_grouped and t.batch_ndim:  # stacked by vmap/scan: each example has its own groups
+        f = functools.partial(dequantize, dtype=dtype)
+        for _ in range(t.batch_ndim):
+            f = jax.vmap(f)
+        return f(t)
     e = jax.lax.bitcast_convert_type(t.scale, jnp.uint8)
     values = t.data.astype(jnp.float32)
     if t.is_grouped:
@@ -308,7 +378,7 @@ def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
         row_scale = _scale_value(e[jnp.minimum(block_of_row, nblocks - 1)])
         out = jnp.where((block_of_row < nblocks)[:, None], values * row_scale, 0.0)
         return out.astype(dtype)
-    axis = t.axis
+    axis = t.blocked_axis
     n = t.data.shape[axis]
     scale = jnp.repeat(_scale_value(e), BLOCK, axis=axis, total_repeat_length=e.shape[axis] * BLOCK)
     scale = jax.lax.slice_in_dim(scale, 0, n, axis=axis)

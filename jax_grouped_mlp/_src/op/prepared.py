@@ -159,7 +159,10 @@ def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Arra
         g, a, b = w.shape
         want = (g, b, a) if prepared.fprop_k_major and field.endswith("fprop") else (g, a, b)
         if recipe is Recipe.FP8_BLOCK:
-            ok = (isinstance(op, FP8BlockTensor) and tuple(op.axes) == (1, 2) and not op.is_grouped
+            # tiles over the last two axes of data (axes (1, 2) of [G, A, B]; _shape's check
+            # below then names a copy of another rank, e.g. one stacked by vmap)
+            ok = (isinstance(op, FP8BlockTensor) and not op.is_grouped
+                  and op.blocked_axes == (op.data.ndim - 2, op.data.ndim - 1)
                   and op.data.dtype == jnp.float8_e4m3fn and op.scale.dtype in (jnp.float8_e8m0fnu, jnp.uint8))
             kind = ("an FP8BlockTensor (float8_e4m3fn data, float8_e8m0fnu or uint8 scales) in 128 x 128 tiles "
                     "over axes (1, 2)")
