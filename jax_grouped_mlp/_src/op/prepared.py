@@ -127,18 +127,15 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     # back to a float32 weight through each use's own cast and is summed in float32, as
     # in the op (a shared bf16 copy summed the uses' cotangents in bf16: 0.35 % off).
     # Under jit XLA computes the equal casts once; for bf16 weights they are no-ops.
-    if recipe_ is Recipe.MXFP8:
-        ops = (recipe_.weight(bf16(w1), 1), recipe_.weight(bf16(w1), 2), recipe_.weight(bf16(w2), 1),
-               recipe_.weight(bf16(w2), 2))
-    elif recipe_ is Recipe.FP8_BLOCK:  # the same tiles; the forward GEMM reads them K-major
+    if recipe_ is Recipe.FP8_BLOCK:  # the same tiles; the forward GEMM reads them K-major
         # (One shared cast: it gives the op's second-order bits here, test_higher_order.py.)
         b1, b2 = bf16(w1), bf16(w2)
         ops = (recipe_.fprop_weight_k_major(b1), recipe_.weight(b1, 2), recipe_.fprop_weight_k_major(b2),
                recipe_.weight(b2, 2))
         return PreparedWeights(*ops, recipe=recipe_.value, fprop_k_major=True)
-    else:  # bf16: equal copies for both uses (the same array for bf16 weights)
-        ops = (recipe_.weight(bf16(w1), 1), recipe_.weight(bf16(w1), 2), recipe_.weight(bf16(w2), 1),
-               recipe_.weight(bf16(w2), 2))
+    # mxfp8 and bf16: one copy per use (bf16's are equal, the same array for bf16 weights).
+    ops = (recipe_.weight(bf16(w1), 1), recipe_.weight(bf16(w1), 2), recipe_.weight(bf16(w2), 1),
+           recipe_.weight(bf16(w2), 2))
     return PreparedWeights(*ops, recipe=recipe_.value)
 
 
