@@ -29,7 +29,6 @@ never change a block's amax): ``data`` keeps the input's shape, ``scale`` has
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -265,19 +264,12 @@ def _check_tensor(t: FP8BlockTensor, arg: str = "t") -> None:
         raise ValueError(f"{arg}.axes={axes} of a rank-{rank} tensor are not all in {arg}.data.shape={shape}: "
                          "vmap or scan sliced a blocked axis off")
     if t.is_grouped:
-        gs = t.group_sizes
         if rank != 2 or axes != (0,):
             raise ValueError(
                 f"a group-aware tensor must be [M, K] blocked along axis 0, got {arg}.data.shape={shape} "
                 f"{arg}.axes={axes}" + (f" {arg}.rank={rank}" if b else "")
             )
-        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 + b or not jnp.issubdtype(gs.dtype, jnp.integer):
-            after = f" (after the {b} batch axes of {arg}.data)" if b else ""
-            raise TypeError(f"{arg}.group_sizes must be a 1-D integer array or None{after}, "
-                            f"got {arg}.group_sizes={gs!r}")
-        if tuple(gs.shape[:b]) != shape[:b]:
-            raise ValueError(f"{arg}.group_sizes must have {arg}.data's batch axes {shape[:b]} in front, "
-                             f"got {arg}.group_sizes.shape={tuple(gs.shape)}")
+        mxfp8.check_group_sizes(t, arg, b)
     want = _scale_shape(t)
     if tuple(t.scale.shape) != want:
         raise ValueError(
@@ -443,10 +435,7 @@ def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> 
         raise TypeError(f"dtype must be a float dtype, got dtype={dtype!r}")
     _check_tensor(t)
     if t.is_grouped and t.batch_ndim:  # stacked by vmap/scan: each example has its own groups
-        f = functools.partial(dequantize_fp8_block, dtype=out_dtype)
-        for _ in range(t.batch_ndim):
-            f = jax.vmap(f)
-        return f(t)
+        return mxfp8.per_example(dequantize_fp8_block, t, out_dtype)
     e = jax.lax.bitcast_convert_type(t.scale, jnp.uint8)
     values = t.data.astype(jnp.float32)
     if t.is_grouped:

@@ -136,6 +136,28 @@ def check_rank(t, arg: str = "t") -> int:
     return t.data.ndim - int(t.rank)
 
 
+def check_group_sizes(t, arg: str, b: int) -> None:
+    """A group-aware tensor's ``group_sizes``: an integer ``[*batch, G]`` array whose
+    batch axes are ``data``'s ``b`` leading ones; a TypeError/ValueError naming ``arg``."""
+    gs = t.group_sizes
+    if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 + b or not jnp.issubdtype(gs.dtype, jnp.integer):
+        after = f" (after the {b} batch axes of {arg}.data)" if b else ""
+        raise TypeError(f"{arg}.group_sizes must be a 1-D integer array or None{after}, got {arg}.group_sizes={gs!r}")
+    if tuple(gs.shape[:b]) != tuple(t.data.shape[:b]):
+        raise ValueError(f"{arg}.group_sizes must have {arg}.data's batch axes {tuple(t.data.shape[:b])} in front, "
+                         f"got {arg}.group_sizes.shape={tuple(gs.shape)}")
+
+
+def per_example(dequantize_fn, t, dtype) -> jax.Array:
+    """``dequantize_fn(t, dtype)`` of a tensor stacked by vmap/scan, one example at a time
+    (``jax.vmap`` over its ``t.batch_ndim`` leading axes): for group-aware tensors, whose
+    examples each have their own groups."""
+    f = functools.partial(dequantize_fn, dtype=dtype)
+    for _ in range(t.batch_ndim):
+        f = jax.vmap(f)
+    return f(t)
+
+
 def _check_input(x: jax.Array, name: str = "x") -> None:
     if jnp.dtype(x.dtype) not in _SUPPORTED_INPUT_DTYPES:
         raise TypeError(
@@ -319,12 +341,7 @@ def _check_tensor(t: MXFP8Tensor) -> None:
                 f"a group-aware tensor must be [M, K] blocked along axis 0, got t.data.shape={shape} t.axis={t.axis}"
                 + (f" t.rank={t.rank}" if b else "")
             )
-        if not hasattr(gs, "dtype") or jnp.ndim(gs) != 1 + b or not jnp.issubdtype(gs.dtype, jnp.integer):
-            raise TypeError(f"t.group_sizes must be a 1-D integer array or None"
-                            f"{f' (after the {b} batch axes of t.data)' if b else ''}, got t.group_sizes={gs!r}")
-        if tuple(gs.shape[:b]) != shape[:b]:
-            raise ValueError(f"t.group_sizes must have t.data's batch axes {shape[:b]} in front, "
-                             f"got t.group_sizes.shape={tuple(gs.shape)}")
+        check_group_sizes(t, "t", b)
         want = shape[:b] + (grouped_scale_rows(shape[b], gs.shape[-1]), shape[b + 1])
     else:
         want = shape[:axis] + (groups.cdiv(shape[axis], BLOCK),) + shape[axis + 1 :]
@@ -365,10 +382,7 @@ def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     dtype = out_dtype
     _check_tensor(t)
     if t.is_grouped and t.batch_ndim:  # stacked by vmap/scan: each example has its own groups
-        f = functools.partial(dequantize, dtype=dtype)
-        for _ in range(t.batch_ndim):
-            f = jax.vmap(f)
-        return f(t)
+        return per_example(dequantize, t, dtype)
     e = jax.lax.bitcast_convert_type(t.scale, jnp.uint8)
     values = t.data.astype(jnp.float32)
     if t.is_grouped:
