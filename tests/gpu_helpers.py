@@ -18,18 +18,23 @@ def has_gpu() -> bool:
         return False
 
 
-def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4) -> None:
-    """Runs the pytest file ``cases`` in a fresh interpreter that sees ``devices`` CPU
-    devices (the device count is fixed at JAX's start), and fails with its output
-    unless every case passed (a run whose last line reports skips fails too)."""
+def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4, *, xla_flags: str = "",
+                             keyword: str | None = None) -> None:
+    """Runs the pytest file ``cases`` (its tests matching ``keyword``, a ``pytest -k``
+    expression, when given) in a fresh interpreter that sees ``devices`` CPU devices and
+    runs XLA with ``xla_flags`` too (both fixed at JAX's start), and fails with its
+    output unless every case passed (a run whose last line reports skips fails too)."""
     import pytest
 
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices} {xla_flags}"
+    env["XLA_FLAGS"] = " ".join(flags.split())
     env["JAX_PLATFORMS"] = "cpu"
     root = cases.resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(cases)]
+    if keyword is not None:
+        cmd += ["-k", keyword]
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired as err:

@@ -205,6 +205,11 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
     # copies the data gradients read instead) and the weights' own dtypes, as zero-size
     # arrays (custom_vjp residuals must be arrays), for the gradients' dtype.
     w_dtypes = (jnp.zeros((0,), w1.dtype), jnp.zeros((0,), w2.dtype))
+    # The kept weights are cast apart from the forward GEMMs' (XLA computes the equal
+    # casts once): differentiating the backward (grad of grad) then sums each use's
+    # cotangent of a float32 weight in float32, as with prepared weights, rather than
+    # in bf16 on the shared copy (0.2 % off, test_higher_order.py).
+    w1_kept, w2_kept = _weights_for_gemms(w1, w2, prepared)
     w1, w2 = _weights_for_gemms(w1, w2, prepared)
     x_row, x_col = recipe.row_and_col(_exact(x), group_sizes, keep_col=True)
     if _fuses_fc1(recipe, fuse, choices, x.shape, w1.shape[0], prepared):
@@ -224,7 +229,7 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
     x_col = _tag(x_col, FC1_INPUT, after=y)
     # The next layer starts only once the offloaded residuals are on the host.
     y = residuals.fence(y, [*_leaves(x_col), *_leaves(h), *_leaves(a_col)])
-    return y, (x_col, h, a_col, w1, w2, dgrad_weights, group_sizes, probs, w_dtypes)
+    return y, (x_col, h, a_col, w1_kept, w2_kept, dgrad_weights, group_sizes, probs, w_dtypes)
 
 
 def _leaves(op: Operand) -> list:
