@@ -31,6 +31,7 @@ SLOW = frozenset({
     "tests/test_grouped_gemm_fc1_gpu.py::test_static_empty_cases_are_exact_in_jax",
     "tests/test_heuristics.py::test_grouped_mlp_is_the_default_choices",
     "tests/test_higher_order.py::test_grad_of_grad_same_on_every_path",
+    "tests/test_higher_order.py::test_prepared_weights_same_second_order_without_excess_precision",
     "tests/test_higher_order.py::test_vmap_same_on_every_path",
     "tests/test_mlp.py::test_backward_order_barrier",
     "tests/test_mlp.py::test_float32_weights_take_the_bf16_path",
