@@ -175,8 +175,14 @@ def test_bad_inputs():
         jgm.quantize_mxfp8_grouped(jnp.ones((4,), jnp.float32), jnp.array([4]))
     with pytest.raises(TypeError, match="group_sizes must be a 1-D integer array"):
         jgm.quantize_mxfp8_grouped(jnp.ones((4, 32), jnp.float32), jnp.array([4.0]))
-    with pytest.raises(TypeError, match="dequantize expects an MXFP8Tensor"):
+    with pytest.raises(TypeError, match="t must be an MXFP8Tensor, got t=ArrayImpl$"):
         jgm.dequantize(jnp.ones(3))
+    # The other format's tensor: the error names the dequantizer that takes it.
+    x = jnp.ones((4, 128), jnp.float32)
+    with pytest.raises(TypeError, match="got t=FP8BlockTensor: dequantize_fp8_block dequantizes that one"):
+        jgm.dequantize(jgm.quantize_fp8_block(x))
+    with pytest.raises(TypeError, match="got t=MXFP8Tensor: dequantize dequantizes that one"):
+        jgm.dequantize_fp8_block(jgm.quantize_mxfp8(x))
 
 
 def test_grouped_with_no_groups_and_no_rows(rng):

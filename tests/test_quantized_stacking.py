@@ -181,3 +181,29 @@ def test_vmap_prepared_weights_for_a_scan_over_layers(rng, recipe):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_errors_point_at_vmap_mistakes(rng):
+    """What a stacked tensor or stacked prepared weights do wrong is named with its fix:
+    a batch axis vmap put elsewhere than first, stacked weights given to prepare_weights,
+    and per-layer copies given to one layer's op."""
+    xs = jnp.asarray(rng.standard_normal((3, 64, 96)), jnp.bfloat16)
+    moved = jax.vmap(functools.partial(jgm.quantize_mxfp8, axis=0), out_axes=1)(xs)
+    with pytest.raises(ValueError, match="batch axes first: out_axes=0"):
+        jgm.dequantize(moved)
+    moved = jax.vmap(functools.partial(jgm.quantize_fp8_block, axis=0), out_axes=1)(
+        jnp.asarray(rng.standard_normal((3, 128, 96)), jnp.bfloat16))
+    with pytest.raises(ValueError, match="batch axes first: out_axes=0"):
+        jgm.dequantize_fp8_block(moved)
+    x, _, _, gs, probs, _ = make_inputs(rng, m=64, h=64, f=96, g=4, sizes=[20, 0, 30, 14])
+    w1 = jnp.asarray(rng.standard_normal((2, 4, 64, 96)) / 8, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((2, 4, 96, 64)) / 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"w1 must be rank 3 .*jax.vmap\(prepare_weights\) makes one copy per layer"):
+        jgm.prepare_weights(w1, w2)
+    stacked = jax.vmap(jgm.prepare_weights)(w1, w2)
+    with pytest.raises(ValueError, match="one copy per layer .*pass one layer's slice"):
+        jgm.grouped_mlp(x, w1[0], w2[0], gs, probs, prepared=stacked)
+    # One layer's slice is what the op takes.
+    one = jax.tree.map(lambda a: a[0], stacked)
+    np.testing.assert_array_equal(np.asarray(jgm.grouped_mlp(x, w1[0], w2[0], gs, probs, prepared=one), np.float32),
+                                  np.asarray(jgm.grouped_mlp(x, w1[0], w2[0], gs, probs), np.float32))

@@ -68,6 +68,12 @@ class FP8BlockTensor:
         axes (``batch_ndim < 0``) are leading axes sliced off by ``vmap``/``scan`` over
         a tensor (weights ``[L, G, A, B]`` quantized with ``axis=(2, 3)`` and scanned
         over ``L``); a blocked axis itself cannot be sliced off.
+
+    ``axes`` and ``rank`` are static (in the pytree structure) and record how the tensor
+    was made, so two tensors of the same bytes made differently, e.g. one quantized per
+    layer and one sliced from a tensor quantized whole, are different pytrees: JAX
+    refuses to mix them as the two branches of ``jax.lax.cond`` or a ``scan`` carry
+    (its error quotes these fields' values). Make both the same way.
     """
 
     data: jax.Array
@@ -275,7 +281,7 @@ def _check_tensor(t: FP8BlockTensor, arg: str = "t") -> None:
         raise ValueError(
             f"{arg}.scale must have shape {want} for {arg}.data.shape={shape} (axes {t.blocked_axes}"
             f"{', group-aware' if t.is_grouped else ''}{f', {b} batch axes' if b > 0 else ''}), "
-            f"got {arg}.scale.shape={tuple(t.scale.shape)}"
+            f"got {arg}.scale.shape={tuple(t.scale.shape)}{mxfp8.VMAP_OUT_AXES_HINT if b > 0 else ''}"
         )
 
 
@@ -426,7 +432,8 @@ def dequantize_fp8_block(t: FP8BlockTensor, dtype: jnp.dtype = jnp.bfloat16) -> 
         ``scale``'s shape).
     """
     if not isinstance(t, FP8BlockTensor):
-        raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}")
+        hint = ": dequantize dequantizes that one" if type(t).__name__ == "MXFP8Tensor" else ""
+        raise TypeError(f"t must be an FP8BlockTensor, got t={type(t).__name__}{hint}")
     try:
         out_dtype = jnp.dtype(dtype)
     except TypeError:

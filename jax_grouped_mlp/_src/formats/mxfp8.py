@@ -70,6 +70,12 @@ class MXFP8Tensor:
         in ``data`` is ``blocked_axis = axis + batch_ndim``. Fewer axes
         (``batch_ndim < 0``) are leading axes sliced off by ``vmap``/``scan`` over a
         tensor; the blocked axis itself cannot be sliced off.
+
+    ``axis`` and ``rank`` are static (in the pytree structure) and record how the tensor
+    was made, so two tensors of the same bytes made differently, e.g. one quantized per
+    layer and one sliced from a tensor quantized whole, are different pytrees: JAX
+    refuses to mix them as the two branches of ``jax.lax.cond`` or a ``scan`` carry
+    (its error quotes these fields' values). Make both the same way.
     """
 
     data: jax.Array
@@ -134,6 +140,12 @@ def check_rank(t, arg: str = "t") -> int:
         raise ValueError(f"{arg}.rank must be a positive int (the rank of {arg}.data when it was quantized), "
                          f"got {arg}.rank={t.rank!r}")
     return t.data.ndim - int(t.rank)
+
+
+# The likeliest cause of a stacked tensor whose scale does not fit: vmap moved the
+# batch axis (the tensor's fields count batch axes first).
+VMAP_OUT_AXES_HINT = (" (a tensor made under jax.vmap needs its batch axes first: out_axes=0, the default, "
+                      "then move axes on the dequantized array)")
 
 
 def check_group_sizes(t, arg: str, b: int) -> None:
@@ -349,7 +361,7 @@ def _check_tensor(t: MXFP8Tensor) -> None:
         raise ValueError(
             f"t.scale must have shape {want} for t.data.shape={shape} (axis {axis}"
             f"{', group-aware' if t.is_grouped else ''}{f', {b} batch axes' if b > 0 else ''}), "
-            f"got t.scale.shape={tuple(t.scale.shape)}"
+            f"got t.scale.shape={tuple(t.scale.shape)}{VMAP_OUT_AXES_HINT if b > 0 else ''}"
         )
 
 
@@ -372,7 +384,8 @@ def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
         ``group_sizes``) imply.
     """
     if not isinstance(t, MXFP8Tensor):
-        raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
+        hint = ": dequantize_fp8_block dequantizes that one" if type(t).__name__ == "FP8BlockTensor" else ""
+        raise TypeError(f"t must be an MXFP8Tensor, got t={type(t).__name__}{hint}")
     try:
         out_dtype = jnp.dtype(dtype)
     except TypeError:

@@ -103,7 +103,9 @@ def prepare_weights(w1: jax.Array, w2: jax.Array, *, recipe: str = "mxfp8") -> P
     w1, w2 = as_array("w1", w1), as_array("w2", w2)
     for name, w in (("w1", w1), ("w2", w2)):
         if w.ndim != 3:
-            raise ValueError(f"{name} must be rank 3 ([G, H, F] / [G, F, H]), got {name}.shape={w.shape}")
+            hint = (": for weights stacked along a layer axis, jax.vmap(prepare_weights) makes one copy per layer"
+                    if w.ndim > 3 else "")
+            raise ValueError(f"{name} must be rank 3 ([G, H, F] / [G, F, H]), got {name}.shape={w.shape}{hint}")
         if w.dtype not in (jnp.bfloat16, jnp.float32):
             raise TypeError(f"{name} must be bfloat16 or float32, got {name}.dtype={w.dtype}")
     g, h, f = w1.shape
@@ -170,6 +172,9 @@ def check_prepared(prepared: object, recipe: Recipe, w1: jax.Array, w2: jax.Arra
             raise TypeError(f"prepared.{field} must be {kind} for recipe={recipe.value!r}, got {type(op).__name__}"
                             f"{'' if got is None else ' of ' + str(got)}: build it with prepare_weights")
         if _shape(op) != want:
+            stacked = len(_shape(op)) > len(want) and _shape(op)[-len(want):] == want
+            hint = (": this looks like one copy per layer (jax.vmap(prepare_weights)); pass one layer's slice, "
+                    "e.g. scan over it with the weights" if stacked else "")
             raise ValueError(f"prepared.{field} has shape {_shape(op)}, but the op's weight is {tuple(w.shape)} "
                              f"(so {field} must be {want}): prepare_weights of these w1 ({tuple(w1.shape)}) "
-                             f"and w2 ({tuple(w2.shape)})")
+                             f"and w2 ({tuple(w2.shape)}){hint}")
