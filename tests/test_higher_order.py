@@ -74,6 +74,17 @@ def _inputs(rng):
     return x, w1, w2, gs, probs
 
 
+def _probs_hessian_f64(x, w1, w2, gs) -> np.ndarray:
+    """The loss's Hessian in probs in float64: diagonal, ``2 ||relu(x_m w1_g)**2 w2_g||^2``
+    for row m of group g (the loss is quadratic in probs)."""
+    xf, w1f, w2f = (np.asarray(a, np.float64) for a in (x, w1, w2))
+    want = np.zeros(x.shape[0])
+    for g, (s, e) in enumerate(group_slices(gs, x.shape[0])):
+        u = np.maximum(xf[s:e] @ w1f[g], 0) ** 2 @ w2f[g]
+        want[s:e] = 2 * np.sum(u * u, axis=1)
+    return np.diag(want)
+
+
 def _loss(recipe):
     def loss(x, w1, w2, p, gs):
         return jnp.sum(jgm.grouped_mlp(x, w1, w2, gs, p, recipe=recipe).astype(jnp.float32) ** 2)
@@ -228,17 +239,6 @@ def test_first_order_lowering_is_unchanged_by_the_derivative_rule():
             assert lowered(recipe) == text
         finally:
             primitives._cuda_branch = saved
-
-
-def _probs_hessian_f64(x, w1, w2, gs) -> np.ndarray:
-    """The loss's Hessian in probs in float64: diagonal, ``2 ||relu(x_m w1_g)**2 w2_g||^2``
-    for row m of group g (the loss is quadratic in probs)."""
-    xf, w1f, w2f = (np.asarray(a, np.float64) for a in (x, w1, w2))
-    want = np.zeros(x.shape[0])
-    for g, (s, e) in enumerate(group_slices(gs, x.shape[0])):
-        u = np.maximum(xf[s:e] @ w1f[g], 0) ** 2 @ w2f[g]
-        want[s:e] = 2 * np.sum(u * u, axis=1)
-    return np.diag(want)
 
 
 @pytest.mark.xfail(jax.default_backend() != "gpu", strict=True, raises=AssertionError,
