@@ -1,7 +1,7 @@
 # Both main targets set themselves up: they create .venv (Python 3.12 when present),
 # install the package with its test extras, and build the CUDA kernels ahead of time
 # (skipped, with a message, where there is no CUDA toolkit: the CPU path still works).
-.PHONY: demo test test-slow test-all test-gpu test-no-excess-precision kernels api-docs
+.PHONY: wgmma-check demo test test-slow test-all test-gpu test-no-excess-precision kernels api-docs
 demo: kernels
 	@PY=$$(tools/venv.sh) && $$PY examples/demo.py
 
@@ -26,6 +26,11 @@ test-no-excess-precision: kernels
 # KERNEL_FLAGS=--strict turns a missing toolkit into an error (CI sets it).
 kernels:
 	@PY=$$(tools/venv.sh) && $$PY tools/build_kernels.py $(KERNEL_FLAGS)
+
+# Fails when ptxas serializes any kernel's wgmmas (C7520; docs/gpu.md). Needs the kernel
+# toolchain (nvidia-cutlass-dsl) and the CUDA toolkit's ptxas, no GPU. About a minute.
+wgmma-check:
+	@PY=$$(tools/venv.sh) && $$PY tools/wgmma_check.py
 
 # On a GPU machine with the extension built: only the tests marked `gpu` (see docs/gpu.md).
 test-gpu:

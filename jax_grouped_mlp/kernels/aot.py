@@ -398,13 +398,17 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     ns.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    if ns.keep_dir:  # the PTX and cubin of each kernel, for ptxas -v and cuobjdump -sass
+        # (read by the DSL when it is imported; nvidia-cutlass-dsl 4.8 ignores the
+        # --keep-ptx / --dump-dir compile options)
+        pathlib.Path(ns.keep_dir).mkdir(parents=True, exist_ok=True)
+        os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"
+        os.environ["CUTE_DSL_DUMP_DIR"] = str(ns.keep_dir)
     _load_dialect_runtime(ns.out)
 
     import cutlass.cute as cute
 
     options = f"--gpu-arch {ARCH}"
-    if ns.keep_dir:  # the PTX and cubin of each kernel, for ptxas -v and cuobjdump -sass
-        options += f" --keep-ptx --keep-cubin --dump-dir {ns.keep_dir}"
     built = []
     for name, kernel, args in variants():
         if ns.only and name != ns.only:
