@@ -152,6 +152,7 @@ def test_group_sizes_with_zeros_giant_and_negative(rng, variant):
         [2**31 - 1, 2**31 - 1, 1, 1, 1, 1],  # huge sizes: no int overflow
         [31, 33, 1, 127, 129, 64],  # block tails of every length
         [32, 96, 128, 160, 1, 223],  # block- and tile-aligned starts
+        [192, 64, 65, 63, 191, 65],  # last tiles of 64 / 63 rows (the second warp group skips) and 65 / 127
     ):
         _check(x, w, sizes, p, variant)
 

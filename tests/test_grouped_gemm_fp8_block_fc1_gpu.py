@@ -141,7 +141,8 @@ def test_group_sizes_with_zeros_giant_and_negative(rng, variant):
     lhs, rhs = _operands(rng, m, n, k, 6)
     probs = _probs(rng, m)
     for sizes in ([0, 300, 0, 0, 400, 0], [129, 127, 128, 1, 0, 315], [700, 0, 0, 0, 0, 0],
-                  [0, 0, 0, 0, 0, 0], [-5, 2**30, 100, 0, 0, 2**31 - 1], [64, 64, 64, 64, 64, 64]):
+                  [0, 0, 0, 0, 0, 0], [-5, 2**30, 100, 0, 0, 2**31 - 1], [64, 64, 64, 64, 64, 64],
+                  [192, 64, 65, 63, 191, 65]):  # last tiles of 64 / 63 rows: the second warp group skips
         _check(lhs, rhs, sizes, probs, variant)
 
 

@@ -222,6 +222,7 @@ def test_random(rng, variant, m, n, k, g, total):
     [
         [0, 0, 640, 0, 0, 0],  # empty groups around one
         [1, 127, 128, 129, 0, 255],  # every tile-boundary offset
+        [192, 64, 65, 63, 191, 65],  # last tiles of 64 / 63 rows (the second warp group skips) and 65 / 127
         [600, 30, 5, 3, 1, 1],  # skewed
         [5000, -3, 0, 7, 2**30, 1],  # giant and negative sizes: clamped, never out of bounds
         [-1, -1, -1, -1, -1, -1],  # nothing: all rows are the tail

@@ -127,6 +127,18 @@ def test_group_sizes_with_zeros_giant_and_negative(rng, variant):
 
 @pytest.mark.gpu
 @needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_partial_tiles_at_the_warp_group_boundary(rng, variant):
+    """Last tiles of 64, 63, 1 valid rows (the second consumer warp group skips its
+    wgmmas) next to 65, 127, 128 (it does not), at group starts that are and are not
+    multiples of 64."""
+    a, b = _operands(rng, 1100, 192, 320, 9)
+    _check(a, b, [64, 192, 1, 129, 65, 63, 127, 0, 320], variant)
+    _check(a, b, [200, 64, 64, 1, 191, 300, 65, 100, 0], variant)
+
+
+@pytest.mark.gpu
+@needs_kernels
 def test_no_groups_and_empty_k(rng):
     a, b = _operands(rng, 100, 64, 64, 2)
     out = _kernel(a, jnp.zeros((0, 64, 64), jnp.bfloat16), jnp.zeros((0,), jnp.int32))
