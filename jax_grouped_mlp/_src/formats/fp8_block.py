@@ -37,6 +37,7 @@ import numpy as np
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.formats.derivatives import refuse_derivative
+from jax_grouped_mlp._src.formats.tensor_base import BlockScaled
 from jax_grouped_mlp._src.op.validation import as_array
 
 BLOCK = 128
@@ -44,7 +45,7 @@ BLOCK = 128
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class FP8BlockTensor:
+class FP8BlockTensor(BlockScaled):
     """An FP8-block-quantized array (a pytree; ``axes`` and ``rank`` are static metadata).
 
     Attributes:
@@ -81,26 +82,6 @@ class FP8BlockTensor:
     axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     group_sizes: jax.Array | None = None
     rank: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-
-    def __post_init__(self):
-        # Unflattening passes ``rank`` explicitly (with leaves that may be placeholders),
-        # so ``data`` is read only for a tensor built without it.
-        if self.rank is None:
-            object.__setattr__(self, "rank", mxfp8._ndim_or_none(self.data))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
-
-    @property
-    def is_grouped(self) -> bool:
-        return self.group_sizes is not None
-
-    @property
-    def batch_ndim(self) -> int:
-        """Leading batch axes of ``data`` (``data.ndim - rank``; negative where ``vmap``
-        or ``scan`` sliced leading axes off)."""
-        return 0 if self.rank is None else self.data.ndim - self.rank
 
     @property
     def blocked_axes(self) -> tuple[int, ...]:

@@ -39,6 +39,7 @@ import numpy as np
 
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats.derivatives import refuse_derivative
+from jax_grouped_mlp._src.formats.tensor_base import BlockScaled
 from jax_grouped_mlp._src.op.validation import as_array
 
 BLOCK = 32
@@ -49,7 +50,7 @@ _SUPPORTED_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MXFP8Tensor:
+class MXFP8Tensor(BlockScaled):
     """An MXFP8-quantized array (a pytree; ``axis`` and ``rank`` are static metadata).
 
     Attributes:
@@ -84,26 +85,6 @@ class MXFP8Tensor:
     group_sizes: jax.Array | None = None
     rank: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
-    def __post_init__(self):
-        # Unflattening passes ``rank`` explicitly (with leaves that may be placeholders),
-        # so ``data`` is read only for a tensor built without it.
-        if self.rank is None:
-            object.__setattr__(self, "rank", _ndim_or_none(self.data))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
-
-    @property
-    def is_grouped(self) -> bool:
-        return self.group_sizes is not None
-
-    @property
-    def batch_ndim(self) -> int:
-        """Leading batch axes of ``data`` (``data.ndim - rank``; negative where ``vmap``
-        or ``scan`` sliced leading axes off)."""
-        return 0 if self.rank is None else self.data.ndim - self.rank
-
     @property
     def blocked_axis(self) -> int:
         """The blocked axis of ``data`` as it is now: ``axis + batch_ndim``."""
@@ -121,12 +102,6 @@ class MXFP8Tensor:
         return MXFP8Tensor(
             jnp.transpose(self.data, perm), jnp.transpose(self.scale, perm), new_axis, rank=self.rank
         )
-
-
-def _ndim_or_none(data) -> int | None:
-    """``data.ndim`` of an array-like, None for anything else (checked later)."""
-    ndim = getattr(data, "ndim", None)
-    return int(ndim) if isinstance(ndim, (int, np.integer)) and not isinstance(ndim, bool) else None
 
 
 def _is_int(v) -> bool:
