@@ -57,7 +57,7 @@ from jax_grouped_mlp.kernels.grouped_gemm_fc1_sm90 import load_words
 from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_sm90 import (
     SCALE_BLOCK, Fp8BlockGemmConfig, Fp8BlockMainloop, GroupedGemmFp8BlockSm90,
 )
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, StoreEpilogue, StoreTarget, TmaLoad
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import EPI_N, StoreEpilogue, StoreTarget, TmaLoad, gemm_shared_storage
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler
 
 VEC = 8  # elements per pass vector (16 bytes of bf16, 8 bytes of E4M3)
@@ -125,17 +125,12 @@ class GroupedGemmFp8BlockFc1Sm90(GroupedGemmFp8BlockSm90):
         a_smem, b_smem, epi_smem = smem_layouts
         tile_n, halves = self.tile_n, self.halves
 
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
-            red: cute.struct.Align[cute.struct.MemRange[Uint32, CONSUMER_WARPS * tile_n // 2], 128]
-            row_e: cute.struct.Align[cute.struct.MemRange[Uint32, self.tile_m * halves], 128]
-            col_e: cute.struct.Align[cute.struct.MemRange[Uint32, tile_n], 128]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = gemm_shared_storage(
+            self, a_smem, b_smem, epi_smem,
+            red=cute.struct.Align[cute.struct.MemRange[Uint32, CONSUMER_WARPS * tile_n // 2], 128],
+            row_e=cute.struct.Align[cute.struct.MemRange[Uint32, self.tile_m * halves], 128],
+            col_e=cute.struct.Align[cute.struct.MemRange[Uint32, tile_n], 128],
+        )
 
     def _scratch(self) -> "Fc1Scratch":
         """The scratch arrays (inside the kernel, after :meth:`_shared_and_pipeline`)."""

@@ -57,7 +57,7 @@ from cutlass.cute.nvgpu.warpgroup import OperandSource
 
 from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
+    EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad, gemm_shared_storage,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
 
@@ -205,14 +205,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             self.epi_tile,
         )
 
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(w_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = gemm_shared_storage(self, w_smem, x_smem, epi_smem)
         tma = (tma_atom_w, tma_w, tma_atom_x, tma_x, tma_atom_out, tma_out)
         return tma, (w_smem, x_smem, epi_smem)
 

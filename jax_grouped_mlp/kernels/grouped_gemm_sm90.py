@@ -78,6 +78,22 @@ SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
 EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memory)
 
 
+
+def gemm_shared_storage(kernel, a_smem, b_smem, epi_smem, **extra):
+    """The shared-storage struct of a grouped GEMM kernel: the pipeline's full and empty
+    barriers (``kernel.stages`` each), the A and B stages (``kernel.ab_dtype``) and the
+    epilogue's staging buffers (``kernel.out_dtype``), each 1024-byte aligned as their
+    swizzled layouts need; then ``extra`` fields in order (name -> ``cute.struct``
+    annotation). Every kernel of the package lays out shared memory this way."""
+    fields = {
+        "barriers": cute.struct.MemRange[cutlass.Int64, kernel.stages * 2],
+        "sA": cute.struct.Align[cute.struct.MemRange[kernel.ab_dtype, cute.cosize(a_smem)], 1024],
+        "sB": cute.struct.Align[cute.struct.MemRange[kernel.ab_dtype, cute.cosize(b_smem)], 1024],
+        "sC": cute.struct.Align[cute.struct.MemRange[kernel.out_dtype, cute.cosize(epi_smem)], 1024],
+        **extra,
+    }
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmConfig:
     """Compile-time knobs of :class:`GroupedGemmSm90`.
@@ -251,14 +267,7 @@ class GroupedGemmSm90:
             )
             tma_out_pair = (tma_atom_out, tma_out)
 
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = gemm_shared_storage(self, a_smem, b_smem, epi_smem)
         return (tma_atom_a, tma_a, tma_atom_b, tma_b) + tma_out_pair, (a_smem, b_smem, epi_smem)
 
     @cute.jit

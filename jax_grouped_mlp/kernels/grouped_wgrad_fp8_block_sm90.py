@@ -50,7 +50,7 @@ from cutlass import Int32
 from cutlass.pipeline import pipeline_init_wait
 
 from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_sm90 import SCALE_BLOCK, issue_block
-from jax_grouped_mlp.kernels.grouped_gemm_sm90 import SMEM_CAPACITY, StoreTarget, TmaLoad
+from jax_grouped_mlp.kernels.grouped_gemm_sm90 import SMEM_CAPACITY, StoreTarget, TmaLoad, gemm_shared_storage
 from jax_grouped_mlp.kernels.grouped_wgrad_sm90 import GroupedWgradSm90, WgradStoreEpilogue
 from jax_grouped_mlp.kernels.tile_scheduler import GroupBlockTileScheduler, TraceTimeObject
 
@@ -147,17 +147,12 @@ class GroupedWgradFp8BlockSm90(GroupedWgradSm90):
         atom_sb, tma_sb = cute.nvgpu.cpasync.make_tiled_tma_atom(op, sb, one, (1, SCALE_BLOCK))
         a_smem, b_smem, epi_smem = smem_layouts
 
-        # (The base class's struct, GroupedGemmSm90._prepare, plus the two scale rings.)
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
-            sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCALE_BLOCK * self.stages], 128]
-            sSB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCALE_BLOCK * self.stages], 128]
-
-        self.shared_storage = SharedStorage
+        # (The base class's struct plus the two scale rings.)
+        self.shared_storage = gemm_shared_storage(
+            self, a_smem, b_smem, epi_smem,
+            sSA=cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCALE_BLOCK * self.stages], 128],
+            sSB=cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCALE_BLOCK * self.stages], 128],
+        )
         return atom_sa, tma_sa, atom_sb, tma_sb
 
     def _scale_smem(self) -> cute.Layout:
