@@ -1,6 +1,6 @@
 """Dequantization of a group-aware columnwise MXFP8 ``[M, K]`` tensor to bf16.
 
-    out = dequantize(MXFP8Tensor(data, scale, axis=0, group_sizes))
+    out = dequantize(MXFP8Tensor(data, scale, axis=0, group_sizes=group_sizes))
 
 bit for bit (rows past ``sum(group_sizes)`` are zero). This is how a kept FP8
 residual ("fc1_input", "fc2_input") becomes the bf16 operand of a weight-gradient
