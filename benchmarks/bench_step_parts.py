@@ -29,6 +29,10 @@ which kernels slow down with skew; the JSON has them per part (``by_alpha``,
 moved to a multiple of R (``shapes.rounded_group_sizes``; label ``alpha=1/r128``): with R
 = 128 no GEMM tile and no weight-gradient row slice is partial, so the difference to the
 plain draw is what ragged edges cost, the rest what the uneven distribution costs.
+``--alternating 320/448,...`` adds sizes alternating between two values (summing to
+twice the rows per group): at Nano every group then ends in a partial tile of the
+chosen height (64 rows for 320/448) at the same tile count, which tells what a partial
+tile costs by its height (docs/notes/2026-12-02-skew.md, "Session 34").
 ``--descending`` adds, per skewed alpha, the same sizes in descending order (label
 ``alpha=1/desc``): the kernels' persistent CTAs take tiles round-robin in group order, so
 the difference says what the order of the groups costs (round-robin over non-increasing
@@ -148,6 +152,19 @@ def _alphas(text: str) -> list[float]:
     return alphas
 
 
+def alternating_sizes(pair: str, g: int, rows: int) -> np.ndarray:
+    """``"A/B"`` as ``g`` group sizes A, B, A, B, ... (``g`` even, ``A + B == 2 rows``: the
+    same M as equal sizes); SystemExit naming ``--alternating`` otherwise."""
+    try:
+        a, b = (int(v) for v in pair.split("/"))
+    except ValueError:
+        raise SystemExit(f"--alternating takes pairs like 320/448, got {pair!r}") from None
+    if g % 2 or a < 0 or b < 0 or a + b != 2 * rows:
+        raise SystemExit(f"--alternating {pair}: needs an even group count (got {g}) and two sizes >= 0 "
+                         f"summing to twice the {rows} rows per group")
+    return np.tile(np.array([a, b], np.int32), g // 2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="nano", choices=sorted(MLP_SHAPES),
@@ -160,6 +177,10 @@ def main(argv=None) -> int:
                     help="also time every skewed alpha with its sizes rounded to multiples of this (e.g. 128)")
     ap.add_argument("--descending", action="store_true",
                     help="also time every skewed alpha with its sizes sorted in descending order")
+    ap.add_argument("--alternating", default=None,
+                    help="also time group sizes alternating between two values, e.g. 320/448,257/511 (each "
+                         "pair summing to twice the rows per group, so M is the same): every group then ends "
+                         "in a partial tile of a chosen height, at the same tile count for every pair")
     ap.add_argument("--parts", default=None, help="a regular expression: time only the parts whose name matches")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--samples", type=int, default=5, help="timing samples per part and alpha (median)")
@@ -186,6 +207,8 @@ def main(argv=None) -> int:
             sizes[f"{skew_label(a)}/r{ns.round_to}"] = rounded_group_sizes(sizes[skew_label(a)], ns.round_to)
         if ns.descending and a != float("inf"):
             sizes[f"{skew_label(a)}/desc"] = np.sort(sizes[skew_label(a)])[::-1].copy()
+    for pair in (ns.alternating.split(",") if ns.alternating else []):
+        sizes[f"alt{pair}"] = alternating_sizes(pair, g, rows)
     labels = list(sizes)
     fns, ops = _functions(), _operands(m, h, f, g, ns.seed)
     by_alpha: dict[str, dict[str, float]] = {}
