@@ -72,24 +72,28 @@ def main(argv=None) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", registry.ARCH)
     import cutlass.cute as cute
 
+    names = [name for name, _, _ in aot.variants()]
+    if ns.only and ns.only not in names:
+        raise SystemExit(f"--only: no kernel variant named {ns.only!r}; the variants are {names}")
     bad, checked = [], 0
-    for name, kernel, args in aot.variants():
-        if ns.only and name != ns.only:
-            continue
-        before = set(dump.glob("*.ptx"))
-        cute.compile(kernel, *args, options=f"--gpu-arch {registry.ARCH}")
-        new = sorted(set(dump.glob("*.ptx")) - before) or sorted(dump.glob("*.ptx"), key=os.path.getmtime)[-1:]
-        if not new:
-            raise SystemExit(f"{name}: the DSL wrote no PTX to {dump}")
-        for ptx in new:
-            for line in perf_losses(ptx, registry.ARCH):
-                bad.append(f"{name}: {line[:200]}")
-            if ns.keep:
-                (ns.keep / name).mkdir(parents=True, exist_ok=True)
-                shutil.copy(ptx, ns.keep / name / ptx.name)
-            ptx.unlink()
-        checked += 1
-    shutil.rmtree(dump, ignore_errors=True)
+    try:
+        for name, kernel, args in aot.variants():
+            if ns.only and name != ns.only:
+                continue
+            cute.compile(kernel, *args, options=f"--gpu-arch {registry.ARCH}")
+            written = sorted(dump.glob("*.ptx"))  # (each variant's PTX is removed once checked)
+            if not written:
+                raise SystemExit(f"{name}: the DSL wrote no PTX to {dump}")
+            for ptx in written:
+                for line in perf_losses(ptx, registry.ARCH):
+                    bad.append(f"{name}: {line[:200]}")
+                if ns.keep:
+                    (ns.keep / name).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(ptx, ns.keep / name / ptx.name)
+                ptx.unlink()
+            checked += 1
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
     for line in bad:
         print(line)
     print(f"wgmma_check: {checked} variants, {len(bad)} with serialized wgmmas or other ptxas performance losses")
