@@ -10,7 +10,7 @@ costs decides the mxfp8 recipe's skew cost (docs/notes/2026-12-02-skew.md, "Sess
 Here every group holds ``T`` tokens (``--tokens``), ``G`` groups (``--groups``), ``[G * T,
 K] x [G, K, N]`` (``--dims K,N``, default Nano FC1) for the ``fprop`` layout and its
 transpose for ``dgrad``. For every variant and ``T``: ms per call and the **tile cost**,
-SM-microseconds per CTA tile: ``ms * SMs / (G * ceil(T / tile) * ceil(N / 128))``. A
+SM-microseconds per CTA tile: ``ms * SMs / (G * ceil(T / tile) * ceil(N / tile_n))`` (the registry's tile sizes). A
 tile bound by its weight conversion costs the same whatever ``T``; one bound by its
 wgmmas grows with ``T``. ``heuristics.QW_TILE_COSTS`` models these costs (relative units).
 Every (T, variant) is timed in ``--rounds`` interleaved rounds (``common.round_order``),
@@ -35,13 +35,11 @@ from jax_grouped_mlp.kernels import registry
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import RESULTS, command_line, round_order, time_call, write_result  # noqa: E402
 
-TILE_W = 128  # weight rows (output columns) per ``_qw`` CTA tile
-
-
-def tile_cost_us(ms: float, sms: int, groups: int, tokens: int, tile_tokens: int, n: int) -> float:
+def tile_cost_us(ms: float, sms: int, groups: int, tokens: int, tile_tokens: int, n: int, tile_w: int) -> float:
     """SM-microseconds per CTA tile of a ``_qw`` call that took ``ms`` on ``sms`` SMs for
-    ``groups`` groups of ``tokens`` tokens each (``tokens = 0``: no tile, NaN)."""
-    tiles = groups * math.ceil(tokens / tile_tokens) * math.ceil(n / TILE_W)
+    ``groups`` groups of ``tokens`` tokens each, tiles of ``tile_tokens`` tokens by
+    ``tile_w`` of the ``n`` output columns (``tokens = 0``: no tile, NaN)."""
+    tiles = groups * math.ceil(tokens / tile_tokens) * math.ceil(n / tile_w)
     return ms * 1e3 * sms / tiles if tiles else float("nan")
 
 
@@ -107,7 +105,8 @@ def main(argv=None) -> int:
         tt = gemm_ffi.qw_tile_tokens(v)
         rows.append({"layout": layout, "tokens_per_group": t, "variant": v, "tile_tokens": tt, "ms": ms,
                      "ms_rounds": times[layout, t, v],
-                     "tile_cost_sm_us": tile_cost_us(ms, sms, g, t, tt, calls[layout, t, v][2])})
+                     "tile_cost_sm_us": tile_cost_us(ms, sms, g, t, tt, calls[layout, t, v][2],
+                                                     registry.variant(v).tile_n)})
     for layout in layouts:
         names = [v for lay, t, v in jobs if lay == layout and t == tokens[0]]
         print(f"{layout}: ms / SM-us per tile, {g} groups, K,N = {ns.dims}")
