@@ -236,6 +236,18 @@ def test_group_sizes_zero_skewed_giant_negative(rng, variant, sizes):
 @pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_runs_of_skipped_warp_groups_with_deep_k(rng, variant):
+    """Long runs of tiles whose second warp group skips (at most 64 valid rows), with
+    more K blocks per tile than pipeline slots: the other warp group hands each slot back
+    for both, so a slip in that bookkeeping shows up as wrong rows or a hang."""
+    sizes = [64, 1, 63, 30, 64, 2, 0, 64, 40, 129, 64, 1, 64, 63, 7, 64, 192, 64, 3, 64]
+    lhs, rhs = operands(rng, sum(sizes) + 50, 512, 2048, len(sizes))
+    _check(lhs, rhs, np.array(sizes, np.int32), variant)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("m,n,k,g,sizes", [(700, 384, 1024, 4, [200, 0, 377, 123]), (300, 1856, 2688, 3, [129, 1, 100])])
 def test_exact_when_sums_are_exact(rng, variant, m, n, k, g, sizes):
     """Integer data, small power-of-two scales: every scale, row and group mapping and the

@@ -139,6 +139,19 @@ def test_partial_tiles_at_the_warp_group_boundary(rng, variant):
 
 @pytest.mark.gpu
 @needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_runs_of_skipped_warp_groups_with_deep_k(rng, variant):
+    """Long runs of tiles whose second warp group skips, with many more K stages per tile
+    than pipeline slots: the skipping warp group passes the stages without touching the
+    barriers and the other hands each slot back for both, so a slip in that bookkeeping
+    (a stage read a phase early or late) shows up as wrong rows or a hang."""
+    sizes = [64, 1, 63, 30, 64, 2, 0, 64, 40, 129, 64, 1, 64, 63, 7, 64, 192, 64, 3, 64]
+    a, b = _operands(rng, sum(sizes) + 50, 512, 1024, len(sizes))
+    _check(a, b, sizes, variant)
+
+
+@pytest.mark.gpu
+@needs_kernels
 def test_no_groups_and_empty_k(rng):
     a, b = _operands(rng, 100, 64, 64, 2)
     out = _kernel(a, jnp.zeros((0, 64, 64), jnp.bfloat16), jnp.zeros((0,), jnp.int32))

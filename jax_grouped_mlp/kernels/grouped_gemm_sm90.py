@@ -717,11 +717,45 @@ class ConsumerCarry:
         return new
 
 
+def warp_group_row0(ctid) -> Int32:
+    """The first tile row of consumer thread ``ctid``'s warp group (0 or 64), through
+    ``make_warp_uniform``: a branch on a value ptxas cannot prove warp-uniform makes it
+    serialize every wgmma of the kernel (C7520; ``make wgmma-check``)."""
+    return cute.arch.make_warp_uniform(ctid // 128) * 64
+
+
+def stage_arrivals(rows_valid) -> Int32:
+    """Arrivals per consumer warp with which a computing warp group hands back each stage
+    of a tile with ``rows_valid`` rows: 2 when the other warp group (rows 64-127) has no
+    valid row and skips the tile (:func:`skip_stages`), else 1."""
+    return Int32(1) + Int32(rows_valid <= 64)
+
+
+@cute.jit
+def release_stage(pipe, state, arrivals) -> None:
+    """``pipe.consumer_release(state)`` with ``arrivals`` arrivals of this warp's
+    signalling thread on the slot's empty barrier (:func:`stage_arrivals`)."""
+    if pipe.is_signaling_thread:
+        cute.arch.mbarrier_arrive(pipe.consumer_get_barrier(state), arrive_count=arrivals)
+
+
+def skip_stages(read, release, k_tiles):
+    """A warp group with no valid row in the tile: its pipeline states pass the tile's
+    ``k_tiles`` stages without waiting on them or handing them back (the other warp
+    group hands each back for both: :func:`stage_arrivals`). It cannot run ahead into
+    a slot's next use: the epilogue's barrier holds it until the other warp group has
+    consumed every stage of the tile. Returns the advanced ``(read, release)``."""
+    read.advance(k_tiles)
+    release.advance(k_tiles)
+    return read, release
+
+
 class Bf16Mainloop(TraceTimeObject):
     """The bf16 mainloop: wgmma with both operands from shared memory, one stage's wgmmas
     in flight while the next stage is awaited, each slot handed back to the producer as
     soon as the wgmmas that read it are done. Tail tiles (rows past the groups) skip it
-    and leave a zero accumulator."""
+    and leave a zero accumulator, and so does a consumer warp group whose 64 rows all lie
+    past a partial tile's valid rows (:func:`skip_stages`)."""
 
     def __init__(self, kernel: GroupedGemmSm90, tiled_mma: cute.TiledMma, pipe, sA: cute.Tensor, sB: cute.Tensor):
         self.kernel = kernel
@@ -733,6 +767,7 @@ class Bf16Mainloop(TraceTimeObject):
     def setup(self, ctid):
         """Consumer thread ``ctid``'s operand fragments; returns the fp32 accumulator."""
         self.tCrA, self.tCrB, self.acc = self.kernel._mma_fragments(self.tiled_mma, self.sA, self.sB, ctid)
+        self.wg_row0 = warp_group_row0(ctid)
         return self.acc
 
     @cute.jit
@@ -742,23 +777,27 @@ class Bf16Mainloop(TraceTimeObject):
         k_tiles = work.k_tiles
         acc.fill(0.0)
         if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.fence()
-            # First stage: issue and keep in flight.
-            mainloop.consumer_wait(read)
-            self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-            read.advance()
-            for k in range(1, k_tiles):
+            if self.wg_row0 < tile[1]:
+                arrivals = stage_arrivals(tile[1])
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                # First stage: issue and keep in flight.
                 mainloop.consumer_wait(read)
                 self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                # The previous stage's wgmmas are done: hand its slot back.
-                cute.nvgpu.warpgroup.wait_group(1)
-                mainloop.consumer_release(release)
-                release.advance()
                 read.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            mainloop.consumer_release(release)
-            release.advance()
+                for k in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                    # The previous stage's wgmmas are done: hand its slot back.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    release_stage(mainloop, release, arrivals)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                release_stage(mainloop, release, arrivals)
+                release.advance()
+            else:
+                read, release = skip_stages(read, release, k_tiles)
         return read, release
 
 
