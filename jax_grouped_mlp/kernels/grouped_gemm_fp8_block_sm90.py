@@ -78,8 +78,8 @@ from cutlass import Int32, Uint32
 from jax_grouped_mlp.kernels import ptx
 
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad, release_stage, skip_stages, stage_arrivals,
-    warp_group_row0,
+    EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad, SKIP_EMPTY_WARP_GROUP, release_stage,
+    skip_stages, stage_arrivals, warp_group_row0,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
 
@@ -236,8 +236,8 @@ class Fp8BlockMainloop(TraceTimeObject):
     commit; the scales from global memory (A's once per block); wait for the wgmmas;
     ``acc[half] += temp * (sa[row] * sb[half])``; after the last half the slot goes back
     to the producer. Tail tiles (rows past the groups) skip it and leave a zero
-    accumulator, and so does a consumer warp group whose 64 rows all lie past a partial
-    tile's valid rows (:func:`skip_stages`).
+    accumulator, and so does, with ``SKIP_EMPTY_WARP_GROUP``, a consumer warp group whose
+    64 rows all lie past a partial tile's valid rows (:func:`skip_stages`).
     """
 
     def __init__(self, kernel: GroupedGemmFp8BlockSm90, tiled_mma: cute.TiledMma, tiled_mma_half: cute.TiledMma,
@@ -301,7 +301,8 @@ class Fp8BlockMainloop(TraceTimeObject):
         self.row_base = thr.partition_C(cute.make_identity_tensor((k.tile_m, SCALE_BLOCK)))[0][0]
         # A's scales of the block in flight (per row slot), in registers.
         self.sc = cute.make_rmem_tensor((len(offsets),), cutlass.Float32)
-        self.wg_row0 = warp_group_row0(ctid)
+        if cutlass.const_expr(SKIP_EMPTY_WARP_GROUP):
+            self.wg_row0 = warp_group_row0(ctid)
         return self.acc
 
     def _issue(self, tiled_mma: cute.TiledMma, temp: cute.Tensor, tCrB: cute.Tensor, stage) -> cute.TiledMma:
@@ -323,42 +324,50 @@ class Fp8BlockMainloop(TraceTimeObject):
     @cute.jit
     def tile(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork):
         """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
-        tiled_mma, pipe, acc, temp, sc = self.tiled_mma_half, self.pipe, self.acc, self.temp, self.sc
-        mSB = self.mSB
-        k_tiles = work.k_tiles
-        acc.fill(0.0)
+        self.acc.fill(0.0)
         if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
-            if self.wg_row0 >= tile[1]:
-                read, release = skip_stages(read, release, k_tiles)
+            if cutlass.const_expr(SKIP_EMPTY_WARP_GROUP):
+                if self.wg_row0 < tile[1]:
+                    read, release = self._blocks(sched, tile, read, release, work, stage_arrivals(tile[1]))
+                else:
+                    read, release = skip_stages(read, release, work.k_tiles)
             else:
-                arrivals = stage_arrivals(tile[1])
-                row_off, _, n_tile = tile
-                # A-scale rows of this thread (clamped: rows past M are never stored).
-                first = sched.row0 + row_off + self.row_base
-                last_row = work.m - 1
-                rows = [cutlass.min(first + off, last_row) for off in self.row_offsets]
-                g = sched.seg
-                nb0 = n_tile * self.halves
-                last_nb = mSB.shape[1] - 1
-                for kb in range(k_tiles):
-                    pipe.consumer_wait(read)
-                    tiled_mma = self._issue(tiled_mma, temp, self.tCrB[0], read.index)
-                    self._load_scales(sc, rows, kb)  # while the wgmmas run
-                    sb = ptx.e8m0_value(Uint32(mSB[g, nb0, kb]))
+                read, release = self._blocks(sched, tile, read, release, work)
+        return read, release
+
+    @cute.jit
+    def _blocks(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork, arrivals=None):
+        """The tile's K blocks into the accumulator; each slot goes back through
+        :func:`release_stage` with ``arrivals``."""
+        tiled_mma, pipe, temp, sc = self.tiled_mma_half, self.pipe, self.temp, self.sc
+        mSB = self.mSB
+        row_off, _, n_tile = tile
+        # A-scale rows of this thread (clamped: rows past M are never stored).
+        first = sched.row0 + row_off + self.row_base
+        last_row = work.m - 1
+        rows = [cutlass.min(first + off, last_row) for off in self.row_offsets]
+        g = sched.seg
+        nb0 = n_tile * self.halves
+        last_nb = mSB.shape[1] - 1
+        for kb in range(work.k_tiles):
+            pipe.consumer_wait(read)
+            tiled_mma = self._issue(tiled_mma, temp, self.tCrB[0], read.index)
+            self._load_scales(sc, rows, kb)  # while the wgmmas run
+            sb = ptx.e8m0_value(Uint32(mSB[g, nb0, kb]))
+            cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(self.halves == 1):
+                release_stage(pipe, release, arrivals)  # (before promoting: the slot is read)
+                self._promote(temp, sc, sb, 0)
+            else:
+                self._promote(temp, sc, sb, 0)
+                if nb0 + 1 <= last_nb:
+                    tiled_mma = self._issue(tiled_mma, temp, self.tCrB[1], read.index)
+                    sb = ptx.e8m0_value(Uint32(mSB[g, nb0 + 1, kb]))
                     cute.nvgpu.warpgroup.wait_group(0)
-                    if cutlass.const_expr(self.halves == 1):
-                        release_stage(pipe, release, arrivals)  # (before promoting: the slot is read)
-                        self._promote(temp, sc, sb, 0)
-                    else:
-                        self._promote(temp, sc, sb, 0)
-                        if nb0 + 1 <= last_nb:
-                            tiled_mma = self._issue(tiled_mma, temp, self.tCrB[1], read.index)
-                            sb = ptx.e8m0_value(Uint32(mSB[g, nb0 + 1, kb]))
-                            cute.nvgpu.warpgroup.wait_group(0)
-                            release_stage(pipe, release, arrivals)
-                            self._promote(temp, sc, sb, 1)
-                        else:  # the second half lies wholly past N: nothing to multiply
-                            release_stage(pipe, release, arrivals)
-                    release.advance()
-                    read.advance()
+                    release_stage(pipe, release, arrivals)
+                    self._promote(temp, sc, sb, 1)
+                else:  # the second half lies wholly past N: nothing to multiply
+                    release_stage(pipe, release, arrivals)
+            release.advance()
+            read.advance()
         return read, release

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -76,6 +77,12 @@ from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWor
 
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
 EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memory)
+# Experimental, off (issue 20; docs/notes/2026-12-02-skew.md, "Session 35"): on a tile
+# with at most 64 valid rows the second consumer warp group skips its wgmmas and passes
+# the stages untouched (:func:`skip_stages`), in the bf16 mainloop and the fp8_block one.
+# Off, the kernels are byte for byte those without it. Not yet measured on a GPU: set
+# JGM_SKIP_EMPTY_WARP_GROUP=1 in the environment of the build to get it.
+SKIP_EMPTY_WARP_GROUP = os.environ.get("JGM_SKIP_EMPTY_WARP_GROUP") == "1"
 
 
 
@@ -732,11 +739,15 @@ def stage_arrivals(rows_valid) -> Int32:
 
 
 @cute.jit
-def release_stage(pipe, state, arrivals) -> None:
-    """``pipe.consumer_release(state)`` with ``arrivals`` arrivals of this warp's
-    signalling thread on the slot's empty barrier (:func:`stage_arrivals`)."""
-    if pipe.is_signaling_thread:
-        cute.arch.mbarrier_arrive(pipe.consumer_get_barrier(state), arrive_count=arrivals)
+def release_stage(pipe, state, arrivals=None) -> None:
+    """``pipe.consumer_release(state)`` (``arrivals`` None), or that with ``arrivals``
+    arrivals of this warp's signalling thread on the slot's empty barrier
+    (:func:`stage_arrivals`)."""
+    if cutlass.const_expr(arrivals is None):
+        pipe.consumer_release(state)
+    else:
+        if pipe.is_signaling_thread:
+            cute.arch.mbarrier_arrive(pipe.consumer_get_barrier(state), arrive_count=arrivals)
 
 
 def skip_stages(read, release, k_tiles):
@@ -754,8 +765,9 @@ class Bf16Mainloop(TraceTimeObject):
     """The bf16 mainloop: wgmma with both operands from shared memory, one stage's wgmmas
     in flight while the next stage is awaited, each slot handed back to the producer as
     soon as the wgmmas that read it are done. Tail tiles (rows past the groups) skip it
-    and leave a zero accumulator, and so does a consumer warp group whose 64 rows all lie
-    past a partial tile's valid rows (:func:`skip_stages`)."""
+    and leave a zero accumulator, and so does, with :data:`SKIP_EMPTY_WARP_GROUP`, a
+    consumer warp group whose 64 rows all lie past a partial tile's valid rows
+    (:func:`skip_stages`)."""
 
     def __init__(self, kernel: GroupedGemmSm90, tiled_mma: cute.TiledMma, pipe, sA: cute.Tensor, sB: cute.Tensor):
         self.kernel = kernel
@@ -767,37 +779,46 @@ class Bf16Mainloop(TraceTimeObject):
     def setup(self, ctid):
         """Consumer thread ``ctid``'s operand fragments; returns the fp32 accumulator."""
         self.tCrA, self.tCrB, self.acc = self.kernel._mma_fragments(self.tiled_mma, self.sA, self.sB, ctid)
-        self.wg_row0 = warp_group_row0(ctid)
+        if cutlass.const_expr(SKIP_EMPTY_WARP_GROUP):
+            self.wg_row0 = warp_group_row0(ctid)
         return self.acc
 
     @cute.jit
     def tile(self, sched: SegmentTileScheduler, tile, read, release, work: TileWork):
         """The current tile's accumulator; returns the advanced ``(read, release)`` states."""
-        tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
-        k_tiles = work.k_tiles
-        acc.fill(0.0)
+        self.acc.fill(0.0)
         if sched.seg < sched.group_sizes.shape[0]:  # (k_tiles >= 1: the handler never launches K = 0)
-            if self.wg_row0 < tile[1]:
-                arrivals = stage_arrivals(tile[1])
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                # First stage: issue and keep in flight.
-                mainloop.consumer_wait(read)
-                self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for k in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    # The previous stage's wgmmas are done: hand its slot back.
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    release_stage(mainloop, release, arrivals)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                release_stage(mainloop, release, arrivals)
-                release.advance()
+            if cutlass.const_expr(SKIP_EMPTY_WARP_GROUP):
+                if self.wg_row0 < tile[1]:
+                    read, release = self._stages(read, release, work.k_tiles, stage_arrivals(tile[1]))
+                else:
+                    read, release = skip_stages(read, release, work.k_tiles)
             else:
-                read, release = skip_stages(read, release, k_tiles)
+                read, release = self._stages(read, release, work.k_tiles)
+        return read, release
+
+    @cute.jit
+    def _stages(self, read, release, k_tiles, arrivals=None):
+        """The tile's ``k_tiles`` stages into the accumulator; each slot goes back with
+        ``consumer_release`` (``arrivals`` None) or :func:`release_stage`."""
+        tiled_mma, mainloop, acc, tCrA, tCrB = self.tiled_mma, self.pipe, self.acc, self.tCrA, self.tCrB
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.fence()
+        # First stage: issue and keep in flight.
+        mainloop.consumer_wait(read)
+        self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+        read.advance()
+        for k in range(1, k_tiles):
+            mainloop.consumer_wait(read)
+            self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+            # The previous stage's wgmmas are done: hand its slot back.
+            cute.nvgpu.warpgroup.wait_group(1)
+            release_stage(mainloop, release, arrivals)
+            release.advance()
+            read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        release_stage(mainloop, release, arrivals)
+        release.advance()
         return read, release
 
 
