@@ -237,9 +237,11 @@ def test_group_sizes_zero_skewed_giant_negative(rng, variant, sizes):
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runs_of_skipped_warp_groups_with_deep_k(rng, variant):
-    """Long runs of tiles whose second warp group skips (at most 64 valid rows), with
-    more K blocks per tile than pipeline slots: the other warp group hands each slot back
-    for both, so a slip in that bookkeeping shows up as wrong rows or a hang."""
+    """Long runs of tiles with at most 64 valid rows, with many more K stages per tile
+    than pipeline slots. Built with ``SKIP_EMPTY_WARP_GROUP`` (grouped_gemm_sm90), the
+    second warp group skips these tiles without touching the barriers and the first
+    hands each slot back for both: a slip in that bookkeeping (a stage read a phase early
+    or late) shows up here as wrong rows or a hang."""
     sizes = [64, 1, 63, 30, 64, 2, 0, 64, 40, 129, 64, 1, 64, 63, 7, 64, 192, 64, 3, 64]
     lhs, rhs = operands(rng, sum(sizes) + 50, 512, 2048, len(sizes))
     _check(lhs, rhs, np.array(sizes, np.int32), variant)

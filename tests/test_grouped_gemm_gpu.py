@@ -141,10 +141,11 @@ def test_partial_tiles_at_the_warp_group_boundary(rng, variant):
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runs_of_skipped_warp_groups_with_deep_k(rng, variant):
-    """Long runs of tiles whose second warp group skips, with many more K stages per tile
-    than pipeline slots: the skipping warp group passes the stages without touching the
-    barriers and the other hands each slot back for both, so a slip in that bookkeeping
-    (a stage read a phase early or late) shows up as wrong rows or a hang."""
+    """Long runs of tiles with at most 64 valid rows, with many more K stages per tile
+    than pipeline slots. Built with ``SKIP_EMPTY_WARP_GROUP`` (grouped_gemm_sm90), the
+    second warp group skips these tiles without touching the barriers and the first
+    hands each slot back for both: a slip in that bookkeeping (a stage read a phase early
+    or late) shows up here as wrong rows or a hang."""
     sizes = [64, 1, 63, 30, 64, 2, 0, 64, 40, 129, 64, 1, 64, 63, 7, 64, 192, 64, 3, 64]
     a, b = _operands(rng, sum(sizes) + 50, 512, 1024, len(sizes))
     _check(a, b, sizes, variant)
