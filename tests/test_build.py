@@ -32,6 +32,8 @@ def test_an_extension_built_for_another_jaxlib_is_stale(tmp_path, monkeypatch):
     """Both venvs of one Python version write the same file name: the jaxlib the file was
     compiled against (a marker in its bytes) decides, not only the modification times."""
     monkeypatch.setattr(build_kernels, "_running_jaxlib", lambda: "0.11.2")
+    monkeypatch.setattr(build_kernels, "SWITCH_STAMP", tmp_path / "no_stamp.json")
+    monkeypatch.delenv("JGM_SKIP_EMPTY_WARP_GROUP", raising=False)
     fake = tmp_path / "_kernels.so"
     fake.write_bytes(b"\x7fELF..." + build_kernels.BUILT_AGAINST_MARKER + b"0.12.0\0rest")
     assert build_kernels.built_against(fake) == "0.12.0"
@@ -41,6 +43,27 @@ def test_an_extension_built_for_another_jaxlib_is_stale(tmp_path, monkeypatch):
     assert build_kernels._up_to_date(fake)
     fake.write_bytes(b"an extension from before the marker")
     assert build_kernels.built_against(fake) is None and not build_kernels._up_to_date(fake)
+
+
+def test_an_extension_built_with_other_switches_is_stale(tmp_path, monkeypatch):
+    """Turning an experimental kernel switch on or off (docs/gpu.md) rebuilds."""
+    monkeypatch.setattr(build_kernels, "_running_jaxlib", lambda: "0.11.2")
+    stamp = tmp_path / "kernel_switches.json"
+    monkeypatch.setattr(build_kernels, "SWITCH_STAMP", stamp)
+    fake = tmp_path / "_kernels.so"
+    fake.write_bytes(b"\x7fELF..." + build_kernels.BUILT_AGAINST_MARKER + b"0.11.2\0rest")
+    monkeypatch.delenv("JGM_SKIP_EMPTY_WARP_GROUP", raising=False)
+    assert build_kernels._up_to_date(fake)  # no stamp: built with every switch off
+    monkeypatch.setenv("JGM_SKIP_EMPTY_WARP_GROUP", "1")
+    assert build_kernels.switches() == {"JGM_SKIP_EMPTY_WARP_GROUP": "1"}
+    assert not build_kernels._up_to_date(fake)
+    stamp.write_text('{"JGM_SKIP_EMPTY_WARP_GROUP": "1"}')
+    assert build_kernels._up_to_date(fake)
+    monkeypatch.setenv("JGM_SKIP_EMPTY_WARP_GROUP", "0")
+    assert not build_kernels._up_to_date(fake)
+    stamp.write_text("not json")
+    monkeypatch.delenv("JGM_SKIP_EMPTY_WARP_GROUP")
+    assert not build_kernels._up_to_date(fake)  # an unreadable record rebuilds
 
 
 def test_loading_an_extension_built_for_a_newer_jaxlib_warns():

@@ -96,11 +96,33 @@ def built_against(ext: pathlib.Path) -> str | None:
     return data[i + len(BUILT_AGAINST_MARKER):end].decode("ascii", errors="replace")
 
 
+# Experimental kernel switches, read from the build's environment (docs/gpu.md); the
+# settings of the last build are kept in SWITCH_STAMP, so changing one rebuilds.
+SWITCHES = ("JGM_SKIP_EMPTY_WARP_GROUP",)
+SWITCH_STAMP = BUILD / "kernel_switches.json"
+
+
+def switches() -> dict[str, str]:
+    """The switches this environment turns on (set to "1", as the kernels read them)."""
+    return {k: "1" for k in SWITCHES if os.environ.get(k) == "1"}
+
+
+def _built_switches() -> dict | None:
+    """The switches of the last build (none recorded: all off; unreadable: None)."""
+    try:
+        return json.loads(SWITCH_STAMP.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+
+
 def _up_to_date(ext: pathlib.Path) -> bool:
-    """Newer than every input and compiled against the jaxlib that runs now (a build for
-    another jaxlib, e.g. a device's, has the same file name but is stale here)."""
+    """Newer than every input, compiled against the jaxlib that runs now (a build for
+    another jaxlib, e.g. a device's, has the same file name but is stale here) and with
+    the switches this environment sets."""
     running = _running_jaxlib()
-    if not running or built_against(ext) != running:
+    if not running or built_against(ext) != running or _built_switches() != switches():
         return False
     return all(f.stat().st_mtime <= ext.stat().st_mtime for f in _inputs())
 
@@ -194,8 +216,10 @@ def main(argv=None) -> int:
           "-Wl,--no-whole-archive", *[f"-L{d}" for d in libdirs],
           "-lcudart_static", "-ldl", "-lpthread", "-lrt",
           "-Wl,--exclude-libs,ALL", "-s"])
+    SWITCH_STAMP.write_text(json.dumps(switches()))
+    on = ", ".join(switches())
     print(f"[build_kernels] built {out.relative_to(ROOT)} ({out.stat().st_size / 1e6:.1f} MB) "
-          f"in {time.time() - t0:.0f}s", flush=True)
+          f"in {time.time() - t0:.0f}s" + (f", with the experimental {on}" if on else ""), flush=True)
     return 0
 
 
