@@ -80,8 +80,9 @@ EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memor
 # Experimental, off (issue 20; docs/notes/2026-12-02-skew.md, "Session 35"): on a tile
 # with at most 64 valid rows the second consumer warp group skips its wgmmas and passes
 # the stages untouched (:func:`skip_stages`), in the bf16 mainloop and the fp8_block one.
-# Off, the kernels are byte for byte those without it. Not yet measured on a GPU: set
-# JGM_SKIP_EMPTY_WARP_GROUP=1 in the environment of the build to get it.
+# Off, the kernels are byte for byte those without it. Correct, but measured slower under
+# skewed sizes (with the static persistent schedule, cheaper tiles cost the L2 sharing of
+# weight tiles). JGM_SKIP_EMPTY_WARP_GROUP=1 in the build's environment turns it on.
 SKIP_EMPTY_WARP_GROUP = os.environ.get("JGM_SKIP_EMPTY_WARP_GROUP") == "1"
 
 
