@@ -42,3 +42,10 @@ def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4, *
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{what} failed (rc={proc.returncode}):\n{out[-20000:]}"
     assert "skipped" not in out.splitlines()[-1], f"{what} were skipped:\n{out[-5000:]}"
+
+
+# Group sizes for the GEMM kernels' deep-K cases: long runs of tiles with at most 64 valid
+# rows (with SKIP_EMPTY_WARP_GROUP, grouped_gemm_sm90, the second warp group skips them
+# and the first hands each pipeline slot back for both), with full and empty groups
+# between them.
+SKIPPED_WARP_GROUP_RUNS = (64, 1, 63, 30, 64, 2, 0, 64, 40, 129, 64, 1, 64, 63, 7, 64, 192, 64, 3, 64)

@@ -33,7 +33,7 @@ import pytest
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import fp8_block
 from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
-from gpu_helpers import has_gpu
+from gpu_helpers import SKIPPED_WARP_GROUP_RUNS, has_gpu
 
 B = fp8_block.BLOCK
 
@@ -237,12 +237,10 @@ def test_group_sizes_zero_skewed_giant_negative(rng, variant, sizes):
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runs_of_skipped_warp_groups_with_deep_k(rng, variant):
-    """Long runs of tiles with at most 64 valid rows, with many more K stages per tile
-    than pipeline slots. Built with ``SKIP_EMPTY_WARP_GROUP`` (grouped_gemm_sm90), the
-    second warp group skips these tiles without touching the barriers and the first
-    hands each slot back for both: a slip in that bookkeeping (a stage read a phase early
-    or late) shows up here as wrong rows or a hang."""
-    sizes = [64, 1, 63, 30, 64, 2, 0, 64, 40, 129, 64, 1, 64, 63, 7, 64, 192, 64, 3, 64]
+    """:data:`gpu_helpers.SKIPPED_WARP_GROUP_RUNS` with 16 K blocks of 128 per tile, more than the
+    pipeline has slots: with the warp-group skip built in, a stage read a phase early or
+    late shows up as wrong rows or a hang."""
+    sizes = list(SKIPPED_WARP_GROUP_RUNS)
     lhs, rhs = operands(rng, sum(sizes) + 50, 512, 2048, len(sizes))
     _check(lhs, rhs, np.array(sizes, np.int32), variant)
 

@@ -22,7 +22,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import primitives, reference
-from gpu_helpers import has_gpu
+from gpu_helpers import SKIPPED_WARP_GROUP_RUNS, has_gpu
 
 
 needs_kernels = pytest.mark.skipif(
@@ -141,12 +141,10 @@ def test_partial_tiles_at_the_warp_group_boundary(rng, variant):
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runs_of_skipped_warp_groups_with_deep_k(rng, variant):
-    """Long runs of tiles with at most 64 valid rows, with many more K stages per tile
-    than pipeline slots. Built with ``SKIP_EMPTY_WARP_GROUP`` (grouped_gemm_sm90), the
-    second warp group skips these tiles without touching the barriers and the first
-    hands each slot back for both: a slip in that bookkeeping (a stage read a phase early
-    or late) shows up here as wrong rows or a hang."""
-    sizes = [64, 1, 63, 30, 64, 2, 0, 64, 40, 129, 64, 1, 64, 63, 7, 64, 192, 64, 3, 64]
+    """:data:`gpu_helpers.SKIPPED_WARP_GROUP_RUNS` with 16 K stages of 64 per tile, more than the
+    pipeline has slots: with the warp-group skip built in, a stage read a phase early or
+    late shows up as wrong rows or a hang."""
+    sizes = list(SKIPPED_WARP_GROUP_RUNS)
     a, b = _operands(rng, sum(sizes) + 50, 512, 1024, len(sizes))
     _check(a, b, sizes, variant)
 
