@@ -33,7 +33,8 @@ def test_an_extension_built_for_another_jaxlib_is_stale(tmp_path, monkeypatch):
     compiled against (a marker in its bytes) decides, not only the modification times."""
     monkeypatch.setattr(build_kernels, "_running_jaxlib", lambda: "0.11.2")
     monkeypatch.setattr(build_kernels, "SWITCH_STAMP", tmp_path / "no_stamp.json")
-    monkeypatch.delenv("JGM_SKIP_EMPTY_WARP_GROUP", raising=False)
+    for name in build_kernels.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
     fake = tmp_path / "_kernels.so"
     fake.write_bytes(b"\x7fELF..." + build_kernels.BUILT_AGAINST_MARKER + b"0.12.0\0rest")
     assert build_kernels.built_against(fake) == "0.12.0"
@@ -52,7 +53,8 @@ def test_an_extension_built_with_other_switches_is_stale(tmp_path, monkeypatch):
     monkeypatch.setattr(build_kernels, "SWITCH_STAMP", stamp)
     fake = tmp_path / "_kernels.so"
     fake.write_bytes(b"\x7fELF..." + build_kernels.BUILT_AGAINST_MARKER + b"0.11.2\0rest")
-    monkeypatch.delenv("JGM_SKIP_EMPTY_WARP_GROUP", raising=False)
+    for name in build_kernels.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
     assert build_kernels._up_to_date(fake)  # no stamp: built with every switch off
     monkeypatch.setenv("JGM_SKIP_EMPTY_WARP_GROUP", "1")
     assert build_kernels.switches() == {"JGM_SKIP_EMPTY_WARP_GROUP": "1"}
@@ -64,6 +66,9 @@ def test_an_extension_built_with_other_switches_is_stale(tmp_path, monkeypatch):
     stamp.write_text("not json")
     monkeypatch.delenv("JGM_SKIP_EMPTY_WARP_GROUP")
     assert not build_kernels._up_to_date(fake)  # an unreadable record rebuilds
+    stamp.write_text("{}")
+    monkeypatch.setenv("JGM_DYNAMIC_TILES", "1")  # the dynamic tile order is a switch too
+    assert not build_kernels._up_to_date(fake)
 
 
 def test_loading_an_extension_built_for_a_newer_jaxlib_warns():

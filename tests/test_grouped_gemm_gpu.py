@@ -198,15 +198,18 @@ def test_handler_rejects_bad_buffers():
     a = jnp.zeros((64, 64), jnp.bfloat16)
     b = jnp.zeros((2, 64, 64), jnp.bfloat16)
     gs = jnp.asarray([32, 32], jnp.int32)
-    bad_out = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+
+    def call(results, gs):
+        fn = lambda a, b, gs: jax.ffi.ffi_call(gemm_ffi.GROUPED_GEMM_TARGET, results)(a, b, gs, variant=np.int32(0))
+        jax.block_until_ready(jax.jit(fn)(a, b, gs))
+
     with pytest.raises(Exception, match="out"):
-        jax.block_until_ready(
-            jax.jit(lambda a, b, gs: jax.ffi.ffi_call(gemm_ffi.GROUPED_GEMM_TARGET, bad_out)(a, b, gs, variant=np.int32(0)))(a, b, gs)
-        )
+        call((jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), gemm_ffi.TILE_COUNTER), gs)
     with pytest.raises(Exception, match="group_sizes"):
-        jax.block_until_ready(
-            jax.jit(lambda a, b, gs: jax.ffi.ffi_call(gemm_ffi.GROUPED_GEMM_TARGET, jax.ShapeDtypeStruct((64, 64), jnp.bfloat16))(a, b, gs, variant=np.int32(0)))(a, b, jnp.asarray([1, 2, 3], jnp.int32))
-        )
+        call((out, gemm_ffi.TILE_COUNTER), jnp.asarray([1, 2, 3], jnp.int32))
+    with pytest.raises(Exception, match="tile_counter"):
+        call((out, jax.ShapeDtypeStruct((2,), jnp.int32)), gs)
     with pytest.raises(Unsupported, match="multiples of 8"):
         gemm_ffi.grouped_gemm_bf16_cuda(jnp.zeros((4, 12), jnp.bfloat16), jnp.zeros((2, 12, 8), jnp.bfloat16), gs)
 

@@ -98,7 +98,7 @@ def built_against(ext: pathlib.Path) -> str | None:
 
 # Experimental kernel switches, read from the build's environment (docs/gpu.md); the
 # settings of the last build are kept in SWITCH_STAMP, so changing one rebuilds.
-SWITCHES = ("JGM_SKIP_EMPTY_WARP_GROUP",)
+SWITCHES = ("JGM_SKIP_EMPTY_WARP_GROUP", "JGM_DYNAMIC_TILES")
 SWITCH_STAMP = BUILD / "kernel_switches.json"
 
 
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         includes += ["-isystem", str(d)]  # third-party headers: no warnings from them
     cxx = os.environ.get("CXX", "g++")
     flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall",
-             f'-DJGM_JAXLIB_VERSION="{_running_jaxlib()}"']
+             f'-DJGM_JAXLIB_VERSION="{_running_jaxlib()}"', *(f"-D{name}=1" for name in switches())]
     procs, objs = [], []
     for src in SOURCES:
         obj = odir / (pathlib.Path(src).stem + ".o")

@@ -80,10 +80,12 @@ def _fake(dtype, shape, order=None, align: int = 16):
     order = tuple(reversed(range(len(shape)))) if order is None else order
     return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align, use_32bit_stride=True)
 
-def _grouped_gemm_args(b_k_major: bool = False):
-    """Fake (lhs [M, K], rhs seen as (N, K, G), out [M, N], group_sizes, num_ctas, stream).
+def _grouped_gemm_args(b_k_major: bool = False, tile_counter: bool = True):
+    """Fake (lhs [M, K], rhs seen as (N, K, G), out [M, N], group_sizes, tile_counter [1],
+    num_ctas, stream); ``tile_counter=False`` leaves the counter out.
 
     rhs is N-contiguous (JAX's [G, K, N]), or K-contiguous (JAX's [G, N, K]) for ``b_k_major``.
+    The counter has a symbolic length, so its exported struct is the other rank-1 tensors'.
     """
     import cutlass
     import cutlass.cute as cute
@@ -96,6 +98,7 @@ def _grouped_gemm_args(b_k_major: bool = False):
     return (t(cutlass.BFloat16, (m, k), (1, 0)),
             t(cutlass.BFloat16, (n, k, g), (1, 0, 2) if b_k_major else (0, 1, 2)),
             t(cutlass.BFloat16, (m, n), (1, 0)), t(cutlass.Int32, (g,), (0,), align=4),
+            *((t(cutlass.Int32, (cute.sym_int32(),), (0,), align=4),) if tile_counter else ()),
             cutlass.Int32(132), make_fake_stream())
 
 
@@ -107,7 +110,7 @@ def _grouped_gemm_qw_args(b_k_major: bool):
     import cutlass
     import cutlass.cute as cute
 
-    *head, num_ctas, stream = _grouped_gemm_args(b_k_major)
+    *head, num_ctas, stream = _grouped_gemm_args(b_k_major, tile_counter=False)
     choice = _fake(cutlass.Int32, (cute.sym_int32(),), (0,), align=4)
     return (*head, choice, cutlass.Int32(0), cutlass.Int32(1), num_ctas, stream)
 

@@ -73,7 +73,9 @@ from cutlass import Float32, Int32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
+from jax_grouped_mlp.kernels.tile_scheduler import (
+    HANDOFF_SLOTS, SegmentTileScheduler, TileHandoff, TileWork, TraceTimeObject,
+)
 
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
 EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memory)
@@ -84,6 +86,11 @@ EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memor
 # skewed sizes (with the static persistent schedule, cheaper tiles cost the L2 sharing of
 # weight tiles). JGM_SKIP_EMPTY_WARP_GROUP=1 in the build's environment turns it on.
 SKIP_EMPTY_WARP_GROUP = os.environ.get("JGM_SKIP_EMPTY_WARP_GROUP") == "1"
+# Experimental, off (issue 20; the skew notes, "Session 36"): the plain grouped GEMM takes
+# its tiles in a dynamic order (:class:`TileHandoff`: a global atomic counter, zeroed by the
+# handler before each launch) instead of CTA b taking b, b + grid, ... Off, the kernels
+# ignore the counter. JGM_DYNAMIC_TILES=1 in the build's environment turns it on.
+DYNAMIC_TILES = os.environ.get("JGM_DYNAMIC_TILES") == "1"
 
 
 
@@ -177,6 +184,8 @@ class GroupedGemmConfig:
 class GroupedGemmSm90:
     """Persistent warp-specialized TMA + wgmma grouped GEMM; see the module docstring."""
 
+    dynamic_tiles = False  # a kernel whose tiles come from a TileHandoff sets it (trace time)
+
     def __init__(self, config: GroupedGemmConfig):
         self.config = config
         self.tile_m = config.tile_m
@@ -206,11 +215,13 @@ class GroupedGemmSm90:
         b: cute.Tensor,  # (N, K, G) bf16: N contiguous (JAX's [G, K, N]) or K contiguous ([G, N, K])
         out: cute.Tensor,  # (M, N) bf16, N contiguous
         group_sizes: cute.Tensor,  # (G,) int32
+        tile_counter: cute.Tensor,  # (1,) int32, zeroed before the launch (DYNAMIC_TILES)
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
+        self.dynamic_tiles = DYNAMIC_TILES
         tma, smem_layouts = self._prepare(a, b, out)
-        self.kernel(*tma, out, group_sizes, self.tiled_mma, *smem_layouts).launch(
+        self.kernel(*tma, out, group_sizes, tile_counter, self.tiled_mma, *smem_layouts).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
             min_blocks_per_mp=1,
@@ -275,7 +286,13 @@ class GroupedGemmSm90:
             )
             tma_out_pair = (tma_atom_out, tma_out)
 
-        self.shared_storage = gemm_shared_storage(self, a_smem, b_smem, epi_smem)
+        handoff = {}
+        if cutlass.const_expr(self.dynamic_tiles):
+            handoff = {
+                "tile_bars": cute.struct.MemRange[cutlass.Int64, HANDOFF_SLOTS * 2],
+                "tile_ring": cute.struct.MemRange[Int32, HANDOFF_SLOTS],
+            }
+        self.shared_storage = gemm_shared_storage(self, a_smem, b_smem, epi_smem, **handoff)
         return (tma_atom_a, tma_a, tma_atom_b, tma_b) + tma_out_pair, (a_smem, b_smem, epi_smem)
 
     @cute.jit
@@ -314,6 +331,14 @@ class GroupedGemmSm90:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
+        if cutlass.const_expr(self.dynamic_tiles):  # the TileHandoff's barriers
+            self.handoff_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.tile_bars.data_ptr(),
+                num_stages=HANDOFF_SLOTS,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_warp_groups),
+                defer_sync=True,
+            )
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -535,7 +560,7 @@ class GroupedGemmSm90:
     @cute.jit
     def _setup_and_produce(
         self, rows: "TmaLoad", weight: "TmaLoad", mOut: cute.Tensor, group_sizes: cute.Tensor, smem_layouts,
-        cta: "CtaIds", swapped: bool = False,
+        cta: "CtaIds", swapped: bool = False, tile_counter: cute.Tensor | None = None,
     ):
         """The kernel body up to the consumers (bf16 B): shared memory and pipeline, the B
         partition, the cursor start, and warp group 0 as the TMA producer (warp 0).
@@ -545,6 +570,8 @@ class GroupedGemmSm90:
         ``smem`` is unset: allocated here from ``smem_layouts`` ``(a, b, epi)``. ``swapped``
         (the ``_qw`` kernel, whose wgmma takes the weight as A): the weight lives in the
         first shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
+        ``tile_counter`` (with ``dynamic_tiles``): the global counter of the dynamic tile
+        order (:class:`TileHandoff`); without it CTA ``b`` takes tiles ``b, b + grid, ...``.
 
         Returns ``(mainloop, sA, sB, sC, warp_group, work)`` for the consumers (warp
         groups 1 and 2): the TMA pipeline, the shared-memory buffers (``sA``/``sB`` in
@@ -571,19 +598,26 @@ class GroupedGemmSm90:
 
         # Cursor start: segment 0 (or the tail directly when G == 0).
         seg0 = SegmentTileScheduler.first_segment(group_sizes, m, n_tiles, self.seg_tile)
+        producer_source, consumer_source = None, None
+        if cutlass.const_expr(self.dynamic_tiles):
+            ring = self.smem_storage.tile_ring.get_tensor(cute.make_layout(HANDOFF_SLOTS))
+            producer_source = TileHandoff(tile_counter, ring, self.handoff_pipe, gdim, producer=True)
+            consumer_source = TileHandoff(tile_counter, ring, self.handoff_pipe, gdim, producer=False)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 sched = SegmentTileScheduler.create(
-                    group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0
+                    group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, source=producer_source
                 )
                 loads = SegmentLoads(
                     self, TmaLoad(rows.atom, rows.gmem, s_rows), TmaLoad(weight.atom, tBgB, tBsB), k_tiles
                 )
                 self._produce_tiles(mainloop, state, sched, loads)
-        work = TileWork(group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0)
+        work = TileWork(
+            group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, source=consumer_source
+        )
         return mainloop, sA, sB, sC, warp_group, work
 
     @cute.kernel
@@ -597,6 +631,7 @@ class GroupedGemmSm90:
         mOutTma: cute.Tensor,  # TMA coordinate tensor (M, N)
         mOut: cute.Tensor,  # (M, N)
         group_sizes: cute.Tensor,
+        tile_counter: cute.Tensor,  # (1,) int32: the dynamic tile order's counter (DYNAMIC_TILES)
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -604,7 +639,8 @@ class GroupedGemmSm90:
     ):
         cta = self._kernel_start((tma_atom_a, tma_atom_b, tma_atom_out))
         pipe, sA, sB, sC, warp_group, work = self._setup_and_produce(
-            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mOut, group_sizes, (a_smem, b_smem, epi_smem), cta
+            TmaLoad(tma_atom_a, mA), TmaLoad(tma_atom_b, mB), mOut, group_sizes, (a_smem, b_smem, epi_smem), cta,
+            tile_counter=tile_counter,
         )
         if warp_group != 0:
             cute.arch.setmaxregister_increase(self.mma_regs)

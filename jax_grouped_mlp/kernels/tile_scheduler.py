@@ -5,7 +5,9 @@ group ``g``'s rows (sizes clamped so every segment lies inside ``[0, M)``), segm
 the rows past ``sum(group_sizes)``. Each segment is cut into row tiles of ``seg_tile``
 that never cross its end, times ``n_tiles`` column tiles, numbered segment by segment and,
 inside a segment, in panels of ``panel_m`` row tiles (column tile outer). CTA ``b`` of a
-persistent grid of ``gdim`` takes tiles ``b, b + gdim, ...``.
+persistent grid of ``gdim`` takes tiles ``b, b + gdim, ...`` (static order), or, with a
+:class:`TileHandoff`, tile ``b`` and then whichever tile a global atomic counter hands it
+next (dynamic order: the running tiles stay a contiguous window whatever each costs).
 
 :class:`SegmentTileScheduler` is that walk for one warp role: the current tile ``t`` and
 the forward-only cursor over the segments (one ``group_sizes`` load per group boundary
@@ -26,6 +28,7 @@ import copy
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
@@ -58,19 +61,71 @@ class TraceTimeObject:
         return self
 
 
+HANDOFF_SLOTS = 4  # tile indices in flight from the producer warp to the consumer warp groups
+
+
+class TileHandoff(TraceTimeObject):
+    """The dynamic tile order of a persistent kernel, one side of it: the producer warp
+    takes each next tile from a global counter (zeroed before the launch; tile
+    ``gdim + ticket``, after every CTA's static first tile ``bidx``) and hands its index to
+    the consumer warp groups through ``HANDOFF_SLOTS`` shared-memory slots (``ring``, with
+    the ``pipe`` of full and empty barriers: 32 producer arrivals, 256 consumer ones).
+
+    Tickets only grow, so each role's tiles come in increasing order and the
+    :class:`SegmentTileScheduler` cursor, which only moves forward, works unchanged. The
+    result does not depend on which CTA takes a tile (each tile is computed whole by one
+    CTA), so the output stays bitwise deterministic. ``n``: the handoffs this role has
+    made so far (the scheduler's ``handoff`` field)."""
+
+    def __init__(self, counter: cute.Tensor, ring: cute.Tensor, pipe, gdim, producer: bool):
+        self.counter = counter
+        self.ring = ring
+        self.pipe = pipe
+        self.gdim = gdim
+        self.producer = producer
+
+    @cute.jit
+    def next_tile(self, n: Int32) -> Int32:
+        """This role's next tile (handoff ``n``): the producer claims and publishes it, the
+        consumers wait for it and read it."""
+        slot = n % HANDOFF_SLOTS
+        lap = (n // HANDOFF_SLOTS) % 2
+        t = Int32(0)
+        if cutlass.const_expr(self.producer):
+            ticket = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                ticket = Int32(cute.arch.atomic_add(self.counter.iterator, Int32(1)))
+            t = Int32(cute.arch.shuffle_sync(ticket, offset=0)) + self.gdim
+            state = pipeline.PipelineState(HANDOFF_SLOTS, n, slot, lap ^ 1)
+            self.pipe.producer_acquire(state)
+            self.ring[slot] = t
+            self.pipe.producer_commit(state)
+        else:
+            state = pipeline.PipelineState(HANDOFF_SLOTS, n, slot, lap)
+            self.pipe.consumer_wait(state)
+            t = self.ring[slot]
+            self.pipe.consumer_release(state)
+        return t
+
+
 class SegmentTileScheduler:
     """This role's tile ``t`` and the segment cursor ``(seg, tile0, row0, rows, tiles[, blk0])``:
     tile ``t`` lies in segment ``seg``, whose first tile is ``tile0``, first row ``row0``,
     with ``rows`` rows and ``tiles`` tiles (:data:`BIG` past the tail).
 
     Immutable in use: :meth:`advance` returns the next position (the tile loops rebind it).
+    With a :class:`TileHandoff` (``source``) the next tile comes from it, and ``handoff``
+    counts the tiles it has handed this role so far.
     """
 
-    _DYNAMIC = ("t", "seg", "tile0", "row0", "rows", "tiles", "blk0")
+    _DYNAMIC = ("t", "seg", "tile0", "row0", "rows", "tiles", "blk0", "handoff")
 
     def __init__(self, group_sizes: cute.Tensor, m, n_tiles, gdim, seg_tile: int, panel_m: int,
-                 t, seg, tile0, row0, rows, tiles, blk0=None, block_rows: int = BLOCK):
+                 t, seg, tile0, row0, rows, tiles, blk0=None, block_rows: int = BLOCK,
+                 handoff=None, source: "TileHandoff | None" = None):
         self.block_rows = block_rows  # rows per counted block (blk0), trace time
+        self.source = source  # trace time: None (static order) or this role's TileHandoff
+        self.handoff = handoff
         self.group_sizes = group_sizes
         self.m = m
         self.n_tiles = n_tiles
@@ -109,12 +164,14 @@ class SegmentTileScheduler:
 
     @staticmethod
     def create(group_sizes: cute.Tensor, m, n_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0,
-               blocks: bool | int = False) -> "SegmentTileScheduler":
+               blocks: bool | int = False, source: "TileHandoff | None" = None) -> "SegmentTileScheduler":
         """The cursor at this CTA's first tile ``bidx``; ``seg0`` from :meth:`first_segment`.
-        ``blocks``: count blocks of :data:`BLOCK` rows (True) or of that many rows (an int)."""
+        ``blocks``: count blocks of :data:`BLOCK` rows (True) or of that many rows (an int).
+        ``source``: this role's :class:`TileHandoff` (dynamic order), None for the static one."""
         start = SegmentTileScheduler(
             group_sizes, m, n_tiles, gdim, seg_tile, panel_m, Int32(bidx), Int32(0), Int32(0), Int32(0),
             seg0[0], seg0[1], Int32(0) if blocks else None, BLOCK if blocks is True else int(blocks or BLOCK),
+            Int32(0) if source is not None else None, source,
         )
         return start._seek(start.t)
 
@@ -146,13 +203,17 @@ class SegmentTileScheduler:
                     seg_tiles = Int32(BIG)
         return SegmentTileScheduler(
             group_sizes, m, n_tiles, self.gdim, self.seg_tile, self.panel_m, t, seg, seg_tile0, seg_row0,
-            seg_rows, seg_tiles, seg_blk0, self.block_rows,
+            seg_rows, seg_tiles, seg_blk0, self.block_rows, self.handoff, self.source,
         )
 
     def advance(self, tile=None) -> "SegmentTileScheduler":
-        """The cursor at this CTA's next tile (``t + gdim``; ``tile``, the current tile's
-        coordinates, is not needed here)."""
-        return self._seek(self.t + self.gdim)
+        """The cursor at this CTA's next tile: ``t + gdim``, or the :class:`TileHandoff`'s
+        next one (``tile``, the current tile's coordinates, is not needed here)."""
+        if self.source is None:
+            return self._seek(self.t + self.gdim)
+        moved = self._seek(self.source.next_tile(self.handoff))
+        moved.handoff = self.handoff + 1
+        return moved
 
     # ---- the current tile ----
 
@@ -184,9 +245,12 @@ class TileWork(TraceTimeObject):
     the problem (``group_sizes``, ``m`` ragged rows, ``n_tiles`` column tiles, ``k_tiles``
     pipeline stages per tile), the persistent grid (``bidx`` of ``gdim``), the tiling
     (``seg_tile`` rows per tile, ``panel_m``) and segment 0 (``seg0``,
-    :meth:`SegmentTileScheduler.first_segment`). Trace-time only: never loop-carried."""
+    :meth:`SegmentTileScheduler.first_segment`) and, for the dynamic order, the consumers'
+    :class:`TileHandoff`. Trace-time only: never loop-carried."""
 
-    def __init__(self, group_sizes: cute.Tensor, m, n_tiles, k_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0):
+    def __init__(self, group_sizes: cute.Tensor, m, n_tiles, k_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0,
+                 source: "TileHandoff | None" = None):
+        self.source = source  # the consumers' TileHandoff (dynamic order), or None
         self.group_sizes = group_sizes
         self.m = m
         self.n_tiles = n_tiles
@@ -202,7 +266,7 @@ class TileWork(TraceTimeObject):
         :meth:`SegmentTileScheduler.create`)."""
         return SegmentTileScheduler.create(
             self.group_sizes, self.m, self.n_tiles, self.bidx, self.gdim, self.seg_tile, self.panel_m, self.seg0,
-            blocks=blocks,
+            blocks=blocks, source=self.source,
         )
 
 

@@ -37,6 +37,9 @@ from jax_grouped_mlp._src.op import activation, heuristics
 from jax_grouped_mlp.kernels import registry
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
+# The grouped GEMM handler's second result: a scratch int32 the handler zeroes before each
+# launch (the dynamic tile order's counter, kernels/tile_scheduler.TileHandoff).
+TILE_COUNTER = jax.ShapeDtypeStruct((1,), jnp.int32)
 GROUPED_GEMM_QW_TARGET = "jgm_grouped_gemm_qw"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
 _MAX = 2**31
@@ -176,7 +179,9 @@ def grouped_gemm_bf16_cuda(
         names, n, variant, lambda v: registry.variant(v).rhs_k_major == transpose_rhs, f"{transpose_rhs=}"
     )
     out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    return jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out)(lhs, rhs, group_sizes, variant=index)
+    # The second result is the kernel's scratch (the dynamic tile order's counter).
+    result, _ = jax.ffi.ffi_call(GROUPED_GEMM_TARGET, (out, TILE_COUNTER))(lhs, rhs, group_sizes, variant=index)
+    return result
 
 
 def qw_tile_tokens(variant: str) -> int:
