@@ -16,6 +16,12 @@ E = TypeVar("E", bound=enum.Enum)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A numeric argument of the wrong type (a string, a bool, an array where a number
+    belongs). Both a TypeError, as Python reports a wrong type, and a ValueError, which
+    these checks raised for it before (code that catches ValueError keeps working)."""
+
+
 def is_real(value) -> bool:
     """Whether ``value`` is a real number: a Python or NumPy int or float, or a concrete
     0-d NumPy or JAX array of an int or float dtype; not a bool (nor a traced value)."""
@@ -30,9 +36,10 @@ def positive_float(
 ) -> float:
     """``value`` as a Python float if it is a real number (:func:`is_real`) above 0 (or at
     least 0 with ``allow_zero``), finite unless ``allow_inf``, and with ``float32``
-    within float32's range (it multiplies float32 arrays: ``1e300`` would become inf)."""
+    within float32's range (it multiplies float32 arrays: ``1e300`` would become inf).
+    Not a number (a string, an array): :class:`ArgumentTypeError`; out of range: ValueError."""
     if not is_real(value):
-        raise ValueError(f"{name} must be a number, got {name}={value!r}")
+        raise ArgumentTypeError(f"{name} must be a number, got {name}={value!r}")
     v = float(value)
     bad_inf = math.isinf(v) and not allow_inf
     if math.isnan(v) or bad_inf or v < 0 or (v == 0 and not allow_zero):
@@ -66,13 +73,14 @@ def checkpoint_policy(name: str, value):
 
 
 def positive_int(name: str, value) -> int:
-    """``value`` as an int if it is an integer (Python or numpy, not bool) above 0."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    """``value`` as an int if it is an integer (Python or numpy, not bool) above 0; not an
+    integer: :class:`ArgumentTypeError`; 0 or below: ValueError."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be a positive int, got {name}={value!r}")
     try:
         as_int = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}") from None
+        raise ArgumentTypeError(f"{name} must be a positive int, got {name}={value!r}") from None
     if as_int <= 0:
         raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
     return as_int
