@@ -6,15 +6,7 @@
 #   run(command="bash tools/gpu_check.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
 # Logs, JSON and PNG land in $OUT.
-set -o pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-# Preflight: an extension compiled against another jaxlib (e.g. after `make test` here
-# rebuilt it for the CPU venv) registers no handler XLA accepts; stop before the suite.
-python3 -c 'import jaxlib.version as v; from jax_grouped_mlp import _kernels as k
-b = getattr(k, "JAXLIB_VERSION", "?"); assert b == v.__version__, f"extension built against jaxlib {b}, running {v.__version__}: rebuild it with the device jaxlib"' \
-  || exit 3
-T0=$(date +%s); stamp() { echo "[gpu_check] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" gpu_check /tmp/gpu_out
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/env.txt" 2>&1
 timeout ${TEST_S:-420} python3 -m pytest -q -m gpu -n ${TEST_WORKERS:-4} tests --tb=short -p no:cacheprovider \

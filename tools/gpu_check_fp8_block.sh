@@ -5,10 +5,7 @@
 #   run(command="bash tools/gpu_check_fp8_block.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
 # Logs and the benchmark JSON land in $OUT.
-set -o pipefail
-OUT=${OUT:-/tmp/fp8_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s); stamp() { echo "[gpu_check_fp8_block] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" gpu_check_fp8_block /tmp/fp8_out
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/env.txt" 2>&1

@@ -4,10 +4,7 @@
 #   run(command="bash tools/gpu_check_gemm.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
 # Logs and the benchmark JSON/PNG land in $OUT (at most 8 files).
-set -o pipefail
-OUT=${OUT:-/tmp/gemm_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s); stamp() { echo "[gpu_check_gemm] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" gpu_check_gemm /tmp/gemm_out
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/env.txt" 2>&1

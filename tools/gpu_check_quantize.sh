@@ -8,11 +8,8 @@
 # With BASELINE_SO=path (an extension built from another commit, carried too) the
 # benchmark runs twice more, baseline then this build again, so the two can be compared
 # from one machine (quantize_baseline.json, quantize_new2.json). Logs and JSON land in $OUT.
-set -o pipefail
-OUT=${OUT:-/tmp/quantize_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source "$(dirname "$0")/gpu_common.sh" gpu_check_quantize /tmp/quantize_out
 SO=jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so
-T0=$(date +%s); stamp() { echo "[gpu_check_quantize] $1 at +$(( $(date +%s) - T0 ))s"; }
 
 # (test_fp8_block.py and test_prepared_weights.py: the op with the FP8 weight gradient on by
 # default and the forward's K-major weight copies, bitwise against prepared weights.)

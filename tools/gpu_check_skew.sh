@@ -6,10 +6,7 @@
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
 # About 7 minutes on an H200. Logs and JSON land in $OUT (at most 8 files); what they
 # answer is in docs/notes/2026-12-02-skew.md, "Session 34".
-set -o pipefail
-OUT=${OUT:-/tmp/skew_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s); stamp() { echo "[gpu_check_skew] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" gpu_check_skew /tmp/skew_out
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/env.txt" 2>&1

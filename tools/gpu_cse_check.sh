@@ -5,10 +5,7 @@
 # on, and in the loop again with jax.checkpoint(prevent_cse=False) (the offload must
 # survive it). (The committed runs had the flag's default on instead.)
 #   run(command="bash tools/gpu_cse_check.sh", carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
-set -o pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s); stamp() { echo "[cse_check] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" cse_check /tmp/gpu_out
 B="python3 benchmarks/bench_offload.py --ep-share --layers 8 --policies all_device,all_offload,o-d-d,d-o-d,d-d-o --inprocess --samples 3 --reload-after-cotangent"
 timeout ${TEST_S:-290} python3 -m pytest -q -p no:cacheprovider --tb=short -rf -m gpu -n 4 tests --timeout=280 \
     > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log"; tail -3 "$OUT/pytest_gpu.log"; stamp tests

@@ -4,10 +4,7 @@
 # 8 layers (compiled temp, step time, plot). ALL27=0: five policies, fresh-process peaks
 # of the loop, and the step with and without the fence instead.
 #   run(command="bash tools/gpu_fence_check.sh", carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
-set -o pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s); stamp() { echo "[fence_check] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" fence_check /tmp/gpu_out
 PT="python3 -m pytest -q -p no:cacheprovider --tb=short -rf"
 B="python3 benchmarks/bench_offload.py --ep-share"
 timeout ${TEST_S:-300} $PT -m gpu -n 4 tests --timeout=280 > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log"

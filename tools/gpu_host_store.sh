@@ -6,10 +6,7 @@
 # Carry the extension built against jax 0.11.2:
 #   run(command="bash tools/gpu_host_store.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
-set -o pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-T0=$(date +%s); stamp() { echo "[gpu_host_store] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" gpu_host_store /tmp/gpu_out keep-prealloc
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-240} python3 -m pytest -q -n 0 -m gpu \
   ${TESTS:-tests/test_host_store.py} -p no:cacheprovider -rf -x 2>&1 | tee "$OUT/pytest.log" | tail -6
 stamp tests

@@ -6,10 +6,7 @@
 # layer_stack over all 27 placements. Carry the extension built against jax 0.11.2:
 #   run(command="bash tools/gpu_layer_scan.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
-set -o pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-T0=$(date +%s); stamp() { echo "[gpu_layer_scan] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" gpu_layer_scan /tmp/gpu_out keep-prealloc
 timeout ${TEST_S:-240} python3 -m pytest -q -m gpu tests/test_layer_stack.py -p no:cacheprovider -rf 2>&1 \
   | tee "$OUT/pytest.log" | tail -4
 stamp tests

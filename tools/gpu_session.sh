@@ -6,10 +6,7 @@
 # defaults). Carry the extension:
 #   run(command="bash tools/gpu_session.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
-set -o pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s); stamp() { echo "[gpu_session] $1 at +$(( $(date +%s) - T0 ))s"; }
+source "$(dirname "$0")/gpu_common.sh" gpu_session /tmp/gpu_out
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; git log -1 --format=%H 2>/dev/null; } > "$OUT/env.txt" 2>&1
 PT="python3 -m pytest -q -p no:cacheprovider --tb=short -rf"
