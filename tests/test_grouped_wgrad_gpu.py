@@ -212,10 +212,14 @@ def test_no_rows_no_groups_and_bad_buffers(rng):
     out = _kernel(jnp.zeros((0, 64), jnp.bfloat16), jnp.zeros((0, 64), jnp.bfloat16), jnp.asarray([0, 0]))
     assert out.shape == (2, 64, 64) and not np.asarray(out.astype(jnp.float32)).any()
     assert _kernel(x, dy, jnp.zeros((0,), jnp.int32)).shape == (0, 64, 64)
-    bad_out = jax.ShapeDtypeStruct((2, 64, 32), jnp.bfloat16)
+    def raw(results, variant=0):
+        call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_TARGET, results)
+        jax.block_until_ready(jax.jit(lambda a, b, gs: call(a, b, gs, variant=np.int32(variant)))(x, dy, jnp.asarray([32, 32])))
+
     with pytest.raises(Exception, match="out"):
-        call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_TARGET, bad_out)
-        jax.block_until_ready(jax.jit(lambda a, b, gs: call(a, b, gs, variant=np.int32(0)))(x, dy, jnp.asarray([32, 32])))
+        raw((jax.ShapeDtypeStruct((2, 64, 32), jnp.bfloat16), gemm_ffi.TILE_COUNTER))
+    with pytest.raises(Exception, match="tile_counter"):
+        raw((jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32)))
     with pytest.raises(Unsupported, match="multiples of 8"):
         gemm_ffi.grouped_wgrad_bf16_cuda(jnp.zeros((4, 12), jnp.bfloat16), jnp.zeros((4, 8), jnp.bfloat16), jnp.asarray([4]))
     with pytest.raises(TypeError, match="out_dtype"):
@@ -224,8 +228,7 @@ def test_no_rows_no_groups_and_bad_buffers(rng):
     f32_variant = gemm_ffi.grouped_wgrad_variants().index(gemm_ffi.default_variant(64, tuple(
         v for v in gemm_ffi.grouped_wgrad_variants() if v.endswith("_f32"))))
     with pytest.raises(Exception, match="out"):
-        call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_TARGET, bf16_out_for_f32_variant)
-        jax.block_until_ready(jax.jit(lambda a, b, gs: call(a, b, gs, variant=np.int32(f32_variant)))(x, dy, jnp.asarray([32, 32])))
+        raw((bf16_out_for_f32_variant, gemm_ffi.TILE_COUNTER), f32_variant)
     with pytest.raises(ValueError, match="row mismatch"):
         gemm_ffi.grouped_wgrad_bf16_cuda(x, dy[:32], jnp.asarray([4]))
 

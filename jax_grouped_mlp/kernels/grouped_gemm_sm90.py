@@ -86,8 +86,8 @@ EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memor
 # skewed sizes (with the static persistent schedule, cheaper tiles cost the L2 sharing of
 # weight tiles). JGM_SKIP_EMPTY_WARP_GROUP=1 in the build's environment turns it on.
 SKIP_EMPTY_WARP_GROUP = os.environ.get("JGM_SKIP_EMPTY_WARP_GROUP") == "1"
-# Experimental, off (issue 20; the skew notes, "Session 36"): the plain grouped GEMM takes
-# its tiles in a dynamic order (:class:`TileHandoff`: a global atomic counter, zeroed by the
+# Experimental, off (issue 20; the skew notes, "Session 36"): the plain grouped GEMM and the
+# bf16 weight gradient (grouped_wgrad_sm90) take their tiles in a dynamic order (:class:`TileHandoff`: a global atomic counter, zeroed by the
 # handler before each launch) instead of CTA b taking b, b + grid, ... Off, the kernels
 # ignore the counter. JGM_DYNAMIC_TILES=1 in the build's environment turns it on.
 DYNAMIC_TILES = os.environ.get("JGM_DYNAMIC_TILES") == "1"
@@ -345,6 +345,16 @@ class GroupedGemmSm90:
         sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         return mainloop, sA, sB, sC
 
+    def _tile_handoffs(self, tile_counter: cute.Tensor | None, gdim):
+        """``(producer's, consumers')`` :class:`TileHandoff` of the dynamic tile order over
+        ``tile_counter`` (inside the kernel, after :meth:`_shared_and_pipeline`), or
+        ``(None, None)`` for the static order (``dynamic_tiles`` unset)."""
+        if cutlass.const_expr(not self.dynamic_tiles):
+            return None, None
+        ring = self.smem_storage.tile_ring.get_tensor(cute.make_layout(HANDOFF_SLOTS))
+        return (TileHandoff(tile_counter, ring, self.handoff_pipe, gdim, producer=True),
+                TileHandoff(tile_counter, ring, self.handoff_pipe, gdim, producer=False))
+
     def _mma_fragments(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, ctid):
         """Consumer thread ``ctid``'s wgmma operand fragments and fp32 accumulator."""
         thr_mma = tiled_mma.get_slice(ctid)
@@ -598,11 +608,7 @@ class GroupedGemmSm90:
 
         # Cursor start: segment 0 (or the tail directly when G == 0).
         seg0 = SegmentTileScheduler.first_segment(group_sizes, m, n_tiles, self.seg_tile)
-        producer_source, consumer_source = None, None
-        if cutlass.const_expr(self.dynamic_tiles):
-            ring = self.smem_storage.tile_ring.get_tensor(cute.make_layout(HANDOFF_SLOTS))
-            producer_source = TileHandoff(tile_counter, ring, self.handoff_pipe, gdim, producer=True)
-            consumer_source = TileHandoff(tile_counter, ring, self.handoff_pipe, gdim, producer=False)
+        producer_source, consumer_source = self._tile_handoffs(tile_counter, gdim)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)

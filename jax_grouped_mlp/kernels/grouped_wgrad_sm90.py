@@ -45,9 +45,9 @@ from cutlass import Int32
 from cutlass.pipeline import pipeline_init_wait
 
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
+    DYNAMIC_TILES, EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
 )
-from jax_grouped_mlp.kernels.tile_scheduler import GroupTileScheduler, TraceTimeObject
+from jax_grouped_mlp.kernels.tile_scheduler import GroupTileScheduler, TileHandoff, TraceTimeObject
 
 MMA_K = 16  # token rows per bf16 wgmma (a k-block): the granularity of the last slice
 
@@ -92,11 +92,13 @@ class GroupedWgradSm90(GroupedGemmSm90):
         b: cute.Tensor,  # (N, M) bf16, N contiguous (JAX's dY [M, N])
         out: cute.Tensor,  # (K, N, G) bf16, N contiguous (JAX's [G, K, N])
         group_sizes: cute.Tensor,  # (G,) int32
+        tile_counter: cute.Tensor,  # (1,) int32, zeroed before the launch (DYNAMIC_TILES)
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
+        self.dynamic_tiles = DYNAMIC_TILES
         tma, smem_layouts = self._prepare(a, b, out)
-        self.wgrad_kernel(*tma, group_sizes, self.tiled_mma, *smem_layouts).launch(
+        self.wgrad_kernel(*tma, group_sizes, tile_counter, self.tiled_mma, *smem_layouts).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream
         )
 
@@ -198,6 +200,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
         tma_atom_out: cute.CopyAtom,
         mOutTma: cute.Tensor,  # TMA coordinate tensor (K, N, G)
         group_sizes: cute.Tensor,
+        tile_counter: cute.Tensor,  # (1,) int32: the dynamic tile order's counter (DYNAMIC_TILES)
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -215,13 +218,17 @@ class GroupedWgradSm90(GroupedGemmSm90):
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         size0 = cutlass.min(cutlass.max(Int32(group_sizes[0]), Int32(0)), m)
 
-        work = GroupWork(group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
+        producer_source, consumer_source = self._tile_handoffs(tile_counter, gdim)
+        work = GroupWork(group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0, consumer_source)
+        carry_order = ("sched.g", "sched.start", "sched.size", "epi_count", "sched.t", "read", "release")
+        if cutlass.const_expr(self.dynamic_tiles):
+            carry_order += ("sched.handoff",)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                sched = work.scheduler()
+                sched = work.scheduler(source=producer_source)
                 loads = GroupLoads(self, TmaLoad(tma_atom_a, mA, sA), TmaLoad(tma_atom_b, mB, sB))
                 self._produce_tiles(mainloop, state, sched, loads)
         else:
@@ -229,8 +236,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
             self._consumer(
                 WgradMainloop(self, tiled_mma, mainloop, sA, sB),
                 WgradStoreEpilogue(self, StoreTarget(sC, tma_atom_out, mOutTma, None), warp_idx),
-                work, tidx - 128,
-                carry_order=("sched.g", "sched.start", "sched.size", "epi_count", "sched.t", "read", "release"),
+                work, tidx - 128, carry_order=carry_order,
             )
 
 
@@ -238,11 +244,15 @@ class GroupWork(TraceTimeObject):
     """One CTA's share of the weight gradient (the :class:`TileWork` of
     :class:`GroupTileScheduler`): no fixed stage count, a tile's K is its group's rows."""
 
-    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0,
+                 source: TileHandoff | None = None):
         self.args = (group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0)
+        self.source = source  # the consumers' TileHandoff (dynamic order), or None
 
-    def scheduler(self, blocks: bool = False) -> GroupTileScheduler:
-        return GroupTileScheduler.create(*self.args)
+    def scheduler(self, blocks: bool = False, source: TileHandoff | None = None) -> GroupTileScheduler:
+        """A role's cursor at this CTA's first tile: the consumers' (``source`` None: the
+        one given at construction) or the producer's (its own ``source``)."""
+        return GroupTileScheduler.create(*self.args, source=source if source is not None else self.source)
 
 
 class GroupLoads(TraceTimeObject):

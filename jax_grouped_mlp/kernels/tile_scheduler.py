@@ -280,11 +280,15 @@ class GroupTileScheduler:
     Same use as :class:`SegmentTileScheduler`: ``while sched.valid()``, ``tile_coords()``,
     ``advance(tile)``. Here :meth:`tile_coords` moves the cursor to the tile's group (the
     moved cursor is the tile's first element) and :meth:`advance` continues from it.
+    With a :class:`TileHandoff` (``source``; this class only, not its subclass) the next
+    tile comes from it and ``handoff`` counts the tiles it has handed this role.
     """
 
-    _DYNAMIC = ("g", "start", "size", "t")  # (the order the kernel's loops carried them in)
+    # (the order the kernel's loops carried them in; ``handoff`` only with a source)
+    _DYNAMIC = ("g", "start", "size", "t", "handoff")
 
-    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size):
+    def __init__(self, group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, gdim, t, g, start, size,
+                 handoff=None, source: "TileHandoff | None" = None):
         self.group_sizes = group_sizes
         self.m = m
         self.m_tiles = m_tiles
@@ -292,32 +296,37 @@ class GroupTileScheduler:
         self.total_tiles = total_tiles
         self.gdim = gdim
         self.t, self.g, self.start, self.size = t, g, start, size
+        self.handoff, self.source = handoff, source
 
     def _fields(self):
-        return list(self._DYNAMIC)
+        return [f for f in self._DYNAMIC if getattr(self, f, None) is not None]
 
     def __extract_mlir_values__(self):
         values = []
-        for f in self._DYNAMIC:
+        for f in self._fields():
             values += extract_mlir_values(getattr(self, f))
         return values
 
     def __new_from_mlir_values__(self, values):
         new = copy.copy(self)
-        for f, v in zip(self._DYNAMIC, values, strict=True):
+        for f, v in zip(self._fields(), values, strict=True):
             setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
         return new
 
     def _with(self, t, g, start, size) -> "GroupTileScheduler":
         return GroupTileScheduler(
-            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, t, g, start, size
+            self.group_sizes, self.m, self.m_tiles, self.group_tiles, self.total_tiles, self.gdim, t, g, start, size,
+            self.handoff, self.source,
         )
 
     @staticmethod
-    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0):
-        """The cursor at group 0 (``size0``: its clamped size) and this CTA's first tile ``bidx``."""
+    def create(group_sizes: cute.Tensor, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0,
+               source: "TileHandoff | None" = None):
+        """The cursor at group 0 (``size0``: its clamped size) and this CTA's first tile
+        ``bidx``; ``source``: this role's :class:`TileHandoff` (dynamic order) or None."""
         return GroupTileScheduler(
-            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, Int32(bidx), Int32(0), Int32(0), size0
+            group_sizes, m, m_tiles, group_tiles, total_tiles, gdim, Int32(bidx), Int32(0), Int32(0), size0,
+            Int32(0) if source is not None else None, source,
         )
 
     def valid(self):
@@ -338,9 +347,14 @@ class GroupTileScheduler:
         return self._with(self.t, g, start, size), local - n_tile * self.m_tiles, n_tile
 
     def advance(self, tile) -> "GroupTileScheduler":
-        """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile."""
+        """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile:
+        ``t + gdim``, or the :class:`TileHandoff`'s next one."""
         located = tile[0]
-        return self._with(located.t + self.gdim, located.g, located.start, located.size)
+        if self.source is None:
+            return self._with(located.t + self.gdim, located.g, located.start, located.size)
+        moved = self._with(self.source.next_tile(self.handoff), located.g, located.start, located.size)
+        moved.handoff = self.handoff + 1
+        return moved
 
 
 class GroupBlockTileScheduler(GroupTileScheduler):

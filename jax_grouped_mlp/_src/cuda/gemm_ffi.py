@@ -37,8 +37,9 @@ from jax_grouped_mlp._src.op import activation, heuristics
 from jax_grouped_mlp.kernels import registry
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
-# The grouped GEMM handler's second result: a scratch int32 the handler zeroes before each
-# launch (the dynamic tile order's counter, kernels/tile_scheduler.TileHandoff).
+# The second result of the grouped GEMM and weight-gradient handlers: a scratch int32 (the
+# dynamic tile order's counter, kernels/tile_scheduler.TileHandoff), zeroed by the handler
+# before each launch in builds with JGM_DYNAMIC_TILES, unused otherwise.
 TILE_COUNTER = jax.ShapeDtypeStruct((1,), jnp.int32)
 GROUPED_GEMM_QW_TARGET = "jgm_grouped_gemm_qw"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
@@ -360,7 +361,8 @@ def grouped_wgrad_bf16_cuda(
         grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
     )
     out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, out)(lhs, rhs, group_sizes, variant=index)
+    result, _ = jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, (out, TILE_COUNTER))(lhs, rhs, group_sizes, variant=index)
+    return result
 
 
 def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
