@@ -520,10 +520,12 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _produce_tile(self, mainloop, state, sched, loads):
-        """One tile of :meth:`_produce_tiles`; returns the next ``(sched, state)``."""
+        """One tile of :meth:`_produce_tiles`; returns the next ``(sched, state)``. With
+        the dynamic order the successor is claimed before the loads, read after them."""
         tile = sched.tile_coords()
+        claimed = sched.claim()
         state = loads.load_tile(mainloop, state, sched, tile)
-        return sched.advance(tile), state
+        return sched.advance(tile, claimed), state
 
     @cute.jit
     def _consumer(
