@@ -86,3 +86,56 @@ def test_command_needs_out_placeholder(tmp_path):
     with pytest.raises(SystemExit, match="{out}"):
         ab_extensions.main(["--builds", f"a={tmp_path / 'a.so'},b={tmp_path / 'b.so'}", "--out",
                             str(tmp_path / "x.json"), "--", "python3", "bench.py"])
+
+
+def _builds(tmp_path, names=("base", "fast")) -> tuple[pathlib.Path, str]:
+    ext = tmp_path / "_kernels.so"
+    ext.write_text("original")
+    for n in names:
+        (tmp_path / f"{n}.so").write_text(n)
+    return ext, ",".join(f"{n}={tmp_path / f'{n}.so'}" for n in names)
+
+
+def test_a_complete_run_says_so(tmp_path):
+    ext, builds = _builds(tmp_path)
+    bench = tmp_path / "bench.py"
+    bench.write_text(FAKE_BENCH)
+    out = tmp_path / "ab.json"
+    ab_extensions.main(["--builds", builds, "--rounds", "1", "--extension", str(ext), "--out", str(out), "--",
+                        sys.executable, str(bench), str(ext), "{out}"])
+    results = json.loads(out.read_text())["results"]
+    assert results["complete"] is True and "stopped" not in results
+
+
+def test_runs_before_a_failure_are_kept(tmp_path):
+    """A device call cut short must still bring back the runs it finished."""
+    ext, builds = _builds(tmp_path)
+    bench = tmp_path / "bench.py"
+    bench.write_text("import pathlib, sys\n"
+                     "if pathlib.Path(sys.argv[1]).read_text() == 'fast': raise SystemExit(3)\n" + FAKE_BENCH)
+    out = tmp_path / "ab.json"
+    with pytest.raises(SystemExit, match="fast round 1"):
+        ab_extensions.main(["--builds", builds, "--rounds", "2", "--extension", str(ext), "--out", str(out), "--",
+                            sys.executable, str(bench), str(ext), "{out}"])
+    data = json.loads(out.read_text())
+    assert check_result(data) == []
+    assert data["results"]["complete"] is False and "fast round 1 failed" in data["results"]["stopped"]
+    assert [r["build"] for r in data["results"]["runs"]] == ["base"]
+    assert data["results"]["mean"]["gemm fc1"]["uniform"] == {"base": 2.0}
+    assert ext.read_text() == "original"
+
+
+def test_budget_starts_no_run_that_would_overrun(tmp_path):
+    ext, builds = _builds(tmp_path)
+    bench = tmp_path / "bench.py"
+    bench.write_text(FAKE_BENCH)
+    out = tmp_path / "ab.json"
+    assert ab_extensions.main(["--builds", builds, "--rounds", "2", "--budget", "0.01", "--extension", str(ext),
+                               "--out", str(out), "--", sys.executable, str(bench), str(ext), "{out}"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert len(results["runs"]) == 1  # the first run always goes; then the budget is spent
+    assert results["complete"] is False and "1 of 4 runs" in results["stopped"]
+    assert (tmp_path / "_kernels.log").read_text().split() == ["base"]
+    assert ext.read_text() == "original"
+    with pytest.raises(SystemExit, match="--budget"):
+        ab_extensions.main(["--builds", builds, "--budget", "0", "--out", str(out), "--", "python3", "{out}"])

@@ -14,6 +14,11 @@ copied over the extension before its run and the original extension is put back 
 Writes one results file (``--out``): every run's ``results`` with its build and round, and,
 for ``bench_step_parts.py``-style results (``{part: {"by_alpha": {label: ms}}}``), the mean
 per part, label and build, and each build's ratio to the first. Prints that table.
+
+The file is rewritten after every run (``"complete": false`` until the last), so a device
+call cut off by its time limit still brings back the runs it finished. ``--budget S``
+starts no run that would end past S seconds from the start, judged by the longest run so
+far (the call's limit minus what runs before this tool, with some margin).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -86,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=pathlib.Path)
     ap.add_argument("--extension", type=pathlib.Path, default=EXTENSION, help="the file each build is copied over")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per benchmark run")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds from the start after which no run may end (by the longest run so far)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark command, with {out}")
     ns = ap.parse_args(argv)
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
@@ -93,10 +101,26 @@ def main(argv=None) -> int:
         raise SystemExit("give the benchmark command after --, with {out} where it writes its JSON")
     if ns.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got --rounds={ns.rounds}")
+    if ns.budget is not None and not ns.budget > 0:
+        raise SystemExit(f"--budget must be a positive number of seconds, got --budget={ns.budget}")
     builds = parse_builds(ns.builds)
     names = list(builds)
     runs: list[dict] = []
     device = None
+    this = "PYTHONPATH=. python3 tools/ab_extensions.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    def save(complete: bool, stopped: str | None = None) -> dict:
+        """Writes the runs so far to ``--out``; returns the mean table."""
+        table = summarize(runs, names)
+        results = {"builds": {n: str(p) for n, p in builds.items()}, "complete": complete, "mean": table, "runs": runs}
+        if stopped:
+            results["stopped"] = stopped
+        write_result(ns.out, command=this, results=results, device=device if isinstance(device, str) else None)
+        return table
+
+    start = time.monotonic()
+    longest = 0.0
+    stopped = None
     with tempfile.TemporaryDirectory() as tmp:
         saved = pathlib.Path(tmp) / "original.so"
         had_extension = ns.extension.is_file()
@@ -105,28 +129,39 @@ def main(argv=None) -> int:
         try:
             for r in range(ns.rounds):
                 for name in round_order(names, r):
+                    elapsed = time.monotonic() - start
+                    if ns.budget is not None and runs and elapsed + longest > ns.budget:
+                        stopped = (f"--budget {ns.budget:g} s: {len(runs)} of {ns.rounds * len(names)} runs done "
+                                   f"after {elapsed:.0f} s, the longest took {longest:.0f} s")
+                        print(f"[ab] {stopped}", flush=True)
+                        break
+                    if stopped:
+                        break
                     shutil.copy2(builds[name], ns.extension)
                     out = pathlib.Path(tmp) / f"{name}_{r}.json"
                     cmd = [c.replace("{out}", str(out)) for c in command]
                     print(f"[ab] round {r + 1}/{ns.rounds}, {name}: {shlex.join(cmd)}", flush=True)
+                    t0 = time.monotonic()
                     proc = subprocess.run(cmd, timeout=ns.timeout)
                     if proc.returncode or not out.is_file():
+                        if runs:
+                            save(False, f"{name} round {r + 1} failed (rc {proc.returncode})")
                         raise SystemExit(f"[ab] {name} round {r + 1}: the command failed (rc {proc.returncode})")
+                    longest = max(longest, time.monotonic() - t0)
                     data = json.loads(out.read_text())
                     device = device or data.get("device")
                     runs.append({"build": name, "round": r + 1, "results": data.get("results", data.get("rows"))})
+                    save(False)
+                if stopped:
+                    break
         finally:
             if had_extension:
                 shutil.copy2(saved, ns.extension)
-    table = summarize(runs, names)
+    table = save(stopped is None, stopped)
     for part, labels in table.items():
         for label, row in labels.items():
             cells = " ".join(f"{b}={row[b]:.4g}" for b in row)
             print(f"{part[:40]:40s} {label:12s} {cells}")
-    this = "PYTHONPATH=. python3 tools/ab_extensions.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    write_result(ns.out, command=this, results={"builds": {n: str(p) for n, p in builds.items()},
-                                                "mean": table, "runs": runs},
-                 device=device if isinstance(device, str) else None)
     print(f"wrote {ns.out}")
     return 0
 
