@@ -106,22 +106,38 @@ def device_description() -> dict:
     return {"platform": d.platform, "device_kind": d.device_kind, "jax": jax.__version__}
 
 
-def library_commit() -> str | None:
+def library_commit(cwd: pathlib.Path | None = None) -> str | None:
     """The library's git commit: ``$JGM_COMMIT`` (set it where the tree travels without
     ``.git``, as on the device machine), else ``git rev-parse HEAD`` with ``-dirty``
-    appended when tracked files differ from it, else None."""
+    appended when tracked files differ from it, and then the git tree id of the tracked
+    files as they are (``-dirty tree <id>``), else None.
+
+    The tree id names the code that ran even where ``.git`` lags the files (the device
+    machine's copy has read an older HEAD than the tree it was sent): the commit whose
+    tree it is, ``git log --all --format='%H %T' | grep <id>``, is the code measured."""
     import os
     import subprocess
 
     if os.environ.get("JGM_COMMIT"):
         return os.environ["JGM_COMMIT"]
-    here = pathlib.Path(__file__).resolve().parent
+    here = cwd or pathlib.Path(__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
+
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=here)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=here).returncode
-    except (OSError, subprocess.CalledProcessError):
+        head = git("rev-parse", "HEAD")
+        if head.returncode:
+            return None
+        commit = head.stdout.strip()
+        if git("diff", "--quiet", "HEAD", "--").returncode != 1:
+            return commit
+        # A commit object of the tracked files as they are (no ref moves; objects only).
+        stash = git("-c", "user.name=library_commit", "-c", "user.email=none", "stash", "create").stdout.strip()
+        tree = git("rev-parse", f"{stash}^{{tree}}").stdout.strip() if stash else ""
+    except OSError:
         return None
-    return out.stdout.strip() + ("-dirty" if dirty == 1 else "")
+    return f"{commit}-dirty" + (f" tree {tree}" if tree else "")
 
 
 # Every JSON under benchmarks/results is one of these (tests/test_bench_results.py checks

@@ -131,3 +131,31 @@ def test_plot_draws_the_committed_run(tmp_path, script, plot, result):
     out = tmp_path / "plot.png"
     getattr(importlib.import_module(script), plot)(results, out)
     assert out.stat().st_size > 10_000
+
+
+def test_library_commit_names_the_tree_that_ran(tmp_path, monkeypatch):
+    """Where .git lags the files (the device machine's copy), the tree id still names the
+    code: it is the tree of the commit whose files ran."""
+    import subprocess
+
+    monkeypatch.delenv("JGM_COMMIT", raising=False)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "one")
+    first = git("rev-parse", "HEAD")
+    assert common.library_commit(tmp_path) == first
+    (tmp_path / "untracked.txt").write_text("not code")  # untracked files do not count
+    assert common.library_commit(tmp_path) == first
+    (tmp_path / "a.py").write_text("x = 2\n")
+    git("commit", "-q", "-am", "two")
+    second_tree = git("rev-parse", "HEAD^{tree}")
+    git("update-ref", "HEAD", first)  # HEAD now lags the files, as on the device
+    assert common.library_commit(tmp_path) == f"{first}-dirty tree {second_tree}"
+    assert git("rev-parse", "HEAD") == first  # nothing moved
+    assert common.library_commit(tmp_path / "nowhere") is None  # no such folder: no commit
