@@ -135,8 +135,6 @@ def main(argv=None) -> int:
                                    f"after {elapsed:.0f} s, the longest took {longest:.0f} s")
                         print(f"[ab] {stopped}", flush=True)
                         break
-                    if stopped:
-                        break
                     shutil.copy2(builds[name], ns.extension)
                     out = pathlib.Path(tmp) / f"{name}_{r}.json"
                     cmd = [c.replace("{out}", str(out)) for c in command]
