@@ -212,14 +212,17 @@ def test_no_rows_no_groups_and_bad_buffers(rng):
     out = _kernel(jnp.zeros((0, 64), jnp.bfloat16), jnp.zeros((0, 64), jnp.bfloat16), jnp.asarray([0, 0]))
     assert out.shape == (2, 64, 64) and not np.asarray(out.astype(jnp.float32)).any()
     assert _kernel(x, dy, jnp.zeros((0,), jnp.int32)).shape == (0, 64, 64)
-    def raw(results, variant=0):
+    def raw(results, variant=0, order=jnp.zeros((1,), jnp.int32)):
         call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_TARGET, results)
-        jax.block_until_ready(jax.jit(lambda a, b, gs: call(a, b, gs, variant=np.int32(variant)))(x, dy, jnp.asarray([32, 32])))
+        jax.block_until_ready(jax.jit(lambda a, b, gs, o: call(a, b, gs, o, variant=np.int32(variant)))(
+            x, dy, jnp.asarray([32, 32]), order))
 
     with pytest.raises(Exception, match="out"):
         raw((jax.ShapeDtypeStruct((2, 64, 32), jnp.bfloat16), gemm_ffi.TILE_COUNTER))
     with pytest.raises(Exception, match="tile_counter"):
         raw((jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32)))
+    with pytest.raises(Exception, match="tile_order"):
+        raw((jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16), gemm_ffi.TILE_COUNTER), order=jnp.zeros((2,), jnp.int32))
     with pytest.raises(Unsupported, match="multiples of 8"):
         gemm_ffi.grouped_wgrad_bf16_cuda(jnp.zeros((4, 12), jnp.bfloat16), jnp.zeros((4, 8), jnp.bfloat16), jnp.asarray([4]))
     with pytest.raises(TypeError, match="out_dtype"):
@@ -231,6 +234,29 @@ def test_no_rows_no_groups_and_bad_buffers(rng):
         raw((bf16_out_for_f32_variant, gemm_ffi.TILE_COUNTER), f32_variant)
     with pytest.raises(ValueError, match="row mismatch"):
         gemm_ffi.grouped_wgrad_bf16_cuda(x, dy[:32], jnp.asarray([4]))
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("alpha", [0.3, 3.0])
+def test_both_tile_orders_give_the_same_bits(rng, monkeypatch, alpha):
+    """The static order, the dynamic one and the device's choice between them
+    (``JGM_WGRAD_TILE_ORDER``, read when a program is traced) give the same bits at
+    router-made sizes with empty groups: every tile is computed whole by one CTA,
+    whichever takes it. (Builds without JGM_DYNAMIC_TILES run the static order each
+    time.) The choice itself is checked against the reference by ``_check``."""
+    m, k, n, g = 6144, 256, 192, 64
+    sizes = rng.multinomial(m - 100, rng.dirichlet(np.full(g, alpha)))  # rows past the groups too
+    x, dy = _operands(rng, m, k, n)
+    _check(x, dy, sizes)
+    outs = {}
+    for order in gemm_ffi.WGRAD_TILE_ORDERS:
+        monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", order)
+        # A new function, so a new trace that reads the variable (jax caches per function).
+        fresh = jax.jit(lambda a, b, gs: gemm_ffi.grouped_wgrad_bf16_cuda(a, b, gs))
+        outs[order] = np.asarray(fresh(x, dy, jnp.asarray(sizes, jnp.int32)).astype(jnp.float32))
+    np.testing.assert_array_equal(outs["dynamic"], outs["static"])
+    np.testing.assert_array_equal(outs["auto"], outs["static"])
 
 
 @pytest.mark.gpu

@@ -193,3 +193,66 @@ def test_grouped_mlp_is_the_default_choices(rng):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(TypeError, match="choices"):
         mlp.grouped_mlp_with({"order_backward": True}, x, w1, w2, gs, p)
+
+
+def _round_robin_imbalance(sizes: np.ndarray, group_tiles: int, ctas: int) -> float:
+    """The weight gradient's static order replayed tile by tile (an independent oracle)."""
+    stages = -(-np.maximum(sizes, 0) // heuristics.WGRAD_STAGE_ROWS)
+    cost = np.repeat(stages * heuristics.WGRAD_STAGE_COST + heuristics.WGRAD_TILE_COST, group_tiles).astype(float)
+    work = np.zeros(ctas)
+    for t, c in enumerate(cost):
+        work[t % ctas] += c
+    return work.max() / work.mean()
+
+
+@pytest.mark.parametrize("group_tiles, ctas", [(210, 132), (168, 132), (7, 132), (132, 132), (300, 114), (5, 3)])
+def test_wgrad_static_imbalance_replays_the_static_order(rng, group_tiles, ctas):
+    for alpha in (0.3, 1.0, 100.0):
+        sizes = rng.multinomial(20000, rng.dirichlet(np.full(37, alpha))).astype(np.int64)
+        sizes[::7] = -5  # negative sizes count as empty groups
+        want = _round_robin_imbalance(sizes, group_tiles, ctas)
+        assert heuristics.wgrad_static_imbalance(sizes, group_tiles, ctas) == pytest.approx(want, rel=1e-12)
+    equal = np.full(128, 384)
+    assert heuristics.wgrad_static_imbalance(equal, 210, 132) == pytest.approx(_round_robin_imbalance(equal, 210, 132))
+    assert heuristics.wgrad_static_imbalance(np.zeros(0, np.int64), 210, 132) == 1.0
+    with pytest.raises(ValueError, match="group_tiles and ctas"):
+        heuristics.wgrad_static_imbalance(equal, 0, 132)
+
+
+def test_wgrad_order_choice_at_the_nano_shape():
+    """Equal sizes and Dirichlet(1) keep the static order at the Nano weight gradients'
+    210 tiles per group; Dirichlet(0.3), where the H100 measured the dynamic order 12-15 %
+    faster, takes the dynamic one (skew notes, "Session 37")."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from shapes import router_group_sizes
+
+    def imbalance(alpha):
+        sizes = np.full(128, 384) if alpha is None else np.asarray(router_group_sizes(49152, 128, alpha=alpha, seed=0))
+        return heuristics.wgrad_static_imbalance(sizes, 210, 132)
+
+    assert imbalance(None) < imbalance(1.0) < heuristics.WGRAD_DYNAMIC_IMBALANCE < imbalance(0.3)
+
+
+def test_wgrad_tile_order_on_the_device(monkeypatch):
+    """``gemm_ffi.wgrad_tile_order``: XLA computes the choice from traced group sizes (no
+    host sync); ``JGM_WGRAD_TILE_ORDER`` forces it, and a bad value is named."""
+    from jax_grouped_mlp._src.cuda import devices, gemm_ffi
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from shapes import router_group_sizes
+
+    equal = jnp.full((128,), 384, jnp.int32)
+    skewed = jnp.asarray(router_group_sizes(49152, 128, alpha=0.3, seed=0), jnp.int32)
+    # A new function each time: jax caches a trace per function, and the variable is read
+    # when tracing.
+    choose = lambda sizes: np.asarray(jax.jit(lambda s: gemm_ffi.wgrad_tile_order(s, 210))(sizes))
+    monkeypatch.delenv("JGM_WGRAD_TILE_ORDER", raising=False)
+    if devices.sm_count() == devices.DEFAULT_SM_COUNT:  # the threshold's calibration
+        assert choose(equal).tolist() == [0] and choose(skewed).tolist() == [1]
+    for forced, want in (("static", 0), ("dynamic", 1)):
+        monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", forced)
+        assert choose(skewed).tolist() == choose(equal).tolist() == [want]
+        assert choose(skewed).dtype == np.int32
+    monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", "fast")
+    with pytest.raises(ValueError, match="JGM_WGRAD_TILE_ORDER must be one of"):
+        choose(equal)

@@ -186,7 +186,8 @@ def _grouped_gemm_dgrad_args():
 
 def _grouped_wgrad_args(out_f32: bool):
     """Fake (X seen as (K, M), dY seen as (N, M), out seen as (K, N, G), group_sizes,
-    tile_counter [1] (symbolic length, as in :func:`_grouped_gemm_args`), num_ctas, stream)."""
+    tile_counter [1] and tile_order [1] (symbolic lengths, as in :func:`_grouped_gemm_args`),
+    num_ctas, stream)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -198,7 +199,7 @@ def _grouped_wgrad_args(out_f32: bool):
     return (t(cutlass.BFloat16, (k, m), (0, 1)), t(cutlass.BFloat16, (n, m), (0, 1)),
             t(cutlass.Float32 if out_f32 else cutlass.BFloat16, (k, n, g), (1, 0, 2)),
             t(cutlass.Int32, (g,), (0,), align=4), t(cutlass.Int32, (cute.sym_int32(),), (0,), align=4),
-            cutlass.Int32(132), make_fake_stream())
+            t(cutlass.Int32, (cute.sym_int32(),), (0,), align=4), cutlass.Int32(132), make_fake_stream())
 
 
 def _grouped_wgrad_fp8_block_args(out_f32: bool):

@@ -93,12 +93,13 @@ class GroupedWgradSm90(GroupedGemmSm90):
         out: cute.Tensor,  # (K, N, G) bf16, N contiguous (JAX's [G, K, N])
         group_sizes: cute.Tensor,  # (G,) int32
         tile_counter: cute.Tensor,  # (1,) int32, zeroed before the launch (DYNAMIC_TILES)
+        tile_order: cute.Tensor,  # (1,) int32: non-zero for the dynamic order (DYNAMIC_TILES)
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
         self.dynamic_tiles = DYNAMIC_TILES
         tma, smem_layouts = self._prepare(a, b, out)
-        self.wgrad_kernel(*tma, group_sizes, tile_counter, self.tiled_mma, *smem_layouts).launch(
+        self.wgrad_kernel(*tma, group_sizes, tile_counter, tile_order, self.tiled_mma, *smem_layouts).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream
         )
 
@@ -201,6 +202,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
         mOutTma: cute.Tensor,  # TMA coordinate tensor (K, N, G)
         group_sizes: cute.Tensor,
         tile_counter: cute.Tensor,  # (1,) int32: the dynamic tile order's counter (DYNAMIC_TILES)
+        tile_order: cute.Tensor,  # (1,) int32: XLA's choice of order (DYNAMIC_TILES)
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -228,6 +230,10 @@ class GroupedWgradSm90(GroupedGemmSm90):
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                if cutlass.const_expr(self.dynamic_tiles):
+                    # The producer follows XLA's choice; the consumers read whichever
+                    # order it takes from the handoff.
+                    producer_source = producer_source.choosing(Int32(tile_order[0]) != 0)
                 sched = work.scheduler(source=producer_source)
                 loads = GroupLoads(self, TmaLoad(tma_atom_a, mA, sA), TmaLoad(tma_atom_b, mB, sB))
                 self._produce_tiles(mainloop, state, sched, loads)

@@ -83,31 +83,50 @@ class TileHandoff(TraceTimeObject):
     between tiles (a weight-gradient tile has as few as 6 stages). Every claimed ticket
     is handed over, so no tile is lost."""
 
-    def __init__(self, counter: cute.Tensor, ring: cute.Tensor, pipe, gdim, producer: bool):
+    def __init__(self, counter: cute.Tensor, ring: cute.Tensor, pipe, gdim, producer: bool, dynamic=None):
         self.counter = counter
         self.ring = ring
         self.pipe = pipe
         self.gdim = gdim
         self.producer = producer
+        self.dynamic = dynamic  # None: always the counter; else a runtime Boolean (producer)
+
+    def choosing(self, dynamic) -> "TileHandoff":
+        """The producer's handoff that takes tickets only where the runtime Boolean
+        ``dynamic`` holds and hands over the static order's tiles otherwise (the same in
+        every CTA: the consumers need not know which)."""
+        return TileHandoff(self.counter, self.ring, self.pipe, self.gdim, self.producer, dynamic)
 
     @cute.jit
     def claim(self) -> Int32:
-        """The producer's next ticket, claimed now (lane 0's atomic; the other lanes hold
-        0): pass it to :meth:`next_tile`, whose shuffle is the first read of it."""
+        """The producer's next ticket, claimed now (lane 0's atomic; the other lanes, and
+        every lane in the static order, hold 0): pass it to :meth:`next_tile`, whose
+        shuffle is the first read of it."""
         ticket = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            ticket = Int32(cute.arch.atomic_add(self.counter.iterator, Int32(1)))
+        if cutlass.const_expr(self.dynamic is None):
+            if cute.arch.lane_idx() == 0:
+                ticket = Int32(cute.arch.atomic_add(self.counter.iterator, Int32(1)))
+        else:
+            if self.dynamic:
+                if cute.arch.lane_idx() == 0:
+                    ticket = Int32(cute.arch.atomic_add(self.counter.iterator, Int32(1)))
         return ticket
 
     @cute.jit
-    def next_tile(self, n: Int32, claimed: Int32 | None = None) -> Int32:
+    def next_tile(self, n: Int32, claimed: Int32 | None = None, static_t: Int32 | None = None) -> Int32:
         """This role's next tile (handoff ``n``): the producer publishes the ticket it
-        ``claimed`` (:meth:`claim`), the consumers wait for it and read it."""
+        ``claimed`` (:meth:`claim`), or ``static_t`` where it follows the static order
+        (:meth:`choosing`); the consumers wait for it and read it."""
         slot = n % HANDOFF_SLOTS
         lap = (n // HANDOFF_SLOTS) % 2
         t = Int32(0)
         if cutlass.const_expr(self.producer):
-            t = Int32(cute.arch.shuffle_sync(claimed, offset=0)) + self.gdim
+            if cutlass.const_expr(self.dynamic is None):
+                t = Int32(cute.arch.shuffle_sync(claimed, offset=0)) + self.gdim
+            else:
+                t = static_t
+                if self.dynamic:
+                    t = Int32(cute.arch.shuffle_sync(claimed, offset=0)) + self.gdim
             state = pipeline.PipelineState(HANDOFF_SLOTS, n, slot, lap ^ 1)
             self.pipe.producer_acquire(state)
             self.ring[slot] = t
@@ -375,7 +394,8 @@ class GroupTileScheduler:
         located = tile[0]
         if self.source is None:
             return self._with(located.t + self.gdim, located.g, located.start, located.size)
-        moved = self._with(self.source.next_tile(self.handoff, claimed), located.g, located.start, located.size)
+        t = self.source.next_tile(self.handoff, claimed, located.t + self.gdim)
+        moved = self._with(t, located.g, located.start, located.size)
         moved.handoff = self.handoff + 1
         return moved
 

@@ -54,6 +54,21 @@ def cuda_devices() -> tuple[CudaDevice, ...]:
     return tuple(out)
 
 
+# The SM count of the H100 and H200 (SXM), for a program traced where no CUDA device is.
+DEFAULT_SM_COUNT = 132
+
+
+@functools.cache
+def sm_count() -> int:
+    """Streaming multiprocessors of the first local CUDA device (the persistent kernels'
+    grid), or :data:`DEFAULT_SM_COUNT` where there is none; queried once."""
+    for d in _local_cuda_devices():
+        count = getattr(d, "core_count", None)
+        if isinstance(count, int) and count > 0:
+            return count
+    return DEFAULT_SM_COUNT
+
+
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)

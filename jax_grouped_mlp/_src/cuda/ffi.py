@@ -117,6 +117,13 @@ def registered_targets() -> tuple[str, ...]:
     return tuple(ext.registrations()) if ext is not None else ()
 
 
+def dynamic_tiles() -> bool:
+    """Whether the extension was built with the experimental dynamic tile order
+    (``JGM_DYNAMIC_TILES=1``; False without the extension)."""
+    ext = _load()
+    return bool(getattr(ext, "DYNAMIC_TILES", False)) if ext is not None else False
+
+
 def variants(attr: str) -> tuple[str, ...]:
     """The extension's tuple ``attr`` of compiled variant names (empty without the extension)."""
     ext = _load()

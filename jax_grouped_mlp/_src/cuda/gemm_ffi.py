@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src.cuda import ffi
+from jax_grouped_mlp._src.cuda import devices, ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import fp8_block, mxfp8
@@ -361,8 +361,40 @@ def grouped_wgrad_bf16_cuda(
         grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
     )
     out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    result, _ = jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, (out, TILE_COUNTER))(lhs, rhs, group_sizes, variant=index)
+    if ffi.dynamic_tiles():  # (other builds never read the order: no ops for it)
+        group_tiles = -(-k // 128) * -(-n // tile_n(grouped_wgrad_variants()[index]))
+        order = wgrad_tile_order(group_sizes, group_tiles)
+    else:
+        order = jnp.zeros((1,), jnp.int32)
+    result, _ = jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, (out, TILE_COUNTER))(
+        lhs, rhs, group_sizes, order, variant=index
+    )
     return result
+
+
+# Experimental (the skew notes, "Session 37"): JGM_WGRAD_TILE_ORDER=static or dynamic,
+# read when a program is traced, forces the weight gradient's tile order in builds with
+# JGM_DYNAMIC_TILES (to time one against the other in one build); "auto" or unset
+# chooses from the group sizes on the device.
+WGRAD_TILE_ORDERS = ("auto", "static", "dynamic")
+
+
+def wgrad_tile_order(group_sizes: jax.Array, group_tiles: int) -> jax.Array:
+    """``[1]`` int32 on the device: 1 where the weight gradient should take its tiles in
+    the dynamic order (the static order's modelled imbalance,
+    :func:`heuristics.wgrad_static_imbalance`, above
+    :data:`heuristics.WGRAD_DYNAMIC_IMBALANCE` for these clamped sizes), else 0. Only
+    kernels built with JGM_DYNAMIC_TILES read it. A few array ops in XLA, no host sync."""
+    import os
+
+    forced = os.environ.get("JGM_WGRAD_TILE_ORDER", "auto") or "auto"
+    if forced not in WGRAD_TILE_ORDERS:
+        raise ValueError(f"JGM_WGRAD_TILE_ORDER must be one of {WGRAD_TILE_ORDERS}, got {forced!r}")
+    if forced != "auto":
+        return jnp.full((1,), int(forced == "dynamic"), jnp.int32)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    imbalance = heuristics.wgrad_static_imbalance(sizes, group_tiles, devices.sm_count())
+    return (imbalance > heuristics.WGRAD_DYNAMIC_IMBALANCE).astype(jnp.int32).reshape(1)
 
 
 def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:

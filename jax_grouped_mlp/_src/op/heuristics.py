@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +167,44 @@ def qw_tiles_cost(group_sizes, tile_t: int):
     # jax.numpy_dtype_promotion("strict").
     tiles = (group_sizes // tile_t).astype(float) + big.astype(float)
     return (tiles * full + small.astype(float) * half).sum()
+
+
+# The bf16 weight gradient's tile cost in integer units (H200, equal Nano sizes: 0.586 us
+# per 64-row stage of a tile's reduction, 0.82 us per output tile for its store; tools/
+# skew_model.py), and the static order's imbalance above which its kernel, in builds with
+# JGM_DYNAMIC_TILES, takes its tiles in the dynamic order (skew notes, "Session 37": on
+# an H100 the dynamic order cost 1-4 % with equal sizes, modelled imbalance 1.002, and
+# saved 12-15 % at Dirichlet(0.3), 1.085).
+WGRAD_STAGE_ROWS = 64
+WGRAD_STAGE_COST, WGRAD_TILE_COST = 5, 7
+WGRAD_DYNAMIC_IMBALANCE = 1.03
+
+
+def wgrad_static_imbalance(group_sizes, group_tiles: int, ctas: int):
+    """The largest CTA's modelled work over the mean, for the weight gradient's static
+    tile order: group ``g`` owns tiles ``g * group_tiles ...`` (each reducing over the
+    group's rows in 64-row stages, then storing), and CTA ``b`` of ``ctas`` takes tiles
+    ``b, b + ctas, ...``. 1.0 for no groups.
+
+    Each CTA gets ``group_tiles // ctas`` tiles of every group, plus one of each group
+    whose ``group_tiles % ctas`` remaining tiles fall on it (a cyclic range starting at
+    ``g * group_tiles % ctas``), so the work per CTA is a [G, ctas] mask product. Written
+    with array operators only: a NumPy array (tests) or a traced jax array (the device-side
+    choice, :func:`gemm_ffi.wgrad_tile_order`) alike; the sizes are clamped at 0.
+    """
+    num_groups = group_sizes.shape[0]
+    if group_tiles < 1 or ctas < 1:
+        raise ValueError(f"group_tiles and ctas must be >= 1, got {group_tiles=}, {ctas=}")
+    if num_groups == 0:
+        return 1.0
+    sizes = group_sizes * (group_sizes > 0)
+    stages = (sizes + (WGRAD_STAGE_ROWS - 1)) // WGRAD_STAGE_ROWS
+    cost = (stages * WGRAD_STAGE_COST + WGRAD_TILE_COST).astype(float)
+    full, extra = divmod(group_tiles, ctas)
+    first = (np.arange(num_groups) * group_tiles % ctas)[:, None]
+    covers = ((np.arange(ctas)[None, :] - first) % ctas) < extra  # static [G, ctas]
+    work = full * cost.sum() + (cost[:, None] * covers.astype(float)).sum(0)
+    return work.max() / work.mean()
 
 
 def gemm_tile_n(n: int, widths: Iterable[int]) -> int:
