@@ -139,3 +139,43 @@ def test_budget_starts_no_run_that_would_overrun(tmp_path):
     assert ext.read_text() == "original"
     with pytest.raises(SystemExit, match="--budget"):
         ab_extensions.main(["--builds", builds, "--budget", "0", "--out", str(out), "--", "python3", "{out}"])
+
+
+def test_env_applies_to_one_build_only(tmp_path):
+    """One file under two names, told apart by an environment variable set for one of them."""
+    ext = tmp_path / "_kernels.so"
+    ext.write_text("original")
+    (tmp_path / "base.so").write_text("base")
+    bench = tmp_path / "bench.py"
+    bench.write_text(
+        "import json, os, sys\n"
+        "ms = 1.5 if os.environ.get('AB_FAST') == '1' else 2.0\n"
+        "json.dump({'schema': 1, 'device': 'Fake GPU', 'results': {'p': {'by_alpha': {'uniform': ms}}}},"
+        " open(sys.argv[1], 'w'))\n"
+    )
+    out = tmp_path / "ab.json"
+    base = tmp_path / "base.so"
+    rc = ab_extensions.main([
+        "--builds", f"plain={base},switched={base}", "--env", "switched:AB_FAST=1", "--rounds", "2",
+        "--extension", str(ext), "--out", str(out), "--", sys.executable, str(bench), "{out}",
+    ])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["results"]["env"] == {"switched": {"AB_FAST": "1"}}
+    row = data["results"]["mean"]["p"]["uniform"]
+    assert row["plain"] == 2.0 and row["switched"] == 1.5
+
+
+@pytest.mark.parametrize("item, message", [
+    ("nobuild:K=V", "no build named"),
+    ("plain-K=V", "NAME:KEY=VALUE"),
+    ("plain:K", "NAME:KEY=VALUE"),
+])
+def test_bad_env_is_named(tmp_path, item, message):
+    base = tmp_path / "base.so"
+    base.write_text("base")
+    with pytest.raises(SystemExit, match=message):
+        ab_extensions.main([
+            "--builds", f"plain={base},other={base}", "--env", item, "--extension", str(tmp_path / "x.so"),
+            "--out", str(tmp_path / "x.json"), "--", sys.executable, "-c", "pass", "{out}",
+        ])

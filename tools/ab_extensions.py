@@ -9,6 +9,10 @@ the build order reversed every other round (this machine drifts by 10-15 % over 
         --rounds 2 --out $OUT/ab.json -- \\
         python3 benchmarks/bench_step_parts.py --shape nano --alpha inf,1 --parts '^gemm' --out {out}
 
+``--env NAME:KEY=VALUE`` (repeatable) sets an environment variable for build NAME's runs only,
+so one extension file can appear twice under two names with different run-time switches
+(e.g. ``auto=exp/dyn.sobin,dynamic=exp/dyn.sobin --env dynamic:JGM_WGRAD_TILE_ORDER=dynamic``).
+
 The benchmark command must write its results-schema JSON to ``{out}``. Each build's file is
 copied over the extension before its run and the original extension is put back at the end.
 Writes one results file (``--out``): every run's ``results`` with its build and round, and,
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import shutil
@@ -59,6 +64,20 @@ def parse_builds(text: str) -> dict[str, pathlib.Path]:
     return builds
 
 
+def parse_envs(items: list[str], names: list[str]) -> dict[str, dict[str, str]]:
+    """``["name:KEY=VALUE", ...]`` -> ``{name: {KEY: VALUE}}``; each name must be a build."""
+    envs: dict[str, dict[str, str]] = {n: {} for n in names}
+    for item in items:
+        name, sep, assignment = item.partition(":")
+        key, eq, value = assignment.partition("=")
+        if not sep or not eq or not key:
+            raise SystemExit(f"--env takes NAME:KEY=VALUE, got {item!r}")
+        if name not in envs:
+            raise SystemExit(f"--env {item!r}: no build named {name!r} (builds: {', '.join(names)})")
+        envs[name][key] = value
+    return envs
+
+
 def round_order(names: list[str], r: int) -> list[str]:
     """The builds in round ``r`` (0-based): as given in even rounds, reversed in odd ones."""
     return list(names) if r % 2 == 0 else list(reversed(names))
@@ -91,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", required=True, type=pathlib.Path)
     ap.add_argument("--extension", type=pathlib.Path, default=EXTENSION, help="the file each build is copied over")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME:KEY=VALUE",
+                    help="an environment variable for one build's runs (repeatable)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per benchmark run")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds from the start after which no run may end (by the longest run so far)")
@@ -105,6 +126,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--budget must be a positive number of seconds, got --budget={ns.budget}")
     builds = parse_builds(ns.builds)
     names = list(builds)
+    envs = parse_envs(ns.env, names)
     runs: list[dict] = []
     device = None
     this = "PYTHONPATH=. python3 tools/ab_extensions.py " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -112,7 +134,8 @@ def main(argv=None) -> int:
     def save(complete: bool, stopped: str | None = None) -> dict:
         """Writes the runs so far to ``--out``; returns the mean table."""
         table = summarize(runs, names)
-        results = {"builds": {n: str(p) for n, p in builds.items()}, "complete": complete, "mean": table, "runs": runs}
+        results = {"builds": {n: str(p) for n, p in builds.items()},
+                   "env": {n: e for n, e in envs.items() if e}, "complete": complete, "mean": table, "runs": runs}
         if stopped:
             results["stopped"] = stopped
         write_result(ns.out, command=this, results=results, device=device if isinstance(device, str) else None)
@@ -138,9 +161,10 @@ def main(argv=None) -> int:
                     shutil.copy2(builds[name], ns.extension)
                     out = pathlib.Path(tmp) / f"{name}_{r}.json"
                     cmd = [c.replace("{out}", str(out)) for c in command]
-                    print(f"[ab] round {r + 1}/{ns.rounds}, {name}: {shlex.join(cmd)}", flush=True)
+                    shown = [f"{k}={shlex.quote(v)}" for k, v in envs[name].items()] + [shlex.join(cmd)]
+                    print(f"[ab] round {r + 1}/{ns.rounds}, {name}: {' '.join(shown)}", flush=True)
                     t0 = time.monotonic()
-                    proc = subprocess.run(cmd, timeout=ns.timeout)
+                    proc = subprocess.run(cmd, timeout=ns.timeout, env={**os.environ, **envs[name]})
                     if proc.returncode or not out.is_file():
                         if runs:
                             save(False, f"{name} round {r + 1} failed (rc {proc.returncode})")
