@@ -249,6 +249,7 @@ def test_wgrad_tile_order_on_the_device(monkeypatch):
     monkeypatch.delenv("JGM_WGRAD_TILE_ORDER", raising=False)
     if devices.sm_count() == devices.DEFAULT_SM_COUNT:  # the threshold's calibration
         assert choose(equal).tolist() == [0] and choose(skewed).tolist() == [1]
+    assert choose(jnp.zeros((0,), jnp.int32)).tolist() == [0]  # no groups: static, an array all the same
     for forced, want in (("static", 0), ("dynamic", 1)):
         monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", forced)
         assert choose(skewed).tolist() == choose(equal).tolist() == [want]

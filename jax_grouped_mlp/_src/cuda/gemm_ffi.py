@@ -394,7 +394,8 @@ def wgrad_tile_order(group_sizes: jax.Array, group_tiles: int) -> jax.Array:
         return jnp.full((1,), int(forced == "dynamic"), jnp.int32)
     sizes = jnp.asarray(group_sizes, jnp.int32)
     imbalance = heuristics.wgrad_static_imbalance(sizes, group_tiles, devices.sm_count())
-    return (imbalance > heuristics.WGRAD_DYNAMIC_IMBALANCE).astype(jnp.int32).reshape(1)
+    # (no groups: a Python float, so jnp.asarray)
+    return jnp.asarray(imbalance > heuristics.WGRAD_DYNAMIC_IMBALANCE, jnp.int32).reshape(1)
 
 
 def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
