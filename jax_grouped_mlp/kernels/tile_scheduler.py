@@ -92,9 +92,10 @@ class TileHandoff(TraceTimeObject):
         self.dynamic = dynamic  # None: always the counter; else a runtime Boolean (producer)
 
     def choosing(self, dynamic) -> "TileHandoff":
-        """The producer's handoff that takes tickets only where the runtime Boolean
-        ``dynamic`` holds and hands over the static order's tiles otherwise (the same in
-        every CTA: the consumers need not know which)."""
+        """This role's handoff that is used only where the runtime Boolean ``dynamic``
+        holds (tickets from the counter, indices through the ring); otherwise the role
+        follows the static order by itself, with no ring traffic (``dynamic`` must be the
+        same for every role of every CTA: XLA's choice, read from global memory)."""
         return TileHandoff(self.counter, self.ring, self.pipe, self.gdim, self.producer, dynamic)
 
     @cute.jit
@@ -114,19 +115,26 @@ class TileHandoff(TraceTimeObject):
 
     @cute.jit
     def next_tile(self, n: Int32, claimed: Int32 | None = None, static_t: Int32 | None = None) -> Int32:
-        """This role's next tile (handoff ``n``): the producer publishes the ticket it
-        ``claimed`` (:meth:`claim`), or ``static_t`` where it follows the static order
-        (:meth:`choosing`); the consumers wait for it and read it."""
+        """This role's next tile (handoff ``n``): through the ring (:meth:`_exchange`), or,
+        for a :meth:`choosing` handoff in the static order, ``static_t``."""
+        t = Int32(0)
+        if cutlass.const_expr(self.dynamic is None):
+            t = self._exchange(n, claimed)
+        else:
+            t = static_t
+            if self.dynamic:
+                t = self._exchange(n, claimed)
+        return t
+
+    @cute.jit
+    def _exchange(self, n: Int32, claimed: Int32 | None) -> Int32:
+        """Handoff ``n`` through the ring: the producer publishes the ticket it ``claimed``
+        (:meth:`claim`) as a tile index; the consumers wait for it and read it."""
         slot = n % HANDOFF_SLOTS
         lap = (n // HANDOFF_SLOTS) % 2
         t = Int32(0)
         if cutlass.const_expr(self.producer):
-            if cutlass.const_expr(self.dynamic is None):
-                t = Int32(cute.arch.shuffle_sync(claimed, offset=0)) + self.gdim
-            else:
-                t = static_t
-                if self.dynamic:
-                    t = Int32(cute.arch.shuffle_sync(claimed, offset=0)) + self.gdim
+            t = Int32(cute.arch.shuffle_sync(claimed, offset=0)) + self.gdim
             state = pipeline.PipelineState(HANDOFF_SLOTS, n, slot, lap ^ 1)
             self.pipe.producer_acquire(state)
             self.ring[slot] = t
