@@ -39,7 +39,10 @@ the difference says what the order of the groups costs (round-robin over non-inc
 tile costs bounds the imbalance between CTAs by one tile). Each part is timed at every
 alpha in ``--rounds`` interleaved rounds (default 3; the medians), as ``bench_mlp.py
 --rounds`` does: this machine drifts by 10-15 % over a run. ``--parts REGEX`` times only
-the parts whose name matches. The rows marked ``qw`` are the weight GEMMs with in-kernel weight
+the parts whose name matches. With an extension built with
+``JGM_DYNAMIC_TILES`` the weight gradients are also timed with their tile order forced
+(``wgrad ... order forced static`` / ``dynamic``, count 0), next to the default rows
+whose order XLA chooses from the group sizes: the three in one process. The rows marked ``qw`` are the weight GEMMs with in-kernel weight
 quantization that the mxfp8 step runs instead of the fused and pass-quantized GEMMs when
 groups are small on average (``heuristics.weights_in_gemm``: Nano's 384 rows per group).
 """
@@ -47,6 +50,7 @@ groups are small on average (``heuristics.weights_in_gemm``: Nano's 384 rows per
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import sys
@@ -91,11 +95,34 @@ def _functions() -> dict:
         t, cuda=ffi.dequantize_cuda, default=lambda t: mxfp8.dequantize(t, jnp.bfloat16)))
     pair = {keep: jax.jit(lambda x, gs, keep=keep: primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep))
             for keep in (False, True)}
+    # Builds with JGM_DYNAMIC_TILES: the weight gradient with its tile order forced, next
+    # to the default (chosen on the device), so one process compares the three orders.
+    forced = {order: _wgrad_forced(order) for order in ("static", "dynamic")} if ffi.dynamic_tiles() else {}
     gemm_qw = jax.jit(lambda l, w, s: primitives.grouped_gemm_qw(l, w, s, jnp.bfloat16))
     dgrad_qw = jax.jit(lambda l, w, s: primitives.grouped_gemm_qw(l, w, s, jnp.bfloat16, transpose_rhs=True))
     return {"gemm": gemm, "dgrad": dgrad, "wgrad": wgrad, "q_both": q_both, "q_w": q_w, "fq_w": fq_w,
             "deq": deq, "deq_kept": deq_kept, "pair": pair, "fc1_fused": jax.jit(primitives.fc1_fused),
-            "dgrad_fused": jax.jit(primitives.dgrad_fused), "gemm_qw": gemm_qw, "dgrad_qw": dgrad_qw}
+            "dgrad_fused": jax.jit(primitives.dgrad_fused), "gemm_qw": gemm_qw, "dgrad_qw": dgrad_qw,
+            "wgrad_forced": forced}
+
+
+def _wgrad_forced(order: str):
+    """The weight gradient traced with ``JGM_WGRAD_TILE_ORDER=order`` (the variable is read
+    when the program is traced, so it is set around every call: the first one traces)."""
+    fn = jax.jit(lambda l, r, s: primitives.grouped_wgrad(l, r, s, jnp.bfloat16))
+
+    def call(*args):
+        before = os.environ.get("JGM_WGRAD_TILE_ORDER")
+        os.environ["JGM_WGRAD_TILE_ORDER"] = order
+        try:
+            return fn(*args)
+        finally:
+            if before is None:
+                del os.environ["JGM_WGRAD_TILE_ORDER"]
+            else:
+                os.environ["JGM_WGRAD_TILE_ORDER"] = before
+
+    return call
 
 
 def _parts(fns: dict, ops: dict, gs: jax.Array):
@@ -138,6 +165,11 @@ def _parts(fns: dict, ops: dict, gs: jax.Array):
         ("qw gemm fc2 [M,F]x[G,F,H]", 0, gemm_qw, (a, w2, gs)),
         ("qw gemm dgrad fc2 (w2 as stored)", 0, dgrad_qw, (x, w2, gs)),
         ("qw gemm dgrad fc1 (w1 as stored)", 0, dgrad_qw, (a, w1, gs)),
+    ] + [
+        # Builds with the dynamic tile order only: the weight gradients with the order forced.
+        (f"wgrad {which} order forced {order}", 0, fn, args)
+        for order, fn in fns["wgrad_forced"].items()
+        for which, args in (("dw1 [M,H]^T[M,F]", (x, a, gs)), ("dw2 [M,F]^T[M,H]", (a, x, gs)))
     ]
 
 

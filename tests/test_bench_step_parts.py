@@ -1,7 +1,8 @@
-"""benchmarks/bench_step_parts.py's alternating group sizes (``--alternating``)."""
+"""benchmarks/bench_step_parts.py: alternating group sizes (``--alternating``) and the forced weight-gradient orders."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -25,3 +26,25 @@ def test_alternating_sizes_keep_m_and_end_every_group_in_the_chosen_partial_tile
 def test_alternating_sizes_refuse_what_changes_m(pair, g):
     with pytest.raises(SystemExit, match="--alternating"):
         bench_step_parts.alternating_sizes(pair, g, 384)
+
+
+def test_forced_wgrad_order_is_set_while_tracing_and_restored(monkeypatch):
+    """``_wgrad_forced``: the weight gradient sees ``JGM_WGRAD_TILE_ORDER`` when it is
+    traced, and the caller's value (or its absence) is put back after every call."""
+    import jax.numpy as jnp
+
+    seen = []
+
+    def fake_wgrad(lhs, rhs, sizes, dtype):
+        seen.append(os.environ.get("JGM_WGRAD_TILE_ORDER"))
+        return lhs.T @ rhs
+
+    monkeypatch.setattr(bench_step_parts.primitives, "grouped_wgrad", fake_wgrad)
+    monkeypatch.delenv("JGM_WGRAD_TILE_ORDER", raising=False)
+    call = bench_step_parts._wgrad_forced("dynamic")
+    x = jnp.ones((4, 2), jnp.bfloat16)
+    call(x, x, jnp.array([4], jnp.int32))
+    assert seen == ["dynamic"] and "JGM_WGRAD_TILE_ORDER" not in os.environ
+    monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", "auto")
+    call(x, x, jnp.array([4], jnp.int32))  # cached: not traced again
+    assert seen == ["dynamic"] and os.environ["JGM_WGRAD_TILE_ORDER"] == "auto"
