@@ -9,8 +9,12 @@
 source "$(dirname "$0")/gpu_common.sh" gpu_check /tmp/gpu_out
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/env.txt" 2>&1
-timeout ${TEST_S:-420} python3 -m pytest -q -m gpu -n ${TEST_WORKERS:-4} tests --tb=short -p no:cacheprovider \
-  --timeout=300 -rf 2>&1 | tee "$OUT/pytest.log" | tail -15
+# -v: every test's outcome is logged as it finishes, so a run cut off by TEST_S still
+# names its failures (the summary at the end never comes then).
+timeout ${TEST_S:-420} python3 -m pytest -v -m gpu -n ${TEST_WORKERS:-4} tests --tb=short -p no:cacheprovider \
+  --timeout=300 -rf > "$OUT/pytest.log" 2>&1; tail -15 "$OUT/pytest.log" | grep -v " PASSED \| SKIPPED "
+failures=$(grep -oE '(FAILED|ERROR) tests/[^ ]+' "$OUT/pytest.log" | sort -u)  # (not a file: $OUT holds 8 already)
+echo "tests failed or errored: $(printf '%s' "$failures" | grep -c .)"; printf '%s\n' "$failures" | head -20
 stamp tests
 timeout ${DEMO_S:-90} python3 examples/demo.py --seed 0 2>&1 | tee "$OUT/demo.log" | tail -12
 stamp demo
