@@ -147,7 +147,43 @@ class TileHandoff(TraceTimeObject):
         return t
 
 
-class SegmentTileScheduler:
+class LoopCursor:
+    """What the two scheduler cursors share: the DSL value protocol (only the fields named
+    in ``_DYNAMIC`` that are not None travel through a tile loop; the rest ride along at
+    trace time) and the dynamic order's plumbing (``source``: this role's
+    :class:`TileHandoff` or None; ``handoff``: the handoffs it has made so far)."""
+
+    _DYNAMIC: tuple = ()
+    source: "TileHandoff | None" = None
+    handoff = None
+
+    def _fields(self):
+        return [f for f in self._DYNAMIC if getattr(self, f, None) is not None]
+
+    def __extract_mlir_values__(self):
+        values = []
+        for f in self._fields():
+            values += extract_mlir_values(getattr(self, f))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = copy.copy(self)
+        for f, v in zip(self._fields(), values, strict=True):
+            setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
+        return new
+
+    def claim(self):
+        """The producer's claim on its next tile (:meth:`TileHandoff.claim`), made when a
+        tile starts and passed to ``advance``; None (trace time) for the static order."""
+        return None if self.source is None else self.source.claim()
+
+    def _handed(self, moved: "LoopCursor") -> "LoopCursor":
+        """``moved`` (the cursor at the tile the handoff gave) with one more handoff counted."""
+        moved.handoff = self.handoff + 1
+        return moved
+
+
+class SegmentTileScheduler(LoopCursor):
     """This role's tile ``t`` and the segment cursor ``(seg, tile0, row0, rows, tiles[, blk0])``:
     tile ``t`` lies in segment ``seg``, whose first tile is ``tile0``, first row ``row0``,
     with ``rows`` rows and ``tiles`` tiles (:data:`BIG` past the tail).
@@ -174,23 +210,6 @@ class SegmentTileScheduler:
         self.t, self.seg, self.tile0, self.row0, self.rows, self.tiles, self.blk0 = (
             t, seg, tile0, row0, rows, tiles, blk0
         )
-
-    # ---- the DSL value protocol: only the cursor state is loop-carried ----
-
-    def _fields(self):
-        return [f for f in self._DYNAMIC if getattr(self, f) is not None]
-
-    def __extract_mlir_values__(self):
-        values = []
-        for f in self._fields():
-            values += extract_mlir_values(getattr(self, f))
-        return values
-
-    def __new_from_mlir_values__(self, values):
-        new = copy.copy(self)
-        for f, v in zip(self._fields(), values, strict=True):
-            setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
-        return new
 
     # ---- construction and movement ----
 
@@ -245,20 +264,13 @@ class SegmentTileScheduler:
             seg_rows, seg_tiles, seg_blk0, self.block_rows, self.handoff, self.source,
         )
 
-    def claim(self):
-        """The producer's claim on its next tile (:meth:`TileHandoff.claim`), made when a
-        tile starts and passed to :meth:`advance`; None (trace time) for the static order."""
-        return None if self.source is None else self.source.claim()
-
     def advance(self, tile=None, claimed=None) -> "SegmentTileScheduler":
         """The cursor at this CTA's next tile: ``t + gdim``, or the :class:`TileHandoff`'s
         next one (the producer's from its ``claimed`` ticket; ``tile``, the current tile's
         coordinates, is not needed here)."""
         if self.source is None:
             return self._seek(self.t + self.gdim)
-        moved = self._seek(self.source.next_tile(self.handoff, claimed))
-        moved.handoff = self.handoff + 1
-        return moved
+        return self._handed(self._seek(self.source.next_tile(self.handoff, claimed)))
 
     # ---- the current tile ----
 
@@ -315,7 +327,7 @@ class TileWork(TraceTimeObject):
         )
 
 
-class GroupTileScheduler:
+class GroupTileScheduler(LoopCursor):
     """The weight-gradient kernel's walk: every group has the same ``group_tiles`` output
     tiles (``m_tiles`` row tiles x column tiles, row tile inner), numbered group by group;
     CTA ``b`` takes tiles ``b, b + gdim, ...`` below ``num_groups * group_tiles``. The
@@ -342,21 +354,6 @@ class GroupTileScheduler:
         self.gdim = gdim
         self.t, self.g, self.start, self.size = t, g, start, size
         self.handoff, self.source = handoff, source
-
-    def _fields(self):
-        return [f for f in self._DYNAMIC if getattr(self, f, None) is not None]
-
-    def __extract_mlir_values__(self):
-        values = []
-        for f in self._fields():
-            values += extract_mlir_values(getattr(self, f))
-        return values
-
-    def __new_from_mlir_values__(self, values):
-        new = copy.copy(self)
-        for f, v in zip(self._fields(), values, strict=True):
-            setattr(new, f, new_from_mlir_values(getattr(self, f), [v]))
-        return new
 
     def _with(self, t, g, start, size) -> "GroupTileScheduler":
         return GroupTileScheduler(
@@ -391,10 +388,6 @@ class GroupTileScheduler:
         n_tile = local // self.m_tiles
         return self._with(self.t, g, start, size), local - n_tile * self.m_tiles, n_tile
 
-    def claim(self):
-        """As :meth:`SegmentTileScheduler.claim`."""
-        return None if self.source is None else self.source.claim()
-
     def advance(self, tile, claimed=None) -> "GroupTileScheduler":
         """The cursor of ``tile`` (from :meth:`tile_coords`) at this CTA's next tile:
         ``t + gdim``, or the :class:`TileHandoff`'s next one (the producer's from its
@@ -403,9 +396,7 @@ class GroupTileScheduler:
         if self.source is None:
             return self._with(located.t + self.gdim, located.g, located.start, located.size)
         t = self.source.next_tile(self.handoff, claimed, located.t + self.gdim)
-        moved = self._with(t, located.g, located.start, located.size)
-        moved.handoff = self.handoff + 1
-        return moved
+        return self._handed(self._with(t, located.g, located.start, located.size))
 
 
 class GroupBlockTileScheduler(GroupTileScheduler):
