@@ -857,7 +857,10 @@ class Bf16Mainloop(TraceTimeObject):
         for k in range(1, k_tiles):
             mainloop.consumer_wait(read)
             self.kernel._mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-            # The previous stage's wgmmas are done: hand its slot back.
+            # The previous stage's wgmmas are done: hand its slot back. (Every mainloop
+            # spells these lines out: the DSL carries ``read`` / ``release`` through the
+            # loop only when their advances are in the loop body; moved into a helper
+            # function they fail IR verification, "operand does not dominate this use".)
             cute.nvgpu.warpgroup.wait_group(1)
             release_stage(mainloop, release, arrivals)
             release.advance()
