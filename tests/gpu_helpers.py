@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def has_gpu() -> bool:
@@ -16,6 +18,23 @@ def has_gpu() -> bool:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
         return False
+
+
+def clamped_sizes(sizes, m: int) -> np.ndarray:
+    """The group sizes a kernel sees: negative ones as 0, the running sum cut at ``m``
+    (summed in int64, so a huge size cannot overflow), int32."""
+    ends = np.clip(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), 0, m)
+    return np.diff(np.concatenate([[0], ends])).astype(np.int32)
+
+
+def poison_freed(*nbytes: int, value: int) -> None:
+    """Leaves freed device buffers of these byte counts filled with ``value`` (all
+    allocated at once, then dropped). XLA's allocator hands the same chunks to the next
+    outputs of equal size, so an output byte a kernel forgets to write keeps the poison
+    (0xFF in a bf16 output: a NaN), and two runs poisoned with different values differ."""
+    bufs = [jnp.full((int(n),), value, jnp.uint8) for n in nbytes]
+    jax.block_until_ready(bufs)
+    del bufs
 
 
 def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4, *, xla_flags: str = "",

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_grouped_mlp._src.formats import mxfp8
+from gpu_helpers import poison_freed
 
 
 def _bytes(a) -> np.ndarray:
@@ -15,15 +16,9 @@ def _bytes(a) -> np.ndarray:
 
 
 def _poison(shapes, value: int) -> None:
-    """Fills freed device memory of the outputs' sizes with ``value``.
-
-    XLA's allocator hands the same chunks to the next outputs of equal size, so an
-    output byte the kernel forgets to write shows up as a difference between two
-    runs poisoned with different values.
-    """
-    bufs = [jnp.full(s, value, jnp.uint8) for s in shapes]
-    jax.block_until_ready(bufs)
-    del bufs
+    """Poisons freed device memory of the outputs' sizes (uint8 shapes) with ``value``
+    (:func:`gpu_helpers.poison_freed`)."""
+    poison_freed(*(int(np.prod(s)) for s in shapes), value=value)
 
 
 def _assert_same(got: mxfp8.MXFP8Tensor, want: mxfp8.MXFP8Tensor, what: str) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
+from gpu_helpers import poison_freed
 from mlp_reference import group_slices, mlp_f64, rel_err
 from test_mlp import BANDS
 
@@ -73,11 +74,9 @@ def _step(recipe):
 
 
 def _poison(shapes, value: int) -> None:
-    """Fills freed device memory of each output's size with ``value`` bytes (XLA's
-    allocator hands the same chunks to the next outputs of equal size)."""
-    bufs = [jnp.full((max(1, int(np.prod(s.shape)) * s.dtype.itemsize),), value, jnp.uint8) for s in shapes]
-    jax.block_until_ready(bufs)
-    del bufs
+    """Poisons freed device memory of each output's size with ``value`` bytes
+    (:func:`gpu_helpers.poison_freed`)."""
+    poison_freed(*(max(1, int(np.prod(s.shape)) * s.dtype.itemsize) for s in shapes), value=value)
 
 
 def _run_poisoned(fn, args, gpu):

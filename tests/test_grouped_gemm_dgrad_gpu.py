@@ -34,7 +34,7 @@ import pytest
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
-from gpu_helpers import has_gpu
+from gpu_helpers import clamped_sizes, has_gpu
 from test_fake_quantize_gpu import _assert_same_bits, _reference
 from mxfp8_gpu_helpers import _poison
 
@@ -81,12 +81,6 @@ def _plain_variant(variant: str | None) -> str | None:
     plain = variant.removesuffix("_dsrelu")
     assert plain.endswith("_bk") and plain in gemm_ffi.grouped_gemm_variants(), plain
     return plain
-
-
-def _clamped(sizes, m: int) -> np.ndarray:
-    """The sizes the kernel sees: negative -> 0, running sum cut at M (no int32 overflow)."""
-    ends = np.clip(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), 0, m)
-    return np.diff(np.concatenate([[0], ends])).astype(np.int32)
 
 
 def _operands(rng, m, n, k, g):
@@ -139,7 +133,7 @@ def _check(dy, w2, sizes, h, probs, variant=None) -> None:
     h = jnp.asarray(h, jnp.bfloat16)
     probs = jnp.asarray(probs, jnp.float32)
     m, n = h.shape
-    clamped = _clamped(sizes, m)
+    clamped = clamped_sizes(sizes, m)
     total = int(clamped.sum())
     da = jax.block_until_ready(_plain(dy, w2, gs, variant=_plain_variant(variant), transpose_rhs=True))
     dh, want_dprobs, abs_sum = _reference_ops(da, h, probs)
@@ -344,7 +338,7 @@ def _fallback_reference(h, p, gs):
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     da = jnp.zeros((m, n), jnp.float32)
     dh = (da * (2.0 * p[:, None]) * r).astype(jnp.bfloat16)
-    sizes = _clamped(np.asarray(gs), m)
+    sizes = clamped_sizes(np.asarray(gs), m)
     valid = np.arange(m) < int(sizes.sum())
     dh = jnp.where(valid[:, None], dh, jnp.zeros((), jnp.bfloat16))
     dprobs = jnp.where(valid, jnp.sum(da * (r * r), axis=1), 0.0)
@@ -365,7 +359,7 @@ def _check_fallback(h, p):
             assert a.shape == b.shape and a.dtype == b.dtype, (label, a.shape, b.shape)
             bits = np.uint32 if label == "dprobs" else np.uint16
             np.testing.assert_array_equal(np.asarray(a).view(bits), np.asarray(b).view(bits), err_msg=label)
-        total = int(_clamped(np.asarray(gs), m).sum())
+        total = int(clamped_sizes(np.asarray(gs), m).sum())
         for t in got:
             assert not np.asarray(t)[total:].view(np.uint16 if t.dtype == jnp.bfloat16 else np.uint32).any()
 

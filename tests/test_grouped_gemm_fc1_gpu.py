@@ -29,7 +29,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op.activation import srelu_scaled as _srelu_scaled
-from gpu_helpers import has_gpu
+from gpu_helpers import clamped_sizes, has_gpu
 from test_fake_quantize_gpu import _assert_same_bits
 from mxfp8_gpu_helpers import _assert_same, _poison
 
@@ -63,12 +63,6 @@ def _plain_variant(variant: str | None) -> str | None:
     return plain
 
 
-def _clamped(sizes, m: int) -> np.ndarray:
-    """The sizes the kernel sees: negative -> 0, running sum cut at M (no int32 overflow)."""
-    ends = np.clip(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), 0, m)
-    return np.diff(np.concatenate([[0], ends])).astype(np.int32)
-
-
 def _operands(rng, m, n, k, g):
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
@@ -97,7 +91,7 @@ def _check(x, w, sizes, probs, variant=None) -> None:
     h_want = jax.block_until_ready(_plain(x, w, gs, variant=_plain_variant(variant)))
     a = _srelu(h_want, probs)
     want_row = _row_reference(a)
-    want_col = _col_reference(a, jnp.asarray(_clamped(sizes, m)))
+    want_col = _col_reference(a, jnp.asarray(clamped_sizes(sizes, m)))
     runs = []
     for value in (0x5A, 0xFF):
         _poison([(m, 2 * n), (m, 2 * n), (m, n), (nb, n)], value)
@@ -110,7 +104,7 @@ def _check(x, w, sizes, probs, variant=None) -> None:
         assert isinstance(a_col, mxfp8.MXFP8Tensor) and a_col.axis == 0 and a_col.group_sizes is not None
         assert a_col.data.dtype == jnp.float8_e4m3fn and a_col.scale.dtype == jnp.float8_e8m0fnu
         assert a_col.scale.shape == (nb, n), a_col.scale.shape
-        np.testing.assert_array_equal(np.asarray(a_col.group_sizes), _clamped(sizes, m))  # the binding clamps them
+        np.testing.assert_array_equal(np.asarray(a_col.group_sizes), clamped_sizes(sizes, m))  # the binding clamps them
         _assert_same(a_col, want_col, f"a_col: {what}")
         runs.append([np.asarray(t).view(np.uint8) for t in (a_row, a_col.data, a_col.scale)])
     for r0, r1 in zip(*runs):

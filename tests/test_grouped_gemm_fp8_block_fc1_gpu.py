@@ -28,7 +28,7 @@ from jax_grouped_mlp._src.cuda import ffi, fp8_block_fc1_ffi, fp8_block_ffi, gem
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import fp8_block
 from jax_grouped_mlp._src.op.activation import srelu_scaled
-from gpu_helpers import has_gpu
+from gpu_helpers import clamped_sizes, has_gpu
 from mxfp8_gpu_helpers import _poison
 
 VARIANTS = fp8_block_fc1_ffi.variants() or ("none",)
@@ -66,11 +66,6 @@ def _sizes(rng, g, total):
     return np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
 
 
-def _clamped(sizes, m: int) -> np.ndarray:
-    ends = np.clip(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), 0, m)
-    return np.diff(np.concatenate([[0], ends])).astype(np.int32)
-
-
 def _bytes(t) -> np.ndarray:
     a = np.asarray(t)
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
@@ -90,7 +85,7 @@ def _check(lhs, rhs, sizes, probs, variant=None) -> None:
         plain = _plain_variant(variant)
     h_want = jax.block_until_ready(_plain(lhs, rhs, gs, variant=plain))
     a_row_want, a_col_want = _pair(_srelu(h_want, probs), gs)
-    clamped = _clamped(sizes, m)
+    clamped = clamped_sizes(sizes, m)
     runs = []
     for value in (0x5A, 0xFF):
         _poison([(m, 2 * n), (m, n), (m, nb), (m, n), (rows, n)], value)

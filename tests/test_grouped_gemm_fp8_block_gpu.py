@@ -33,7 +33,7 @@ import pytest
 from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import fp8_block
 from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
-from gpu_helpers import SKIPPED_WARP_GROUP_RUNS, has_gpu
+from gpu_helpers import SKIPPED_WARP_GROUP_RUNS, has_gpu, poison_freed
 
 B = fp8_block.BLOCK
 
@@ -114,11 +114,9 @@ def exact_operands(rng, m, n, k, g) -> tuple[FP8BlockTensor, FP8BlockTensor]:
 
 
 def _poison(m: int, n: int, value: int) -> None:
-    """Fills freed device memory of the output's size with ``value`` bytes (XLA's allocator
-    hands the chunk to the next output of that size: an unwritten element keeps it)."""
-    buf = jnp.full((m, n * 2), value, jnp.uint8)
-    jax.block_until_ready(buf)
-    del buf
+    """Poisons freed device memory of the bf16 ``[m, n]`` output's size with ``value``
+    bytes (:func:`gpu_helpers.poison_freed`)."""
+    poison_freed(m * n * 2, value=value)
 
 
 def _run(lhs, rhs, group_sizes, variant=None) -> np.ndarray:

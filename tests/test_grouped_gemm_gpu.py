@@ -22,7 +22,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import primitives, reference
-from gpu_helpers import SKIPPED_WARP_GROUP_RUNS, has_gpu
+from gpu_helpers import SKIPPED_WARP_GROUP_RUNS, has_gpu, poison_freed
 
 
 needs_kernels = pytest.mark.skipif(
@@ -37,14 +37,10 @@ _reference = jax.jit(
 
 
 def _poison(m: int, n: int, value: int) -> None:
-    """Fills freed device memory of the output's size with ``value`` bytes.
-
-    XLA's allocator hands the same chunk to the next output of equal size, so an
-    element the kernel forgets to write keeps the poison (0xFF: a bf16 NaN).
-    """
-    buf = jnp.full((m, n * 2), value, jnp.uint8)
-    jax.block_until_ready(buf)
-    del buf
+    """Poisons freed device memory of the bf16 ``[m, n]`` output's size with ``value``
+    bytes (:func:`gpu_helpers.poison_freed`: an element the kernel forgets to write
+    keeps it; 0xFF is a bf16 NaN)."""
+    poison_freed(m * n * 2, value=value)
 
 
 def _operands(rng, m, n, k, g):

@@ -27,7 +27,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import heuristics, primitives, reference
 from jax_grouped_mlp.kernels import registry
-from gpu_helpers import has_gpu
+from gpu_helpers import clamped_sizes, has_gpu, poison_freed
 
 needs_kernels = pytest.mark.skipif(
     not (has_gpu() and ffi.available() and gemm_ffi.grouped_gemm_qw_variants()),
@@ -43,14 +43,8 @@ def _fake_quantize(w: jax.Array, axis: int) -> jax.Array:
 
 
 def _poison(m: int, n: int, value: int) -> None:
-    buf = jnp.full((m, n * 2), value, jnp.uint8)
-    jax.block_until_ready(buf)
-    del buf
-
-
-def _clamped(group_sizes, m: int) -> np.ndarray:
-    ends = np.clip(np.cumsum(np.maximum(np.asarray(group_sizes, np.int64), 0)), 0, m)
-    return np.diff(np.concatenate([[0], ends])).astype(np.int32)
+    """Poisons freed device memory of the bf16 ``[m, n]`` output's size (:func:`gpu_helpers.poison_freed`)."""
+    poison_freed(m * n * 2, value=value)
 
 
 def _run(a, w_stored, group_sizes, transpose: bool, variant: str | None = None) -> np.ndarray:
@@ -74,7 +68,7 @@ def _check(rng, m, n, k, g, group_sizes, variant: str) -> None:
     w_stored = jnp.swapaxes(w, 1, 2) if transpose else w  # [G, N, K] for the dgrad use
     wq = _fake_quantize(w, axis=1)
     got = _run(a, w_stored, group_sizes, transpose, variant)
-    clamped = _clamped(group_sizes, m)
+    clamped = clamped_sizes(group_sizes, m)
     total = int(clamped.sum())
     assert not got[total:].any(), f"rows past sum(group_sizes)={total} are not zero"
     want = np.asarray(

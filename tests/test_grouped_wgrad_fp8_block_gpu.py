@@ -33,7 +33,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.formats import fp8_block
 from jax_grouped_mlp._src.formats.fp8_block import FP8BlockTensor
 from jax_grouped_mlp.kernels import registry
-from gpu_helpers import has_gpu
+from gpu_helpers import has_gpu, poison_freed
 
 B = fp8_block.BLOCK
 
@@ -111,11 +111,9 @@ def exact_operands(rng, m, k, n, sizes) -> tuple[FP8BlockTensor, FP8BlockTensor]
 
 
 def _poison(shape, itemsize: int, value: int) -> None:
-    """Fills freed device memory of the output's size with ``value`` bytes (XLA's allocator
-    hands the chunk to the next output of that size: an unwritten element keeps it)."""
-    buf = jnp.full((int(np.prod(shape)) * itemsize,), value, jnp.uint8)
-    jax.block_until_ready(buf)
-    del buf
+    """Poisons freed device memory of the output's size with ``value`` bytes
+    (:func:`gpu_helpers.poison_freed`)."""
+    poison_freed(int(np.prod(shape)) * itemsize, value=value)
 
 
 def _raw_call(m: int, g: int, k: int, n: int, out_dtype, variant: str | None = None):

@@ -21,7 +21,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.op import reference
-from gpu_helpers import has_gpu
+from gpu_helpers import clamped_sizes, has_gpu, poison_freed
 from test_grouped_gemm_gpu import _sizes
 
 needs_kernels = pytest.mark.skipif(
@@ -36,22 +36,10 @@ _reference = jax.jit(
 VARIANTS = gemm_ffi.grouped_wgrad_variants() or ("none",)
 
 
-def _poison(nbytes: int, value: int) -> None:
-    """Leaves a freed device buffer of ``nbytes`` filled with ``value`` (see test_grouped_gemm_gpu)."""
-    buf = jnp.full((nbytes,), value, jnp.uint8)
-    jax.block_until_ready(buf)
-    del buf
-
-
 def _operands(rng, m, k, n):
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
     return x, dy
-
-
-def _clamped(group_sizes, m):
-    ends = np.clip(np.cumsum(np.maximum(np.asarray(group_sizes, np.int64), 0)), 0, m)
-    return np.diff(np.concatenate([[0], ends])).astype(np.int32)
 
 
 def _check(x, dy, group_sizes, variant=None) -> np.ndarray:
@@ -59,7 +47,7 @@ def _check(x, dy, group_sizes, variant=None) -> np.ndarray:
     out_dtype = gemm_ffi._wgrad_out_dtype(variant) if variant else jnp.dtype(jnp.bfloat16)
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     (m, k), n, g = x.shape, dy.shape[1], len(group_sizes)
-    clamped = _clamped(group_sizes, m)
+    clamped = clamped_sizes(group_sizes, m)
     total = int(clamped.sum())
     # The oracle sees only the groups' rows (garbage past them must not matter).
     xs = jnp.zeros_like(x).at[:total].set(x[:total])
@@ -67,7 +55,7 @@ def _check(x, dy, group_sizes, variant=None) -> np.ndarray:
     want = np.asarray(_reference(xs, dys, jnp.asarray(clamped)), np.float64)
     runs = []
     for value in (0xFF, 0x7F):
-        _poison(g * k * n * out_dtype.itemsize, value)
+        poison_freed(g * k * n * out_dtype.itemsize, value=value)
         out = jax.block_until_ready(_kernel(x, dy, gs, variant=variant, out_dtype=out_dtype))
         assert out.dtype == out_dtype
         runs.append(np.asarray(out.astype(jnp.float32), np.float64))
@@ -140,7 +128,7 @@ def _exact_operands(rng, group_sizes, m, k, n, past=np.inf):
     [-4, 4], times 2**12 in the rows of every second non-empty group (clamped sizes),
     so a row of the next group that leaked into a group's sum would show as a large
     error; rows past the groups hold ``past`` (x) and ``-past`` (dy)."""
-    clamped = _clamped(group_sizes, m)
+    clamped = clamped_sizes(group_sizes, m)
     ends = np.cumsum(clamped)
     total = int(ends[-1]) if len(ends) else 0
     rank = np.cumsum(clamped > 0)  # 1 + the group's place among the non-empty groups
@@ -158,14 +146,14 @@ def _check_exact(x: np.ndarray, dy: np.ndarray, group_sizes, variant: str) -> No
     to the output dtype, which is then exact too), whatever the output held before."""
     out_dtype = gemm_ffi._wgrad_out_dtype(variant)
     (m, k), n = x.shape, dy.shape[1]
-    clamped = _clamped(group_sizes, m)
+    clamped = clamped_sizes(group_sizes, m)
     starts = np.concatenate([[0], np.cumsum(clamped)[:-1]]).astype(np.int64)
     want = np.stack([x[s:s + c].T @ dy[s:s + c] for s, c in zip(starts, clamped)])  # float64, exact
     want = np.asarray(jnp.asarray(want, jnp.float32).astype(out_dtype).astype(jnp.float32))
     xj, dyj = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     for value in (0xFF, 0x7F):  # NaN, then a huge finite value, in every output element
-        _poison(len(clamped) * k * n * out_dtype.itemsize, value)
+        poison_freed(len(clamped) * k * n * out_dtype.itemsize, value=value)
         got = np.asarray(jax.block_until_ready(_kernel(xj, dyj, gs, variant=variant, out_dtype=out_dtype))
                          .astype(jnp.float32))
         bad = got != want
