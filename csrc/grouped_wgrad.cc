@@ -5,7 +5,7 @@
 //
 // Attribute variant: index into JGM_GROUPED_WGRAD_VARIANTS, X(name, out_type).
 // tile_order [1] int32 (computed by XLA from the group sizes, gemm_ffi.wgrad_tile_order):
-// non-zero for the dynamic tile order; read only by kernels built with JGM_DYNAMIC_TILES.
+// non-zero for the dynamic tile order; read only by kernels built with JGM_WGRAD_DYNAMIC_TILES.
 #include "jgm_variants.h"
 
 namespace jgm {
@@ -42,7 +42,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, Bf16R2 lhs, Bf16R2 rhs,
   if (m == 0) return Status("grouped_wgrad", Zero(stream, *out));
   // lhs as (K, M) strides (1, K); rhs as (N, M) strides (1, N); out as (K, N, G) strides
   // (N, 1, K * N).
-#ifdef JGM_DYNAMIC_TILES  // kernels built with the dynamic tile order count tiles from 0
+#ifdef JGM_WGRAD_DYNAMIC_TILES  // kernels built with the dynamic tile order count tiles from 0
   if (auto err = Zero(stream, *tile_counter)) return Status("grouped_wgrad", err);
 #endif
   Args args{Matrix(lhs.untyped_data(), k, m, k), Matrix(rhs.untyped_data(), n, m, n),
@@ -66,5 +66,5 @@ JGM_DEFINE_HANDLERS(JgmGroupedWgrad, jgm::kFamily, jgm::Execute,
                         .Arg<jgm::S32R1>()           // tile_order [1], read on the device
                         .Ret<xla::ffi::AnyBuffer>()  // out [G, K, N], bf16 or f32 by variant
                         .Ret<jgm::S32R1>()  // tile_counter [1]: the dynamic tile order's scratch
-                                            // (JGM_DYNAMIC_TILES builds; else unused)
+                                            // (JGM_WGRAD_DYNAMIC_TILES builds; else unused)
                         .Attr<int32_t>("variant"));

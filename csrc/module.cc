@@ -114,10 +114,15 @@ PYBIND11_MODULE(_kernels, m) {
   JGM_NAMES(TOKEN_MAJOR_BLOCKS_VARIANTS);
   m.attr("ARCH") = "sm_90a";
   m.attr("JAXLIB_VERSION") = JGM_JAXLIB_VERSION;
-#ifdef JGM_DYNAMIC_TILES  // the experimental dynamic tile order (tools/build_kernels.py SWITCHES)
+#ifdef JGM_DYNAMIC_TILES  // the experimental dynamic tile orders (tools/build_kernels.py SWITCHES)
   m.attr("DYNAMIC_TILES") = true;
 #else
   m.attr("DYNAMIC_TILES") = false;
+#endif
+#ifdef JGM_WGRAD_DYNAMIC_TILES
+  m.attr("WGRAD_DYNAMIC_TILES") = true;
+#else
+  m.attr("WGRAD_DYNAMIC_TILES") = false;
 #endif
   m.attr("BUILT_AGAINST") = kBuiltAgainst;
 }

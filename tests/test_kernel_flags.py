@@ -13,7 +13,11 @@ import pytest
 pytest.importorskip("cutlass")
 
 # (environment variable, module constant of grouped_gemm_sm90)
-SWITCHES = [("JGM_SKIP_EMPTY_WARP_GROUP", "SKIP_EMPTY_WARP_GROUP"), ("JGM_DYNAMIC_TILES", "DYNAMIC_TILES")]
+SWITCHES = [
+    ("JGM_SKIP_EMPTY_WARP_GROUP", "SKIP_EMPTY_WARP_GROUP"),
+    ("JGM_DYNAMIC_TILES", "DYNAMIC_TILES"),
+    ("JGM_WGRAD_DYNAMIC_TILES", "WGRAD_DYNAMIC_TILES"),
+]
 
 
 def _flag(env_name: str, constant: str, value: str | None) -> str:

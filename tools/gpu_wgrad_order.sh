@@ -2,7 +2,7 @@
 # One device call that decides the weight gradient's tile order (docs/notes/2026-12-02-skew.md,
 # "Session 38"). Builds nothing: build both extensions here and carry them as untracked files
 #   make kernels && cp jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so exp/base.sobin
-#   JGM_DYNAMIC_TILES=1 make kernels && cp jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so exp/dyn.sobin
+#   JGM_WGRAD_DYNAMIC_TILES=1 make kernels && cp jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so exp/dyn.sobin
 #   run(command="JGM_COMMIT=<the commit sent> bash tools/gpu_wgrad_order.sh")
 # STEPS (default "orders tests step") picks what runs, in this order:
 #   orders  one process on the dynamic build: the weight gradients with the order XLA chooses
@@ -20,8 +20,8 @@ for f in "$BASE" "$DYN"; do
 done
 cp "$DYN" "$EXT"  # (before gpu_common.sh, which checks the extension against the running jaxlib)
 source "$(dirname "$0")/gpu_common.sh" gpu_wgrad_order /tmp/wgrad_order_out
-python3 -c 'from jax_grouped_mlp._src.cuda import ffi; assert ffi.dynamic_tiles(), "not a JGM_DYNAMIC_TILES build"' \
-  || { echo "[gpu_wgrad_order] $DYN was built without JGM_DYNAMIC_TILES=1"; exit 2; }
+python3 -c 'from jax_grouped_mlp._src.cuda import ffi; assert ffi.wgrad_dynamic_tiles(), "not a JGM_WGRAD_DYNAMIC_TILES build"' \
+  || { echo "[gpu_wgrad_order] $DYN was built without JGM_WGRAD_DYNAMIC_TILES=1"; exit 2; }
 STEPS=${STEPS:-orders tests step}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$OUT/env.txt" 2>&1
 

@@ -117,11 +117,12 @@ def registered_targets() -> tuple[str, ...]:
     return tuple(ext.registrations()) if ext is not None else ()
 
 
-def dynamic_tiles() -> bool:
-    """Whether the extension was built with the experimental dynamic tile order
-    (``JGM_DYNAMIC_TILES=1``; False without the extension)."""
+def wgrad_dynamic_tiles() -> bool:
+    """Whether the extension's bf16 weight gradient was built with the experimental
+    dynamic tile order, chosen per call (``JGM_WGRAD_DYNAMIC_TILES=1``; False without the
+    extension)."""
     ext = _load()
-    return bool(getattr(ext, "DYNAMIC_TILES", False)) if ext is not None else False
+    return bool(getattr(ext, "WGRAD_DYNAMIC_TILES", False)) if ext is not None else False
 
 
 def variants(attr: str) -> tuple[str, ...]:

@@ -39,7 +39,8 @@ from jax_grouped_mlp.kernels import registry
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
 # The second result of the grouped GEMM and weight-gradient handlers: a scratch int32 (the
 # dynamic tile order's counter, kernels/tile_scheduler.TileHandoff), zeroed by the handler
-# before each launch in builds with JGM_DYNAMIC_TILES, unused otherwise.
+# before each launch in builds with JGM_DYNAMIC_TILES (the GEMM's) or JGM_WGRAD_DYNAMIC_TILES
+# (the weight gradient's), unused otherwise.
 TILE_COUNTER = jax.ShapeDtypeStruct((1,), jnp.int32)
 GROUPED_GEMM_QW_TARGET = "jgm_grouped_gemm_qw"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
@@ -361,7 +362,7 @@ def grouped_wgrad_bf16_cuda(
         grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
     )
     out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    if ffi.dynamic_tiles():  # (other builds never read the order: no ops for it)
+    if ffi.wgrad_dynamic_tiles():  # (other builds never read the order: no ops for it)
         group_tiles = -(-k // 128) * -(-n // tile_n(grouped_wgrad_variants()[index]))
         order = wgrad_tile_order(group_sizes, group_tiles)
     else:
@@ -374,7 +375,7 @@ def grouped_wgrad_bf16_cuda(
 
 # Experimental (the skew notes, "Session 37"): JGM_WGRAD_TILE_ORDER=static or dynamic,
 # read when a program is traced, forces the weight gradient's tile order in builds with
-# JGM_DYNAMIC_TILES (to time one against the other in one build); "auto" or unset
+# JGM_WGRAD_DYNAMIC_TILES (to time one against the other in one build); "auto" or unset
 # chooses from the group sizes on the device.
 WGRAD_TILE_ORDERS = ("auto", "static", "dynamic")
 
@@ -384,7 +385,7 @@ def wgrad_tile_order(group_sizes: jax.Array, group_tiles: int) -> jax.Array:
     the dynamic order (the static order's modelled imbalance,
     :func:`heuristics.wgrad_static_imbalance`, above
     :data:`heuristics.WGRAD_DYNAMIC_IMBALANCE` for these clamped sizes), else 0. Only
-    kernels built with JGM_DYNAMIC_TILES read it. A few array ops in XLA, no host sync."""
+    kernels built with JGM_WGRAD_DYNAMIC_TILES read it. A few array ops in XLA, no host sync."""
     import os
 
     forced = os.environ.get("JGM_WGRAD_TILE_ORDER", "auto") or "auto"
