@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
+from jax_grouped_mlp._src.cuda import devices, ffi, gemm_ffi
 from jax_grouped_mlp.kernels import registry
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         print("needs a GPU and the built extension (tools/build_kernels.py)")
         return 1
     dev = jax.devices()[0]
-    sms = int(getattr(dev, "core_count", 0)) or 132
+    sms = devices.sm_count()
     rng = np.random.default_rng(0)
     jobs, calls = [], {}
     for layout in layouts:

@@ -100,17 +100,22 @@ class TileHandoff(TraceTimeObject):
 
     @cute.jit
     def claim(self) -> Int32:
-        """The producer's next ticket, claimed now (lane 0's atomic; the other lanes, and
-        every lane in the static order, hold 0): pass it to :meth:`next_tile`, whose
-        shuffle is the first read of it."""
+        """The producer's next ticket, claimed now (:meth:`_take_ticket`; 0 in the static
+        order): pass it to :meth:`next_tile`, whose shuffle is the first read of it."""
         ticket = Int32(0)
         if cutlass.const_expr(self.dynamic is None):
-            if cute.arch.lane_idx() == 0:
-                ticket = Int32(cute.arch.atomic_add(self.counter.iterator, Int32(1)))
+            ticket = self._take_ticket()
         else:
             if self.dynamic:
-                if cute.arch.lane_idx() == 0:
-                    ticket = Int32(cute.arch.atomic_add(self.counter.iterator, Int32(1)))
+                ticket = self._take_ticket()
+        return ticket
+
+    @cute.jit
+    def _take_ticket(self) -> Int32:
+        """Lane 0's atomic increment of the counter (the other lanes hold 0)."""
+        ticket = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            ticket = Int32(cute.arch.atomic_add(self.counter.iterator, Int32(1)))
         return ticket
 
     @cute.jit

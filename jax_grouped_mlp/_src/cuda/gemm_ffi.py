@@ -24,6 +24,8 @@ dispatcher falls back; nothing here imports the dispatcher.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -386,8 +388,6 @@ def wgrad_tile_order(group_sizes: jax.Array, group_tiles: int) -> jax.Array:
     :func:`heuristics.wgrad_static_imbalance`, above
     :data:`heuristics.WGRAD_DYNAMIC_IMBALANCE` for these clamped sizes), else 0. Only
     kernels built with JGM_WGRAD_DYNAMIC_TILES read it. A few array ops in XLA, no host sync."""
-    import os
-
     forced = os.environ.get("JGM_WGRAD_TILE_ORDER", "auto") or "auto"
     if forced not in WGRAD_TILE_ORDERS:
         raise ValueError(f"JGM_WGRAD_TILE_ORDER must be one of {WGRAD_TILE_ORDERS}, got {forced!r}")
