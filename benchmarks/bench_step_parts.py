@@ -39,9 +39,8 @@ the difference says what the order of the groups costs (round-robin over non-inc
 tile costs bounds the imbalance between CTAs by one tile). Each part is timed at every
 alpha in ``--rounds`` interleaved rounds (default 3; the medians), as ``bench_mlp.py
 --rounds`` does: this machine drifts by 10-15 % over a run. ``--parts REGEX`` times only
-the parts whose name matches. With an extension built with
-``JGM_WGRAD_DYNAMIC_TILES`` the weight gradients are also timed with their tile order forced
-(``wgrad ... order forced static`` / ``dynamic``, count 0), next to the default rows
+the parts whose name matches. The weight gradients are also timed with their tile order
+forced (``wgrad ... order forced static`` / ``dynamic``, count 0), next to the default rows
 whose order XLA chooses from the group sizes: the three in one process. The rows marked ``qw`` are the weight GEMMs with in-kernel weight
 quantization that the mxfp8 step runs instead of the fused and pass-quantized GEMMs when
 groups are small on average (``heuristics.weights_in_gemm``: Nano's 384 rows per group).
@@ -95,9 +94,9 @@ def _functions() -> dict:
         t, cuda=ffi.dequantize_cuda, default=lambda t: mxfp8.dequantize(t, jnp.bfloat16)))
     pair = {keep: jax.jit(lambda x, gs, keep=keep: primitives.fake_quantize_pair(x, gs, keep_col_fp8=keep))
             for keep in (False, True)}
-    # Builds with JGM_WGRAD_DYNAMIC_TILES: the weight gradient with its tile order forced, next
-    # to the default (chosen on the device), so one process compares the three orders.
-    forced = {order: _wgrad_forced(order) for order in ("static", "dynamic")} if ffi.wgrad_dynamic_tiles() else {}
+    # The weight gradient with its tile order forced, next to the default (chosen on the
+    # device), so one process compares the three orders.
+    forced = {order: _wgrad_forced(order) for order in ("static", "dynamic")}
     gemm_qw = jax.jit(lambda l, w, s: primitives.grouped_gemm_qw(l, w, s, jnp.bfloat16))
     dgrad_qw = jax.jit(lambda l, w, s: primitives.grouped_gemm_qw(l, w, s, jnp.bfloat16, transpose_rhs=True))
     return {"gemm": gemm, "dgrad": dgrad, "wgrad": wgrad, "q_both": q_both, "q_w": q_w, "fq_w": fq_w,

@@ -5,7 +5,7 @@
 //
 // Attribute variant: index into JGM_GROUPED_WGRAD_VARIANTS, X(name, out_type).
 // tile_order [1] int32 (computed by XLA from the group sizes, gemm_ffi.wgrad_tile_order):
-// non-zero for the dynamic tile order; read only by kernels built with JGM_WGRAD_DYNAMIC_TILES.
+// non-zero for the dynamic tile order, whose counter (tile_counter) the handler zeroes.
 #include "jgm_variants.h"
 
 namespace jgm {
@@ -42,9 +42,8 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, Bf16R2 lhs, Bf16R2 rhs,
   if (m == 0) return Status("grouped_wgrad", Zero(stream, *out));
   // lhs as (K, M) strides (1, K); rhs as (N, M) strides (1, N); out as (K, N, G) strides
   // (N, 1, K * N).
-#ifdef JGM_WGRAD_DYNAMIC_TILES  // kernels built with the dynamic tile order count tiles from 0
+  // The dynamic tile order counts tiles from 0 (the static order ignores the counter).
   if (auto err = Zero(stream, *tile_counter)) return Status("grouped_wgrad", err);
-#endif
   Args args{Matrix(lhs.untyped_data(), k, m, k), Matrix(rhs.untyped_data(), n, m, n),
             Batched(out->untyped_data(), k, n, g, n, k * n),
             Vector(group_sizes.untyped_data(), g), Vector(tile_counter->untyped_data(), 1),
@@ -66,5 +65,4 @@ JGM_DEFINE_HANDLERS(JgmGroupedWgrad, jgm::kFamily, jgm::Execute,
                         .Arg<jgm::S32R1>()           // tile_order [1], read on the device
                         .Ret<xla::ffi::AnyBuffer>()  // out [G, K, N], bf16 or f32 by variant
                         .Ret<jgm::S32R1>()  // tile_counter [1]: the dynamic tile order's scratch
-                                            // (JGM_WGRAD_DYNAMIC_TILES builds; else unused)
                         .Attr<int32_t>("variant"));

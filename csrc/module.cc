@@ -119,10 +119,5 @@ PYBIND11_MODULE(_kernels, m) {
 #else
   m.attr("DYNAMIC_TILES") = false;
 #endif
-#ifdef JGM_WGRAD_DYNAMIC_TILES
-  m.attr("WGRAD_DYNAMIC_TILES") = true;
-#else
-  m.attr("WGRAD_DYNAMIC_TILES") = false;
-#endif
   m.attr("BUILT_AGAINST") = kBuiltAgainst;
 }

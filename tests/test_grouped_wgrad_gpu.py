@@ -231,8 +231,7 @@ def test_both_tile_orders_give_the_same_bits(rng, monkeypatch, alpha):
     """The static order, the dynamic one and the device's choice between them
     (``JGM_WGRAD_TILE_ORDER``, read when a program is traced) give the same bits at
     router-made sizes with empty groups: every tile is computed whole by one CTA,
-    whichever takes it. (Builds without JGM_WGRAD_DYNAMIC_TILES run the static order each
-    time.) The choice itself is checked against the reference by ``_check``."""
+    whichever takes it. The choice itself is checked against the reference by ``_check``."""
     m, k, n, g = 6144, 256, 192, 64
     sizes = rng.multinomial(m - 100, rng.dirichlet(np.full(g, alpha)))  # rows past the groups too
     x, dy = _operands(rng, m, k, n)

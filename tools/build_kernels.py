@@ -98,7 +98,7 @@ def built_against(ext: pathlib.Path) -> str | None:
 
 # Experimental kernel switches, read from the build's environment (docs/gpu.md); the
 # settings of the last build are kept in SWITCH_STAMP, so changing one rebuilds.
-SWITCHES = ("JGM_SKIP_EMPTY_WARP_GROUP", "JGM_DYNAMIC_TILES", "JGM_WGRAD_DYNAMIC_TILES")
+SWITCHES = ("JGM_SKIP_EMPTY_WARP_GROUP", "JGM_DYNAMIC_TILES")
 SWITCH_STAMP = BUILD / "kernel_switches.json"
 
 

@@ -86,14 +86,13 @@ EPI_N = 32  # columns per epilogue subtile (128 x 32 bf16 = 8 KB of shared memor
 # skewed sizes (with the static persistent schedule, cheaper tiles cost the L2 sharing of
 # weight tiles). JGM_SKIP_EMPTY_WARP_GROUP=1 in the build's environment turns it on.
 SKIP_EMPTY_WARP_GROUP = os.environ.get("JGM_SKIP_EMPTY_WARP_GROUP") == "1"
-# Experimental, off (issue 20; the skew notes, "Sessions 36-38"): the plain grouped GEMM
-# (JGM_DYNAMIC_TILES=1 in the build's environment) and the bf16 weight gradient
-# (grouped_wgrad_sm90; JGM_WGRAD_DYNAMIC_TILES=1, where XLA chooses the order per call
-# from the group sizes) can take their tiles in a dynamic order (:class:`TileHandoff`: a
-# global atomic counter, zeroed by the handler before each launch) instead of CTA b
-# taking b, b + grid, ... Off, the kernels ignore the counter.
+# Experimental, off (issue 20; the skew notes, "Sessions 36-39"): the plain grouped GEMM
+# (JGM_DYNAMIC_TILES=1 in the build's environment) can take its tiles in a dynamic order
+# (:class:`TileHandoff`: a global atomic counter, zeroed by the handler before each
+# launch) instead of CTA b taking b, b + grid, ... Off, the kernels ignore the counter.
+# (The bf16 weight gradient, grouped_wgrad_sm90, always can: XLA chooses its order per
+# call from the group sizes.)
 DYNAMIC_TILES = os.environ.get("JGM_DYNAMIC_TILES") == "1"
-WGRAD_DYNAMIC_TILES = os.environ.get("JGM_WGRAD_DYNAMIC_TILES") == "1"
 
 
 

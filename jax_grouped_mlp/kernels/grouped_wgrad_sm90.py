@@ -45,7 +45,7 @@ from cutlass import Int32
 from cutlass.pipeline import pipeline_init_wait
 
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
-    EPI_N, WGRAD_DYNAMIC_TILES, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
+    EPI_N, Bf16Mainloop, GroupedGemmConfig, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad,
 )
 from jax_grouped_mlp.kernels.tile_scheduler import GroupTileScheduler, TileHandoff, TraceTimeObject
 
@@ -92,12 +92,13 @@ class GroupedWgradSm90(GroupedGemmSm90):
         b: cute.Tensor,  # (N, M) bf16, N contiguous (JAX's dY [M, N])
         out: cute.Tensor,  # (K, N, G) bf16, N contiguous (JAX's [G, K, N])
         group_sizes: cute.Tensor,  # (G,) int32
-        tile_counter: cute.Tensor,  # (1,) int32, zeroed before the launch (WGRAD_DYNAMIC_TILES)
-        tile_order: cute.Tensor,  # (1,) int32: non-zero for the dynamic order (WGRAD_DYNAMIC_TILES)
+        tile_counter: cute.Tensor,  # (1,) int32, zeroed before the launch (the dynamic order's)
+        tile_order: cute.Tensor,  # (1,) int32: non-zero for the dynamic order (XLA's choice)
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        self.dynamic_tiles = WGRAD_DYNAMIC_TILES
+        # Tiles in the static or the dynamic order, as tile_order says (a TileHandoff).
+        self.dynamic_tiles = True
         tma, smem_layouts = self._prepare(a, b, out)
         self.wgrad_kernel(*tma, group_sizes, tile_counter, tile_order, self.tiled_mma, *smem_layouts).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream
@@ -201,8 +202,8 @@ class GroupedWgradSm90(GroupedGemmSm90):
         tma_atom_out: cute.CopyAtom,
         mOutTma: cute.Tensor,  # TMA coordinate tensor (K, N, G)
         group_sizes: cute.Tensor,
-        tile_counter: cute.Tensor,  # (1,) int32: the dynamic tile order's counter (WGRAD_DYNAMIC_TILES)
-        tile_order: cute.Tensor,  # (1,) int32: XLA's choice of order (WGRAD_DYNAMIC_TILES)
+        tile_counter: cute.Tensor,  # (1,) int32: the dynamic tile order's counter
+        tile_order: cute.Tensor,  # (1,) int32: XLA's choice of order
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,

@@ -117,14 +117,6 @@ def registered_targets() -> tuple[str, ...]:
     return tuple(ext.registrations()) if ext is not None else ()
 
 
-def wgrad_dynamic_tiles() -> bool:
-    """Whether the extension's bf16 weight gradient was built with the experimental
-    dynamic tile order, chosen per call (``JGM_WGRAD_DYNAMIC_TILES=1``; False without the
-    extension)."""
-    ext = _load()
-    return bool(getattr(ext, "WGRAD_DYNAMIC_TILES", False)) if ext is not None else False
-
-
 def variants(attr: str) -> tuple[str, ...]:
     """The extension's tuple ``attr`` of compiled variant names (empty without the extension)."""
     ext = _load()

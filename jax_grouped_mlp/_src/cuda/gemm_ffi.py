@@ -41,8 +41,8 @@ from jax_grouped_mlp.kernels import registry
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
 # The second result of the grouped GEMM and weight-gradient handlers: a scratch int32 (the
 # dynamic tile order's counter, kernels/tile_scheduler.TileHandoff), zeroed by the handler
-# before each launch in builds with JGM_DYNAMIC_TILES (the GEMM's) or JGM_WGRAD_DYNAMIC_TILES
-# (the weight gradient's), unused otherwise.
+# before each launch: always by the weight gradient's, by the GEMM's in builds with
+# JGM_DYNAMIC_TILES (unused otherwise).
 TILE_COUNTER = jax.ShapeDtypeStruct((1,), jnp.int32)
 GROUPED_GEMM_QW_TARGET = "jgm_grouped_gemm_qw"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
@@ -364,21 +364,18 @@ def grouped_wgrad_bf16_cuda(
         grouped_wgrad_variants(), n, variant, lambda v: _wgrad_out_dtype(v) == out_dtype, f"{out_dtype=}"
     )
     out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    if ffi.wgrad_dynamic_tiles():  # (other builds never read the order: no ops for it)
-        group_tiles = -(-k // 128) * -(-n // tile_n(grouped_wgrad_variants()[index]))
-        order = wgrad_tile_order(group_sizes, group_tiles)
-    else:
-        order = jnp.zeros((1,), jnp.int32)
+    group_tiles = -(-k // 128) * -(-n // tile_n(grouped_wgrad_variants()[index]))
+    order = wgrad_tile_order(group_sizes, group_tiles)
     result, _ = jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, (out, TILE_COUNTER))(
         lhs, rhs, group_sizes, order, variant=index
     )
     return result
 
 
-# Experimental (the skew notes, "Session 37"): JGM_WGRAD_TILE_ORDER=static or dynamic,
-# read when a program is traced, forces the weight gradient's tile order in builds with
-# JGM_WGRAD_DYNAMIC_TILES (to time one against the other in one build); "auto" or unset
-# chooses from the group sizes on the device.
+# For measurements (the skew notes, "Sessions 37-39"): JGM_WGRAD_TILE_ORDER=static or
+# dynamic, read when a program is traced, forces the weight gradient's tile order (to time
+# one against the other in one process); "auto" or unset chooses from the group sizes on
+# the device.
 WGRAD_TILE_ORDERS = ("auto", "static", "dynamic")
 
 
@@ -386,8 +383,8 @@ def wgrad_tile_order(group_sizes: jax.Array, group_tiles: int) -> jax.Array:
     """``[1]`` int32 on the device: 1 where the weight gradient should take its tiles in
     the dynamic order (the static order's modelled imbalance,
     :func:`heuristics.wgrad_static_imbalance`, above
-    :data:`heuristics.WGRAD_DYNAMIC_IMBALANCE` for these clamped sizes), else 0. Only
-    kernels built with JGM_WGRAD_DYNAMIC_TILES read it. A few array ops in XLA, no host sync."""
+    :data:`heuristics.WGRAD_DYNAMIC_IMBALANCE` for these clamped sizes), else 0. A few
+    array ops in XLA (microseconds), no host sync."""
     forced = os.environ.get("JGM_WGRAD_TILE_ORDER", "auto") or "auto"
     if forced not in WGRAD_TILE_ORDERS:
         raise ValueError(f"JGM_WGRAD_TILE_ORDER must be one of {WGRAD_TILE_ORDERS}, got {forced!r}")

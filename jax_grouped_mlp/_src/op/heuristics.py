@@ -171,10 +171,9 @@ def qw_tiles_cost(group_sizes, tile_t: int):
 
 # The bf16 weight gradient's tile cost in integer units (H200, equal Nano sizes: 0.586 us
 # per 64-row stage of a tile's reduction, 0.82 us per output tile for its store; tools/
-# skew_model.py), and the static order's imbalance above which its kernel, in builds with
-# JGM_WGRAD_DYNAMIC_TILES, takes its tiles in the dynamic order (skew notes, "Session 37": on
-# an H100 the dynamic order cost 1-4 % with equal sizes, modelled imbalance 1.002, and
-# saved 12-15 % at Dirichlet(0.3), 1.085).
+# skew_model.py), and the static order's imbalance above which its kernel takes its tiles
+# in the dynamic order (skew notes, "Sessions 37-39": on an H100 the dynamic order cost 1-4 %
+# with equal sizes, modelled imbalance 1.002, and saved 11-15 % at Dirichlet(0.3), 1.085).
 WGRAD_STAGE_ROWS = 64
 WGRAD_STAGE_COST, WGRAD_TILE_COST = 5, 7
 WGRAD_DYNAMIC_IMBALANCE = 1.03
