@@ -30,7 +30,9 @@ import numpy as np
 import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, time_call, write_result  # noqa: E402
+from common import (  # noqa: E402
+    MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, require_kernels, time_call, write_result,
+)
 from shapes import router_group_sizes, skew_label  # noqa: E402
 
 BASELINE = "bf16/per_micro_batch"
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "grad_accum.json")
     ap.add_argument("--plot", action="store_true")
     ns = ap.parse_args(argv)
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     if ns.micro_batches < 1:
         ap.error(f"--micro-batches must be >= 1, got {ns.micro_batches}")
     recipes = [r for r in ns.recipes.split(",") if r]

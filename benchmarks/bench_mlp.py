@@ -29,7 +29,8 @@ import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, round_order, time_call, write_result,
+    MLP_SHAPES, RESULTS, bar_plot, command_line, device_description, require_kernels, round_order, time_call,
+    write_result,
 )
 from shapes import ALPHAS, router_group_sizes, skew_label  # noqa: E402
 
@@ -215,6 +216,7 @@ def main(argv=None) -> int:
                          "reversed every other round (use an even number; medians; "
                          "the skew ratios per round), with the equal sizes first in --alphas")
     ns = ap.parse_args(argv)
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     alphas = [float(a) for a in ns.alphas.split(",") if a]
     only = tuple(c for c in ns.only.split(",") if c)
     # (tokamax_bf16 is a candidate only where tokamax is installed; asked for elsewhere, it is skipped.)

@@ -27,7 +27,7 @@ import jax_grouped_mlp as jgm
 from jax_grouped_mlp.flax import MoEBlock
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, gemm_report, time_call, write_report  # noqa: E402
+from common import RESULTS, gemm_report, require_kernels, time_call, write_report  # noqa: E402
 
 NANO = {"hidden": 2688, "ffn": 1856, "experts": 128, "top_k": 6}
 SMALL = {"hidden": 128, "ffn": 64, "experts": 8, "top_k": 2}
@@ -68,6 +68,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "moe_block_defaults.json")
     args = ap.parse_args(argv)
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     shape = SMALL if args.small else NANO
     report = gemm_report("Flax MoEBlock forward + backward: module defaults (float32 params) vs bf16 params",
                          "benchmarks/bench_moe_block.py", argv)

@@ -25,7 +25,7 @@ import numpy as np
 import jax_grouped_mlp as jgm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, command_line, device_description, time_call, write_result  # noqa: E402
+from common import RESULTS, command_line, device_description, require_kernels, time_call, write_result  # noqa: E402
 
 H, F, E, TOP_K = 2688, 1856, 128, 6
 ROUTING = jgm.RoutingConfig(top_k=TOP_K, score_function="sigmoid", normalize_weights=True,
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
                     choices=[e.value for e in jgm.Exchange], help="exchanges to time at every device count > 1")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "moe_ep.json")
     ns = ap.parse_args(argv)
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     rng = np.random.default_rng(0)
     counts = [n for n in (1, 2, 4, 8) if n <= len(jax.devices())]
     report = {"command": command_line("benchmarks/bench_moe_ep.py", argv or sys.argv[1:]),

@@ -85,7 +85,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
 import numpy as np
 
 from benchmarks import offload_bars
-from benchmarks.common import RESULTS, time_call, write_result
+from benchmarks.common import RESULTS, require_kernels, time_call, write_result
 from benchmarks.buffer_assignment import temp_peak_report
 from benchmarks.shapes import router_group_sizes
 from benchmarks.hlo_text import host_placement_report, lowered_placement_report, parse_hlo
@@ -460,6 +460,7 @@ def worker(opts, labels: list[str]) -> tuple[dict, list[dict]]:
     """Measures ``labels`` in this process, for each of ``opts.layout`` and ``opts.layers``
     (one stack at a time), then the host link (after every device peak is read: its
     copies need device memory); returns (device description, rows)."""
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     shape = _shape(opts)
     desc = _device_description()
     rows = []

@@ -64,7 +64,7 @@ from jax_grouped_mlp._src.op import primitives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    MLP_SHAPES, RESULTS, command_line, device_description, round_order, time_call, write_result,
+    MLP_SHAPES, RESULTS, command_line, device_description, require_kernels, round_order, time_call, write_result,
 )
 from shapes import rounded_group_sizes, router_group_sizes, skew_label  # noqa: E402
 
@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the operands and of the skewed group sizes")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ns = ap.parse_args(argv)
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     alphas = _alphas(ns.alpha)
     if ns.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got --rounds={ns.rounds}")

@@ -42,7 +42,7 @@ from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp.flax import MoEBlock, RouterBias, default_kernel_init
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, bar_plot, gemm_report, time_call, write_report  # noqa: E402
+from common import RESULTS, bar_plot, gemm_report, require_kernels, time_call, write_report  # noqa: E402
 
 NANO = {"hidden": 2688, "ffn": 1856, "experts": 128, "top_k": 6, "vocab": 4096}
 SMALL = {"hidden": 64, "ffn": 32, "experts": 8, "top_k": 2, "vocab": 128}
@@ -189,6 +189,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "train_step.json")
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args(argv)
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     shape = SMALL if args.small else NANO
     report = gemm_report("training step of a decoder stack of MoE layers (AdamW, float32 master params)",
                          "benchmarks/bench_train.py", argv)

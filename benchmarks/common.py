@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import time
@@ -101,6 +102,22 @@ def time_call(fn, *args, iters: int, warmup: int = 2, samples: int = 5) -> float
     return float(np.median(out))
 
 
+def require_kernels() -> None:
+    """Stops a benchmark of the op on a GPU where this process has no CUDA extension
+    (not built, or not carried to the device machine): every op would run its pure-JAX
+    reference and be timed under the op's name (session 39 timed 44 ms weight gradients,
+    1 ms with the kernels, that way). ``JGM_BENCH_ALLOW_REFERENCE=1`` runs it anyway."""
+    if os.environ.get("JGM_BENCH_ALLOW_REFERENCE") == "1" or jax.default_backend() != "gpu":
+        return
+    from jax_grouped_mlp._src.cuda import ffi
+
+    if not ffi.available():
+        raise SystemExit(
+            "benchmark refused: a GPU is present but jax_grouped_mlp has no CUDA extension in this process, so "
+            "it would time the pure-JAX reference under the op's name. Build it (`make kernels`) or carry "
+            "jax_grouped_mlp/_kernels.*.so to the device; JGM_BENCH_ALLOW_REFERENCE=1 runs it anyway.")
+
+
 def device_description() -> dict:
     d = jax.devices()[0]
     return {"platform": d.platform, "device_kind": d.device_kind, "jax": jax.__version__}
@@ -115,7 +132,6 @@ def library_commit(cwd: pathlib.Path | None = None) -> str | None:
     The tree id names the code that ran even where ``.git`` lags the files (the device
     machine's copy has read an older HEAD than the tree it was sent): the commit whose
     tree it is, ``git log --all --format='%H %T' | grep <id>``, is the code measured."""
-    import os
     import subprocess
 
     if os.environ.get("JGM_COMMIT"):

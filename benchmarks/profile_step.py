@@ -164,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=pathlib.Path, default=None,
                     help="a folder; writes <candidate>.timeline.json (every device event of the profiled steps)")
     ns = ap.parse_args(argv)
+    from common import require_kernels
+
+    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     if ns.candidates is None:
         ns.candidates = {"mlp": "grouped_mlp_mxfp8", "grad_accum": "bf16/per_micro_batch",
                          "stack": "loop/d-d-d,scan/d-d-d"}[ns.step]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Callable, Literal, Union
 
 import jax
@@ -77,7 +78,21 @@ def cuda_impl(name: OpName) -> Callable | None:
     return _CUDA_IMPLS.get(name)
 
 
+@functools.cache
+def _warn_reference_on_gpu() -> None:
+    """Once per process, where CUDA devices are present but no CUDA implementation is
+    registered (the extension is not built, or not importable): every primitive then runs
+    its pure-JAX reference, correct but many times slower, which is otherwise silent."""
+    if devices.cuda_devices():
+        warnings.warn(
+            "jax_grouped_mlp: CUDA devices are present but its CUDA extension is not loaded, so every "
+            "operation runs its pure-JAX reference (correct, many times slower). backend_info() says why; "
+            "docs/troubleshooting.md says what to do.", RuntimeWarning, stacklevel=4)
+
+
 def _dispatch(name: OpName, *args, **static):
+    if not _CUDA_IMPLS:
+        _warn_reference_on_gpu()
     ref = _REFERENCE[name]
     own = name in _CUDA_IMPLS or (name in COMPOSED and bool(_CUDA_IMPLS))
     if not own or (_has_fp8_block(args) and name not in _FP8_BLOCK_CUDA):
