@@ -228,9 +228,41 @@ def test_wgrad_order_choice_at_the_nano_shape():
 
     def imbalance(alpha):
         sizes = np.full(128, 384) if alpha is None else np.asarray(router_group_sizes(49152, 128, alpha=alpha, seed=0))
-        return heuristics.wgrad_static_imbalance(sizes, 210, 132)
+        return heuristics.wgrad_skew_imbalance(sizes, 210, 132)
 
     assert imbalance(None) < imbalance(1.0) < heuristics.WGRAD_DYNAMIC_IMBALANCE < imbalance(0.3)
+
+
+@pytest.mark.parametrize("groups, group_tiles", [(8, 512), (128, 210), (16, 210), (32, 192), (5, 7)])
+def test_wgrad_skew_imbalance_leaves_out_tile_granularity(rng, groups, group_tiles):
+    """Equal sizes add no skew, whatever the granularity of the static order's tiles (8
+    groups of 512 tiles on 132 CTAs: 1.031 from granularity alone, which the dynamic
+    order cannot remove); skewed sizes are measured against equal ones of the same
+    total, negative sizes counting as empty; traced sizes give the same value."""
+    total = 384 * groups + 5
+    equal = np.full(groups, total // groups)
+    equal[: total % groups] += 1
+    assert heuristics.wgrad_skew_imbalance(equal, group_tiles, 132) == pytest.approx(1.0, abs=1e-12)
+    skewed = rng.multinomial(total, rng.dirichlet(np.full(groups, 0.3))).astype(np.int64)
+    want = (heuristics.wgrad_static_imbalance(skewed, group_tiles, 132)
+            / heuristics.wgrad_static_imbalance(equal, group_tiles, 132))
+    assert heuristics.wgrad_skew_imbalance(skewed, group_tiles, 132) == pytest.approx(want, rel=1e-12)
+    with_negative = np.concatenate([skewed, [-7]])
+    padded_equal = np.concatenate([equal, [0]])
+    assert heuristics.wgrad_skew_imbalance(with_negative, group_tiles, 132) == pytest.approx(
+        heuristics.wgrad_static_imbalance(with_negative, group_tiles, 132)
+        / heuristics.wgrad_static_imbalance(_equal_like(padded_equal), group_tiles, 132), rel=1e-12)
+    traced = jax.jit(lambda s: heuristics.wgrad_skew_imbalance(s, group_tiles, 132))(jnp.asarray(skewed, jnp.int32))
+    assert float(traced) == pytest.approx(want, rel=1e-5)
+    assert heuristics.wgrad_skew_imbalance(np.zeros(0, np.int64), group_tiles, 132) == 1.0
+
+
+def _equal_like(sizes: np.ndarray) -> np.ndarray:
+    """Equal sizes with the total of ``sizes`` over as many groups (remainder first)."""
+    total, g = int(sizes.sum()), sizes.shape[0]
+    out = np.full(g, total // g)
+    out[: total % g] += 1
+    return out
 
 
 def test_wgrad_tile_order_on_the_device(monkeypatch):
@@ -249,6 +281,9 @@ def test_wgrad_tile_order_on_the_device(monkeypatch):
     monkeypatch.delenv("JGM_WGRAD_TILE_ORDER", raising=False)
     if devices.sm_count() == devices.DEFAULT_SM_COUNT:  # the threshold's calibration
         assert choose(equal).tolist() == [0] and choose(skewed).tolist() == [1]
+        # 8 equal groups of 512 tiles: the static order's 1.031 is granularity, kept static
+        eight = jnp.full((8,), 8192, jnp.int32)
+        assert np.asarray(jax.jit(lambda s: gemm_ffi.wgrad_tile_order(s, 512))(eight)).tolist() == [0]
     assert choose(jnp.zeros((0,), jnp.int32)).tolist() == [0]  # no groups: static, an array all the same
     for forced, want in (("static", 0), ("dynamic", 1)):
         monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", forced)

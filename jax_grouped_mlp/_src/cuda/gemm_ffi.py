@@ -381,17 +381,17 @@ WGRAD_TILE_ORDERS = ("auto", "static", "dynamic")
 
 def wgrad_tile_order(group_sizes: jax.Array, group_tiles: int) -> jax.Array:
     """``[1]`` int32 on the device: 1 where the weight gradient should take its tiles in
-    the dynamic order (the static order's modelled imbalance,
-    :func:`heuristics.wgrad_static_imbalance`, above
-    :data:`heuristics.WGRAD_DYNAMIC_IMBALANCE` for these clamped sizes), else 0. A few
-    array ops in XLA (microseconds), no host sync."""
+    the dynamic order (the imbalance that these clamped sizes' skew adds to the static
+    order, :func:`heuristics.wgrad_skew_imbalance`, above
+    :data:`heuristics.WGRAD_DYNAMIC_IMBALANCE`), else 0. A few array ops in XLA
+    (microseconds), no host sync."""
     forced = os.environ.get("JGM_WGRAD_TILE_ORDER", "auto") or "auto"
     if forced not in WGRAD_TILE_ORDERS:
         raise ValueError(f"JGM_WGRAD_TILE_ORDER must be one of {WGRAD_TILE_ORDERS}, got {forced!r}")
     if forced != "auto":
         return jnp.full((1,), int(forced == "dynamic"), jnp.int32)
     sizes = jnp.asarray(group_sizes, jnp.int32)
-    imbalance = heuristics.wgrad_static_imbalance(sizes, group_tiles, devices.sm_count())
+    imbalance = heuristics.wgrad_skew_imbalance(sizes, group_tiles, devices.sm_count())
     # (no groups: a Python float, so jnp.asarray)
     return jnp.asarray(imbalance > heuristics.WGRAD_DYNAMIC_IMBALANCE, jnp.int32).reshape(1)
 

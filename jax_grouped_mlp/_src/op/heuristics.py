@@ -171,9 +171,10 @@ def qw_tiles_cost(group_sizes, tile_t: int):
 
 # The bf16 weight gradient's tile cost in integer units (H200, equal Nano sizes: 0.586 us
 # per 64-row stage of a tile's reduction, 0.82 us per output tile for its store; tools/
-# skew_model.py), and the static order's imbalance above which its kernel takes its tiles
-# in the dynamic order (skew notes, "Sessions 37-39": on an H100 the dynamic order cost 1-4 %
-# with equal sizes, modelled imbalance 1.002, and saved 11-15 % at Dirichlet(0.3), 1.085).
+# skew_model.py), and the imbalance that skew adds to the static order
+# (:func:`wgrad_skew_imbalance`) above which its kernel takes its tiles in the dynamic
+# order (skew notes, "Sessions 37-39": on an H100 at the Nano shape the dynamic order cost
+# 1-4 % with equal sizes, modelled 1.002, and saved 11-15 % at Dirichlet(0.3), 1.083).
 WGRAD_STAGE_ROWS = 64
 WGRAD_STAGE_COST, WGRAD_TILE_COST = 5, 7
 WGRAD_DYNAMIC_IMBALANCE = 1.03
@@ -204,6 +205,23 @@ def wgrad_static_imbalance(group_sizes, group_tiles: int, ctas: int):
     covers = ((np.arange(ctas)[None, :] - first) % ctas) < extra  # static [G, ctas]
     work = full * cost.sum() + (cost[:, None] * covers.astype(float)).sum(0)
     return work.max() / work.mean()
+
+
+def wgrad_skew_imbalance(group_sizes, group_tiles: int, ctas: int):
+    """:func:`wgrad_static_imbalance` of ``group_sizes`` over that of equal sizes with the
+    same total rows: the part of the static order's imbalance that the skew adds.
+
+    The rest is tile granularity, which no order removes: 8 groups of 512 equal tiles
+    on 132 CTAs leave some CTAs 32 tiles and the mean 31.03 (imbalance 1.031 at any
+    sizes), and the dynamic order, whose claims cost 1-4 % where nothing is to gain,
+    cannot do better. Array operators only, like :func:`wgrad_static_imbalance` (traced
+    sizes work: the total stays on the device)."""
+    num_groups = group_sizes.shape[0]
+    if num_groups == 0:
+        return 1.0
+    total = (group_sizes * (group_sizes > 0)).sum()
+    equal = total // num_groups + ((total % num_groups) > np.arange(num_groups))
+    return wgrad_static_imbalance(group_sizes, group_tiles, ctas) / wgrad_static_imbalance(equal, group_tiles, ctas)
 
 
 def gemm_tile_n(n: int, widths: Iterable[int]) -> int:
