@@ -12,7 +12,8 @@ step: two forward, two dgrad, two wgrad), the compiled program's temp memory, an
 speedups against ragged_dot. Each shape runs with equal group sizes and with the
 router-like skews of ``--alphas`` (``shapes.router_group_sizes``: Dirichlet(alpha)
 expert loads), reported side by side with each candidate's slowdown against its own
-equal-sizes step. Writes JSON (and a PNG with --plot).
+equal-sizes step; with ``--rounds R`` in interleaved rounds, and ``--size-seeds`` adds
+more router draws of each skew. Writes JSON (and a PNG with --plot).
 """
 
 from __future__ import annotations
@@ -155,18 +156,41 @@ def bench_shape(name: str, iters: int, seed: int, only: tuple[str, ...] = (), al
     return res
 
 
+def skew_key(name: str, alpha: float, size_seed: int | None = None) -> str:
+    """A result's key: the shape, its skew, and the draw of the sizes where it is not the
+    run's ``--seed`` (``nano``, ``nano@alpha=1``, ``nano@alpha=1,sizes=3``)."""
+    key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"
+    return key if size_seed is None else f"{key},sizes={size_seed}"
+
+
 def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, ...], alphas: list[float],
-                            rounds: int) -> dict:
+                            rounds: int, size_seeds: tuple[int, ...] = ()) -> dict:
     """Skewed steps against the equal-sizes step, measured in ``rounds`` interleaved rounds
     (every candidate at every skew once per round, after compiling all of them, in the
     order of :func:`round_order`), so that clock drift on a shared machine hits both sides
     of a ratio alike. Each entry's ``ms``
     is the median over rounds; a skewed entry's ``vs_uniform`` is the median of the
-    per-round ratios and ``vs_uniform_rounds`` lists them."""
+    per-round ratios and ``vs_uniform_rounds`` lists them.
+
+    Each candidate is compiled once: the group sizes are an operand, so every skew runs
+    the same executable. ``size_seeds``: more router draws per skewed alpha (the sizes'
+    seed; the data stays ``seed``'s), keyed ``...,sizes=K``: one draw of Dirichlet(1) at
+    the Nano shape ranges from a benign to a hard case for the static tile orders (skew
+    notes, "Session 39"). The first draw's entry then also gets ``vs_uniform_draws``:
+    the mean, min and max of every draw's ``vs_uniform``."""
+    g, rows, _, _ = MLP_SHAPES[name]
+    header0, jobs0 = compile_shape(name, seed, only, float("inf"))
     keyed = {}
     for alpha in alphas:
-        key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"
-        keyed[key] = (alpha, *compile_shape(name, seed, only, alpha))
+        draws = [seed] if alpha == float("inf") else [seed, *(s for s in size_seeds if s != seed)]
+        for draw in draws:
+            sizes = router_group_sizes(g * rows, g, alpha, draw)
+            header = dict(header0, skew=skew_label(alpha), group_sizes={"min": int(sizes.min()), "max": int(sizes.max())})
+            if draw != seed:
+                header["sizes_seed"] = draw
+            jobs = {c: j if isinstance(j, str) else (j[0], (*j[1][:3], jnp.asarray(sizes), *j[1][4:]))
+                    for c, j in jobs0.items()}
+            keyed[skew_key(name, alpha, None if draw == seed else draw)] = (alpha, header, jobs)
     times: dict = {(k, c): [] for k, (_, _, jobs) in keyed.items() for c, j in jobs.items() if not isinstance(j, str)}
     for r in range(rounds):
         for key, cname in round_order(list(times), r):
@@ -193,7 +217,27 @@ def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, .
                 res[cname]["vs_uniform"] = float(np.median(ratios))
                 res[cname]["vs_uniform_rounds"] = ratios
             print(key, cname, {k: v for k, v in res[cname].items() if "rounds" not in k}, flush=True)
+    _summarize_draws(report, name, alphas, seed, size_seeds)
     return report
+
+
+def _summarize_draws(report: dict, name: str, alphas: list[float], seed: int, size_seeds: tuple[int, ...]) -> None:
+    """Adds ``vs_uniform_draws`` (mean, min, max over the draws) to each skewed alpha's
+    first entry where more than one draw of its sizes ran, and prints it."""
+    for alpha in alphas:
+        if alpha == float("inf"):
+            continue
+        keys = [skew_key(name, alpha)] + [skew_key(name, alpha, s) for s in size_seeds if s != seed]
+        if len(keys) < 2:
+            continue
+        for cname, entry in report[keys[0]].items():
+            if not isinstance(entry, dict) or "vs_uniform" not in entry:
+                continue
+            ratios = [report[k][cname]["vs_uniform"] for k in keys if "vs_uniform" in report[k].get(cname, {})]
+            entry["vs_uniform_draws"] = {"mean": float(np.mean(ratios)), "min": float(min(ratios)),
+                                         "max": float(max(ratios)), "draws": len(ratios)}
+            print(f"{keys[0]} {cname} over {len(ratios)} draws of the sizes: vs_uniform mean "
+                  f"{np.mean(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})", flush=True)
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
@@ -215,10 +259,20 @@ def main(argv=None) -> int:
                     help="above 1: time every skew of a shape in this many interleaved rounds, the order "
                          "reversed every other round (use an even number; medians; "
                          "the skew ratios per round), with the equal sizes first in --alphas")
+    ap.add_argument("--size-seeds", default="",
+                    help="with --rounds: more router draws of each skewed alpha's group sizes (comma-separated "
+                         "seeds; --seed's draw always runs), timed in the same rounds, with the mean, min and max "
+                         "of their vs_uniform")
     ns = ap.parse_args(argv)
     require_kernels()  # (no timing of the pure-JAX fallback under our name)
     alphas = [float(a) for a in ns.alphas.split(",") if a]
     only = tuple(c for c in ns.only.split(",") if c)
+    try:
+        size_seeds = tuple(int(v) for v in ns.size_seeds.split(",") if v.strip())
+    except ValueError:
+        ap.error(f"--size-seeds takes comma-separated integers, got {ns.size_seeds!r}")
+    if size_seeds and ns.rounds < 2:
+        ap.error("--size-seeds needs --rounds 2 or more (the draws are timed in interleaved rounds)")
     # (tokamax_bf16 is a candidate only where tokamax is installed; asked for elsewhere, it is skipped.)
     unknown = sorted(set(only) - set(_candidates()) - {"tokamax_bf16"})
     if unknown:
@@ -227,12 +281,12 @@ def main(argv=None) -> int:
               "device": device_description(), "shapes": {}}
     for name in ns.shapes.split(","):
         if ns.rounds > 1:
-            report["shapes"].update(bench_skews_interleaved(name, ns.iters, ns.seed, only, alphas, ns.rounds))
+            report["shapes"].update(bench_skews_interleaved(name, ns.iters, ns.seed, only, alphas, ns.rounds,
+                                                            size_seeds))
             continue
         uniform = None
         for alpha in alphas:
-            key = name if alpha == float("inf") else f"{name}@{skew_label(alpha)}"
-            res = report["shapes"][key] = bench_shape(name, ns.iters, ns.seed, only, alpha)
+            res = report["shapes"][skew_key(name, alpha)] = bench_shape(name, ns.iters, ns.seed, only, alpha)
             if alpha == float("inf"):
                 uniform = res
             elif uniform is not None:  # the issue-20 ratio: skewed step / equal-sizes step

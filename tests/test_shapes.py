@@ -138,6 +138,46 @@ def test_interleaved_rounds_alternate_their_order(tmp_path, monkeypatch):
     assert len(calls) == 8 and calls[4:] == calls[:4][::-1], calls
 
 
+def test_bench_mlp_times_more_draws_of_the_sizes(tmp_path, monkeypatch):
+    """``--size-seeds``: each skewed alpha also runs other router draws of its sizes (the
+    data unchanged), keyed ``...,sizes=K``, in the same rounds and with one compilation
+    per candidate; the first draw's entry summarizes every draw's ``vs_uniform``."""
+    import bench_mlp
+
+    compiles = []
+    real = bench_mlp.compile_shape
+    monkeypatch.setattr(bench_mlp, "compile_shape", lambda *a, **k: compiles.append(a) or real(*a, **k))
+    out = tmp_path / "mlp.json"
+    bench_mlp.main(["--shapes", "tiny", "--alphas", "inf,1", "--only", "grouped_mlp_bf16", "--iters", "1",
+                    "--rounds", "2", "--size-seeds", "0,3,5", "--out", str(out)])
+    assert len(compiles) == 1
+    data = json.loads(out.read_text())["results"]
+    assert set(data) == {"tiny", "tiny@alpha=1", "tiny@alpha=1,sizes=3", "tiny@alpha=1,sizes=5"}
+    g, rows, _, _ = bench_mlp.MLP_SHAPES["tiny"]
+    for draw, key in ((3, "tiny@alpha=1,sizes=3"), (5, "tiny@alpha=1,sizes=5")):
+        sizes = shapes.router_group_sizes(g * rows, g, 1.0, draw)
+        assert data[key]["sizes_seed"] == draw
+        assert data[key]["group_sizes"] == {"min": int(sizes.min()), "max": int(sizes.max())}
+        assert len(data[key]["grouped_mlp_bf16"]["rounds_ms"]) == 2
+    ratios = [data[k]["grouped_mlp_bf16"]["vs_uniform"] for k in sorted(data) if k != "tiny"]
+    summary = data["tiny@alpha=1"]["grouped_mlp_bf16"]["vs_uniform_draws"]
+    assert summary["draws"] == 3 and summary["mean"] == pytest.approx(float(np.mean(ratios)))
+    assert summary["min"] == min(ratios) and summary["max"] == max(ratios)
+    assert "sizes_seed" not in data["tiny@alpha=1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size-seeds", "1,x", "--rounds", "2"], "comma-separated integers"),
+    (["--size-seeds", "1,2"], "needs --rounds 2 or more"),
+])
+def test_bench_mlp_size_seeds_errors(capsys, argv, message):
+    import bench_mlp
+
+    with pytest.raises(SystemExit):
+        bench_mlp.main(["--shapes", "tiny", "--only", "grouped_mlp_bf16", *argv])
+    assert message in capsys.readouterr().err
+
+
 def test_bench_mlp_rejects_unknown_candidates(capsys):
     """A misspelt or renamed ``--only`` name is an error naming it, not a silently
     skipped column."""
