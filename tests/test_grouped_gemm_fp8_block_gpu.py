@@ -113,12 +113,6 @@ def exact_operands(rng, m, n, k, g) -> tuple[FP8BlockTensor, FP8BlockTensor]:
     return lhs, rhs
 
 
-def _poison(m: int, n: int, value: int) -> None:
-    """Poisons freed device memory of the bf16 ``[m, n]`` output's size with ``value``
-    bytes (:func:`gpu_helpers.poison_freed`)."""
-    poison_freed(m * n * 2, value=value)
-
-
 def _run(lhs, rhs, group_sizes, variant=None) -> np.ndarray:
     """The kernel's output in float64, run after two poisons (0xFF: bf16 NaN; 0x7F: huge);
     both runs must agree bit for bit (every element written, deterministic)."""
@@ -126,7 +120,7 @@ def _run(lhs, rhs, group_sizes, variant=None) -> np.ndarray:
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     runs = []
     for value in (0xFF, 0x7F):
-        _poison(m, n, value)
+        poison_freed(m * n * 2, value=value)  # (the bf16 [m, n] output)
         out = jax.block_until_ready(_kernel(lhs, rhs, gs, variant=variant))
         assert out.shape == (m, n) and out.dtype == jnp.bfloat16
         runs.append(np.asarray(out.astype(jnp.float32), np.float64))

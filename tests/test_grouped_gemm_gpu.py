@@ -36,13 +36,6 @@ _reference = jax.jit(
 )
 
 
-def _poison(m: int, n: int, value: int) -> None:
-    """Poisons freed device memory of the bf16 ``[m, n]`` output's size with ``value``
-    bytes (:func:`gpu_helpers.poison_freed`: an element the kernel forgets to write
-    keeps it; 0xFF is a bf16 NaN)."""
-    poison_freed(m * n * 2, value=value)
-
-
 def _operands(rng, m, n, k, g):
     a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
@@ -68,7 +61,7 @@ def _check(a, b, group_sizes, variant=None) -> None:
     want = np.asarray(_reference(a, b, jnp.asarray(clamped)), np.float64)
     runs = []
     for value in (0xFF, 0x7F):  # NaN, then a huge finite value
-        _poison(m, n, value)
+        poison_freed(m * n * 2, value=value)  # (the bf16 [m, n] output)
         out = _kernel(a, b_in, gs, variant=variant, transpose_rhs=k_major)
         runs.append(np.asarray(jax.block_until_ready(out).astype(jnp.float32), np.float64))
     np.testing.assert_array_equal(runs[0], runs[1], err_msg="output differs between poisons: unwritten elements or a race")

@@ -42,18 +42,13 @@ def _fake_quantize(w: jax.Array, axis: int) -> jax.Array:
     return mxfp8.dequantize(mxfp8.quantize_mxfp8(w, axis=axis), jnp.bfloat16)
 
 
-def _poison(m: int, n: int, value: int) -> None:
-    """Poisons freed device memory of the bf16 ``[m, n]`` output's size (:func:`gpu_helpers.poison_freed`)."""
-    poison_freed(m * n * 2, value=value)
-
-
 def _run(a, w_stored, group_sizes, transpose: bool, variant: str | None = None) -> np.ndarray:
     """The kernel's output after each of two poisons (must agree), as float64."""
     m, n = a.shape[0], w_stored.shape[1 if transpose else 2]
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
     runs = []
     for value in (0xFF, 0x7F):
-        _poison(m, n, value)
+        poison_freed(m * n * 2, value=value)  # (the bf16 [m, n] output)
         out = _qw(a, w_stored, gs, transpose_rhs=transpose, variant=variant)
         runs.append(np.asarray(jax.block_until_ready(out).astype(jnp.float32), np.float64))
     np.testing.assert_array_equal(runs[0], runs[1], err_msg="output differs between poisons: unwritten elements or a race")
@@ -259,7 +254,7 @@ def test_device_choice_runs_exactly_one_variant(rng, transpose):
     for choice in (-3, 0, 1, len(fits) - 1, len(fits) + 5):
         runs = []
         for value in (0xFF, 0x7F):
-            _poison(m, n, value)
+            poison_freed(m * n * 2, value=value)  # (the bf16 [m, n] output)
             out = call(a, w, sizes, jnp.asarray([choice], jnp.int32), fits, n)
             runs.append(np.asarray(jax.block_until_ready(out).astype(jnp.float32), np.float64))
         # (Two variants running would write the same bits: this catches none running or a race.)
