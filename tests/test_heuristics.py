@@ -237,32 +237,45 @@ def test_wgrad_order_choice_at_the_nano_shape():
 def test_wgrad_skew_imbalance_leaves_out_tile_granularity(rng, groups, group_tiles):
     """Equal sizes add no skew, whatever the granularity of the static order's tiles (8
     groups of 512 tiles on 132 CTAs: 1.031 from granularity alone, which the dynamic
-    order cannot remove); skewed sizes are measured against equal ones of the same
-    total, negative sizes counting as empty; traced sizes give the same value."""
-    total = 384 * groups + 5
-    equal = np.full(groups, total // groups)
-    equal[: total % groups] += 1
-    assert heuristics.wgrad_skew_imbalance(equal, group_tiles, 132) == pytest.approx(1.0, abs=1e-12)
-    skewed = rng.multinomial(total, rng.dirichlet(np.full(groups, 0.3))).astype(np.int64)
-    want = (heuristics.wgrad_static_imbalance(skewed, group_tiles, 132)
-            / heuristics.wgrad_static_imbalance(equal, group_tiles, 132))
+    order cannot remove), at any rows per group and nearly so with a remainder; skewed
+    sizes are measured against equal ones, negative sizes counting as empty; traced
+    sizes give the same value."""
+    for rows in (1, 64, 384, 5000):
+        equal = np.full(groups, rows)
+        assert heuristics.wgrad_skew_imbalance(equal, group_tiles, 132) == pytest.approx(1.0, abs=1e-12)
+    with_remainder = np.full(groups, 384)
+    with_remainder[: groups // 2] += 1  # 385 rows: one more 64-row stage for those groups
+    # (below 1 where a CTA must hold a 385-row tile anyway: the floor is that tile)
+    assert heuristics.wgrad_skew_imbalance(with_remainder, group_tiles, 132) < 1.005
+    skewed = rng.multinomial(384 * groups, rng.dirichlet(np.full(groups, 0.3))).astype(np.int64)
+    want = _skew_oracle(skewed, group_tiles, 132)
     assert heuristics.wgrad_skew_imbalance(skewed, group_tiles, 132) == pytest.approx(want, rel=1e-12)
     with_negative = np.concatenate([skewed, [-7]])
-    padded_equal = np.concatenate([equal, [0]])
     assert heuristics.wgrad_skew_imbalance(with_negative, group_tiles, 132) == pytest.approx(
-        heuristics.wgrad_static_imbalance(with_negative, group_tiles, 132)
-        / heuristics.wgrad_static_imbalance(_equal_like(padded_equal), group_tiles, 132), rel=1e-12)
+        _skew_oracle(np.maximum(with_negative, 0), group_tiles, 132), rel=1e-12)
     traced = jax.jit(lambda s: heuristics.wgrad_skew_imbalance(s, group_tiles, 132))(jnp.asarray(skewed, jnp.int32))
     assert float(traced) == pytest.approx(want, rel=1e-5)
     assert heuristics.wgrad_skew_imbalance(np.zeros(0, np.int64), group_tiles, 132) == 1.0
 
 
-def _equal_like(sizes: np.ndarray) -> np.ndarray:
-    """Equal sizes with the total of ``sizes`` over as many groups (remainder first)."""
-    total, g = int(sizes.sum()), sizes.shape[0]
-    out = np.full(g, total // g)
-    out[: total % g] += 1
-    return out
+def _skew_oracle(sizes: np.ndarray, group_tiles: int, ctas: int) -> float:
+    """The static order replayed tile by tile, its largest CTA over the larger of (the
+    mean times the imbalance of equal-cost tiles) and the costliest tile."""
+    stages = -(-np.maximum(sizes, 0) // heuristics.WGRAD_STAGE_ROWS)
+    cost = np.repeat(stages * heuristics.WGRAD_STAGE_COST + heuristics.WGRAD_TILE_COST, group_tiles).astype(float)
+    work, counts = np.zeros(ctas), np.zeros(ctas)
+    for t, c in enumerate(cost):
+        work[t % ctas] += c
+        counts[t % ctas] += 1
+    return work.max() / max(work.mean() * counts.max() / counts.mean(), cost.max())
+
+
+def test_wgrad_skew_imbalance_is_one_where_few_tiles(rng):
+    """Fewer tiles than CTAs: every CTA holds at most one, so no order does better than
+    the costliest tile, however skewed the sizes."""
+    sizes = rng.multinomial(4000, rng.dirichlet(np.full(5, 0.3)))
+    assert heuristics.wgrad_skew_imbalance(sizes, 7, 132) == pytest.approx(1.0)
+    assert heuristics.wgrad_static_imbalance(sizes, 7, 132) > 3  # (the mean counts the idle CTAs)
 
 
 def test_wgrad_tile_order_on_the_device(monkeypatch):

@@ -192,11 +192,46 @@ def wgrad_static_imbalance(group_sizes, group_tiles: int, ctas: int):
     with array operators only: a NumPy array (tests) or a traced jax array (the device-side
     choice, :func:`gemm_ffi.wgrad_tile_order`) alike; the sizes are clamped at 0.
     """
-    num_groups = group_sizes.shape[0]
+    if group_sizes.shape[0] == 0:
+        _check_tiles(group_tiles, ctas)
+        return 1.0
+    work, _ = _wgrad_static_work(group_sizes, group_tiles, ctas)
+    return work.max() / work.mean()
+
+
+def wgrad_skew_imbalance(group_sizes, group_tiles: int, ctas: int):
+    """The static order's largest CTA work over the least that any order of these tiles
+    could give: the part of its imbalance that the group sizes add, which only a dynamic
+    order can remove. 1.0 for no groups; the same operands as
+    :func:`wgrad_static_imbalance`.
+
+    No order beats tile granularity: 8 groups of 512 equal tiles on 132 CTAs leave some
+    CTAs 32 tiles against a mean of 31.03 (1.031 at any sizes), and a CTA holding the
+    costliest tile takes at least that tile. So the floor is the larger of the mean work
+    times the tile counts' own imbalance (a constant of the shape: every tile the same
+    cost, computed on the host) and the costliest tile. Where the static order is at
+    that floor, the dynamic order's claims (1-4 % on an H100) would buy nothing."""
+    if group_sizes.shape[0] == 0:
+        _check_tiles(group_tiles, ctas)
+        return 1.0
+    work, cost = _wgrad_static_work(group_sizes, group_tiles, ctas)
+    counts, _ = _wgrad_static_work(np.ones(group_sizes.shape[0], np.int64), group_tiles, ctas)
+    spread = work.mean() * float(counts.max() / counts.mean())
+    largest = cost.max()
+    floor = spread + (largest - spread) * (largest > spread)  # max() of the two, as array operators
+    return work.max() / floor
+
+
+def _check_tiles(group_tiles: int, ctas: int) -> None:
     if group_tiles < 1 or ctas < 1:
         raise ValueError(f"group_tiles and ctas must be >= 1, got {group_tiles=}, {ctas=}")
-    if num_groups == 0:
-        return 1.0
+
+
+def _wgrad_static_work(group_sizes, group_tiles: int, ctas: int):
+    """(work per CTA ``[ctas]``, cost of one tile per group ``[G]``) of the weight
+    gradient's static order, in the integer units above (as floats)."""
+    _check_tiles(group_tiles, ctas)
+    num_groups = group_sizes.shape[0]
     sizes = group_sizes * (group_sizes > 0)
     stages = (sizes + (WGRAD_STAGE_ROWS - 1)) // WGRAD_STAGE_ROWS
     cost = (stages * WGRAD_STAGE_COST + WGRAD_TILE_COST).astype(float)
@@ -204,24 +239,7 @@ def wgrad_static_imbalance(group_sizes, group_tiles: int, ctas: int):
     first = (np.arange(num_groups) * group_tiles % ctas)[:, None]
     covers = ((np.arange(ctas)[None, :] - first) % ctas) < extra  # static [G, ctas]
     work = full * cost.sum() + (cost[:, None] * covers.astype(float)).sum(0)
-    return work.max() / work.mean()
-
-
-def wgrad_skew_imbalance(group_sizes, group_tiles: int, ctas: int):
-    """:func:`wgrad_static_imbalance` of ``group_sizes`` over that of equal sizes with the
-    same total rows: the part of the static order's imbalance that the skew adds.
-
-    The rest is tile granularity, which no order removes: 8 groups of 512 equal tiles
-    on 132 CTAs leave some CTAs 32 tiles and the mean 31.03 (imbalance 1.031 at any
-    sizes), and the dynamic order, whose claims cost 1-4 % where nothing is to gain,
-    cannot do better. Array operators only, like :func:`wgrad_static_imbalance` (traced
-    sizes work: the total stays on the device)."""
-    num_groups = group_sizes.shape[0]
-    if num_groups == 0:
-        return 1.0
-    total = (group_sizes * (group_sizes > 0)).sum()
-    equal = total // num_groups + ((total % num_groups) > np.arange(num_groups))
-    return wgrad_static_imbalance(group_sizes, group_tiles, ctas) / wgrad_static_imbalance(equal, group_tiles, ctas)
+    return work, cost
 
 
 def gemm_tile_n(n: int, widths: Iterable[int]) -> int:
