@@ -268,3 +268,29 @@ def test_small_for_sanitizer(rng):
     x, dy = _operands(rng, 300, 200, 136)
     for variant in gemm_ffi.grouped_wgrad_variants():
         _check(x, dy, [100, 0, 150, 200], variant)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("order", ["static", "dynamic"])
+def test_small_for_sanitizer_each_tile_order(rng, monkeypatch, order):
+    """The sanitizer's case in each forced tile order, with more tiles than a full grid
+    (4 groups of 8 x 6 tiles: the dynamic order's claims wrap its shared-memory ring and
+    run past the last tile), poisoned twice; equal to the reference."""
+    monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", order)
+    x, dy = _operands(rng, 300, 1024, 1536)
+    sizes = [100, 0, 150, 200]  # the last group overshoots M
+    clamped = clamped_sizes(sizes, 300)
+    # A new function, so a new trace that reads the variable (jax caches per function).
+    fresh = jax.jit(lambda a, b, gs: gemm_ffi.grouped_wgrad_bf16_cuda(a, b, gs))
+    runs = []
+    for value in (0xFF, 0x7F):
+        poison_freed(4 * 1024 * 1536 * 2, value=value)
+        runs.append(np.asarray(jax.block_until_ready(fresh(x, dy, jnp.asarray(sizes, jnp.int32))).astype(jnp.float32)))
+    np.testing.assert_array_equal(runs[0], runs[1], err_msg="differs between poisons: unwritten elements or a race")
+    total = int(clamped.sum())
+    xs, dys = jnp.zeros_like(x).at[:total].set(x[:total]), jnp.zeros_like(dy).at[:total].set(dy[:total])
+    want = np.asarray(_reference(xs, dys, jnp.asarray(clamped)), np.float64)
+    assert not runs[0][1].any(), "the empty group has a nonzero gradient"
+    rel = np.linalg.norm(runs[0] - want) / np.linalg.norm(want)
+    assert rel < 5e-3, rel

@@ -4,16 +4,29 @@
 # nothing: carry the extension
 #   run(command="JGM_COMMIT=<sha> bash tools/gpu_skew_bars.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
-# STEPS (default "wgrad step") picks what runs, in this order:
+# STEPS (default "sanitize wgrad step") picks what runs, in this order:
+#   sanitize  compute-sanitizer memcheck and racecheck on the weight gradient's small
+#          cases, each tile order forced (its dynamic order was never sanitized)
 #   wgrad  the weight gradients, chosen order next to both forced ones, in one process per
 #          shape: ep_share and moe32 (where the choice now takes the dynamic order from
 #          Dirichlet(1) on, unmeasured) and moe8 (equal sizes stay static)
 #   step   the Nano step of every recipe at equal sizes, Dirichlet(1) and Dirichlet(0.3),
 #          four router draws of each skew (--size-seeds), interleaved rounds: the bars
-# About 8 minutes. Logs and JSON land in $OUT (at most 8 files).
+# About 9 minutes. Logs and JSON land in $OUT (8 files at most: this writes 8).
 source "$(dirname "$0")/gpu_common.sh" gpu_skew_bars /tmp/skew_bars_out
-STEPS=${STEPS:-wgrad step}
+STEPS=${STEPS:-sanitize wgrad step}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$OUT/env.txt" 2>&1
+
+if [[ " $STEPS " == *" sanitize "* ]]; then
+  for tool in memcheck racecheck; do  # (one buffer per allocation: memcheck sees each array's bounds)
+    echo "== $tool" >> "$OUT/sanitize.log"
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout ${SAN_S:-90} compute-sanitizer --tool $tool \
+      --target-processes all python3 -m pytest -q -m gpu tests/test_grouped_wgrad_gpu.py -k sanitizer \
+      -p no:cacheprovider >> "$OUT/sanitize.log" 2>&1
+    echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -2
+    stamp "$tool"
+  done
+fi
 
 if [[ " $STEPS " == *" wgrad "* ]]; then
   for shape in ${WGRAD_SHAPES:-ep_share moe32 moe8}; do
