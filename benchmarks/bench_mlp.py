@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     alphas = [float(a) for a in ns.alphas.split(",") if a]
     only = tuple(c for c in ns.only.split(",") if c)
     try:
-        size_seeds = tuple(int(v) for v in ns.size_seeds.split(",") if v.strip())
+        size_seeds = tuple(dict.fromkeys(int(v) for v in ns.size_seeds.split(",") if v.strip()))  # (once each)
     except ValueError:
         ap.error(f"--size-seeds takes comma-separated integers, got {ns.size_seeds!r}")
     if size_seeds and ns.rounds < 2:

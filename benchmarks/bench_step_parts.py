@@ -165,7 +165,7 @@ def _parts(fns: dict, ops: dict, gs: jax.Array):
         ("qw gemm dgrad fc2 (w2 as stored)", 0, dgrad_qw, (x, w2, gs)),
         ("qw gemm dgrad fc1 (w1 as stored)", 0, dgrad_qw, (a, w1, gs)),
     ] + [
-        # Builds with the dynamic tile order only: the weight gradients with the order forced.
+        # The weight gradients with their tile order forced (count 0: the step runs the chosen one).
         (f"wgrad {which} order forced {order}", 0, fn, args)
         for order, fn in fns["wgrad_forced"].items()
         for which, args in (("dw1 [M,H]^T[M,F]", (x, a, gs)), ("dw2 [M,F]^T[M,H]", (a, x, gs)))

@@ -164,9 +164,6 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=pathlib.Path, default=None,
                     help="a folder; writes <candidate>.timeline.json (every device event of the profiled steps)")
     ns = ap.parse_args(argv)
-    from common import require_kernels
-
-    require_kernels()  # (no timing of the pure-JAX fallback under our name)
     if ns.candidates is None:
         ns.candidates = {"mlp": "grouped_mlp_mxfp8", "grad_accum": "bf16/per_micro_batch",
                          "stack": "loop/d-d-d,scan/d-d-d"}[ns.step]
@@ -177,7 +174,9 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import bench_mlp
-    from common import MLP_SHAPES, command_line, write_result
+    from common import MLP_SHAPES, command_line, require_kernels, write_result
+
+    require_kernels()  # (after XLA_FLAGS: it starts the backend, which reads them once)
     from shapes import skew_label
 
     if ns.step == "stack":

@@ -245,8 +245,9 @@ def test_wgrad_skew_imbalance_leaves_out_tile_granularity(rng, groups, group_til
         assert heuristics.wgrad_skew_imbalance(equal, group_tiles, 132) == pytest.approx(1.0, abs=1e-12)
     with_remainder = np.full(groups, 384)
     with_remainder[: groups // 2] += 1  # 385 rows: one more 64-row stage for those groups
-    # (below 1 where a CTA must hold a 385-row tile anyway: the floor is that tile)
-    assert heuristics.wgrad_skew_imbalance(with_remainder, group_tiles, 132) < 1.005
+    got = heuristics.wgrad_skew_imbalance(with_remainder, group_tiles, 132)
+    assert got == pytest.approx(_skew_oracle(with_remainder, group_tiles, 132), rel=1e-12)
+    assert 1 - 1e-9 <= got < 1.005
     skewed = rng.multinomial(384 * groups, rng.dirichlet(np.full(groups, 0.3))).astype(np.int64)
     want = _skew_oracle(skewed, group_tiles, 132)
     assert heuristics.wgrad_skew_imbalance(skewed, group_tiles, 132) == pytest.approx(want, rel=1e-12)

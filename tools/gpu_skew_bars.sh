@@ -8,8 +8,8 @@
 #   sanitize  compute-sanitizer memcheck and racecheck on the weight gradient's small
 #          cases, each tile order forced (its dynamic order was never sanitized)
 #   wgrad  the weight gradients, chosen order next to both forced ones, in one process per
-#          shape: ep_share and moe32 (where the choice now takes the dynamic order from
-#          Dirichlet(1) on, unmeasured) and moe8 (equal sizes stay static)
+#          shape: ep_share and moe32 (where the choice takes the dynamic order from
+#          Dirichlet(1) on; measured on an H100 in session 39) and moe8 (stays static)
 #   step   the Nano step of every recipe at equal sizes, Dirichlet(1) and Dirichlet(0.3),
 #          four router draws of each skew (--size-seeds), interleaved rounds: the bars
 # About 9 minutes. Logs and JSON land in $OUT (8 files at most: this writes 8).

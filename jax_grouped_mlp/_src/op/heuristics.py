@@ -200,17 +200,20 @@ def wgrad_static_imbalance(group_sizes, group_tiles: int, ctas: int):
 
 
 def wgrad_skew_imbalance(group_sizes, group_tiles: int, ctas: int):
-    """The static order's largest CTA work over the least that any order of these tiles
-    could give: the part of its imbalance that the group sizes add, which only a dynamic
-    order can remove. 1.0 for no groups; the same operands as
-    :func:`wgrad_static_imbalance`.
+    """The static order's largest CTA work over an estimate of what a dynamic order
+    would leave: the part of its imbalance that the group sizes add, which only a
+    dynamic order can remove. 1.0 for no groups and for equal sizes; the same operands
+    as :func:`wgrad_static_imbalance`.
 
     No order beats tile granularity: 8 groups of 512 equal tiles on 132 CTAs leave some
     CTAs 32 tiles against a mean of 31.03 (1.031 at any sizes), and a CTA holding the
-    costliest tile takes at least that tile. So the floor is the larger of the mean work
-    times the tile counts' own imbalance (a constant of the shape: every tile the same
-    cost, computed on the host) and the costliest tile. Where the static order is at
-    that floor, the dynamic order's claims (1-4 % on an H100) would buy nothing."""
+    costliest tile takes at least that tile. So the estimate is the larger of the mean
+    work times the tile counts' own imbalance (a constant of the shape: every tile the
+    same cost, computed on the host) and the costliest tile. It is not a strict lower
+    bound (with few tiles of unequal cost the value can fall below 1, e.g. 0.78 for
+    sizes 64, 192, 64, one tile each, on 2 CTAs); it only has to stay under the
+    threshold where the static order is already as good as any, since there the
+    dynamic order's claims (1-4 % on an H100) would buy nothing."""
     if group_sizes.shape[0] == 0:
         _check_tiles(group_tiles, ctas)
         return 1.0

@@ -87,7 +87,7 @@ def _warn_reference_on_gpu() -> None:
         warnings.warn(
             "jax_grouped_mlp: CUDA devices are present but its CUDA extension is not loaded, so every "
             "operation runs its pure-JAX reference (correct, many times slower). backend_info() says why; "
-            "docs/troubleshooting.md says what to do.", RuntimeWarning, stacklevel=4)
+            "docs/troubleshooting.md says what to do.", RuntimeWarning, stacklevel=2)
 
 
 def _dispatch(name: OpName, *args, **static):
