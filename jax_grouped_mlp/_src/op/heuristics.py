@@ -221,7 +221,7 @@ def wgrad_skew_imbalance(group_sizes, group_tiles: int, ctas: int):
     counts, _ = _wgrad_static_work(np.ones(group_sizes.shape[0], np.int64), group_tiles, ctas)
     spread = work.mean() * float(counts.max() / counts.mean())
     largest = cost.max()
-    floor = spread + (largest - spread) * (largest > spread)  # max() of the two, as array operators
+    floor = spread + (largest - spread) * (largest > spread).astype(spread.dtype)  # max(), as array operators
     return work.max() / floor
 
 
@@ -235,13 +235,15 @@ def _wgrad_static_work(group_sizes, group_tiles: int, ctas: int):
     gradient's static order, in the integer units above (as floats)."""
     _check_tiles(group_tiles, ctas)
     num_groups = group_sizes.shape[0]
-    sizes = group_sizes * (group_sizes > 0)
+    # (Explicit casts throughout: the CUDA branch is traced under
+    # jax_numpy_dtype_promotion="strict" too, which refuses int * bool.)
+    sizes = group_sizes * (group_sizes > 0).astype(group_sizes.dtype)
     stages = (sizes + (WGRAD_STAGE_ROWS - 1)) // WGRAD_STAGE_ROWS
     cost = (stages * WGRAD_STAGE_COST + WGRAD_TILE_COST).astype(float)
     full, extra = divmod(group_tiles, ctas)
     first = (np.arange(num_groups) * group_tiles % ctas)[:, None]
     covers = ((np.arange(ctas)[None, :] - first) % ctas) < extra  # static [G, ctas]
-    work = full * cost.sum() + (cost[:, None] * covers.astype(float)).sum(0)
+    work = full * cost.sum() + (cost[:, None] * covers.astype(cost.dtype)).sum(0)
     return work, cost
 
 
