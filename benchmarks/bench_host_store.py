@@ -27,6 +27,7 @@ import numpy as np
 from common import command_line, write_result
 
 from jax_grouped_mlp._src.offload import host_store
+from jax_grouped_mlp._src.offload.measure import single_device_sharding
 
 
 def _median_s(fn, samples: int) -> float:
@@ -41,8 +42,8 @@ def _median_s(fn, samples: int) -> float:
 def device_put_rates(x: jax.Array, samples: int) -> tuple[float, float]:
     """Seconds to ``pinned_host`` and back with ``jax.device_put``."""
     device = x.devices().pop()
-    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    on_host = single_device_sharding(device, "pinned_host")
+    on_device = single_device_sharding(device, "device")
     h = jax.block_until_ready(jax.device_put(x, on_host))
     out = _median_s(lambda: jax.device_put(x, on_host), samples)
     back = _median_s(lambda: jax.device_put(h, on_device), samples)

@@ -53,14 +53,14 @@ def measure_link(nbytes: int, reps: int = 5) -> dict | None:
     after any device-peak measurement: it allocates ``2 * nbytes`` on the device."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
+    from jax_grouped_mlp._src.offload.measure import single_device_sharding
 
     d = jax.devices()[0]
     if "pinned_host" not in {m.kind for m in d.addressable_memories()}:
         return None
     n = max(int(nbytes) // 4, 1)
-    on_host = SingleDeviceSharding(d, memory_kind="pinned_host")
-    on_device = SingleDeviceSharding(d, memory_kind="device")
+    on_host = single_device_sharding(d, "pinned_host")
+    on_device = single_device_sharding(d, "device")
     try:
         a = jax.block_until_ready(jnp.arange(n, dtype=jnp.float32))
         times: dict[str, list[float]] = {"d2h": [], "h2d": []}

@@ -13,6 +13,7 @@ from jax_grouped_mlp._src.offload.measure import (
     measure_host_bandwidth,
     measure_layer_time,
     residual_bytes_kept,
+    single_device_sharding,
 )
 from jax_grouped_mlp._src.op.mlp import grouped_mlp
 from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
@@ -454,3 +455,21 @@ def test_candidate_and_table_arguments():
         with pytest.raises(ValueError, match="top must be"):
             plan.table(top=top)
     assert plan.table(top=0)
+
+
+def test_single_device_sharding_without_the_deprecated_constructor(monkeypatch):
+    """The measurement's shardings come from ``make_single_device_sharding`` where jax
+    has it (constructing ``SingleDeviceSharding`` warns from jax 0.12), else from the
+    class, in the memory kind asked for."""
+    import warnings
+
+    device = jax.devices()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for kind in ("pinned_host", "device"):
+            if kind in {m.kind for m in device.addressable_memories()}:
+                assert single_device_sharding(device, kind).memory_kind == kind
+    monkeypatch.delattr(jax.sharding, "make_single_device_sharding", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert single_device_sharding(device, "device").memory_kind == "device"

@@ -24,6 +24,16 @@ from jax_grouped_mlp._src.op.names import RESIDUAL_NAMES
 from jax_grouped_mlp._src.offload.planner import LayerShape, LayerTime, _check_positive_int, _check_recipe
 
 
+def single_device_sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Sharding:
+    """``device``'s sharding in memory ``memory_kind`` (``jax.sharding.make_single_device_sharding``
+    where this jax has it: constructing ``SingleDeviceSharding`` directly is deprecated
+    since jax 0.12)."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is None:  # (older jax)
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    return make(device, memory_kind=memory_kind)
+
+
 def _best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Best wall time of each function, run round-robin so load from other processes
     spreads over all of them instead of biasing one."""
@@ -58,8 +68,8 @@ def measure_host_bandwidth(nbytes: int = 1 << 30, *, repeats: int = 5, device=No
     kinds = {m.kind for m in device.addressable_memories()}
     if "pinned_host" not in kinds:
         raise ValueError(f"device={device} has no pinned_host memory (it has {sorted(kinds)})")
-    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    on_host = single_device_sharding(device, "pinned_host")
+    on_device = single_device_sharding(device, "device")
     x = jax.device_put(np.ones(nbytes, np.uint8), on_device)
     h = jax.device_put(x, on_host)
     t = _best_times(
