@@ -222,14 +222,12 @@ class GroupedWgradSm90(GroupedGemmSm90):
         size0 = cutlass.min(cutlass.max(Int32(group_sizes[0]), Int32(0)), m)
 
         producer_source, consumer_source = self._tile_handoffs(tile_counter, gdim)
-        if cutlass.const_expr(self.dynamic_tiles):
-            # Every role follows XLA's choice of order: the handoff only where it is dynamic.
-            dynamic = Int32(tile_order[0]) != 0
-            producer_source, consumer_source = producer_source.choosing(dynamic), consumer_source.choosing(dynamic)
+        # Every role follows XLA's choice of order: the handoff only where it is dynamic.
+        dynamic = Int32(tile_order[0]) != 0
+        producer_source, consumer_source = producer_source.choosing(dynamic), consumer_source.choosing(dynamic)
         work = GroupWork(group_sizes, m, m_tiles, group_tiles, total_tiles, bidx, gdim, size0, consumer_source)
-        carry_order = ("sched.g", "sched.start", "sched.size", "epi_count", "sched.t", "read", "release")
-        if cutlass.const_expr(self.dynamic_tiles):
-            carry_order += ("sched.handoff",)
+        carry_order = ("sched.g", "sched.start", "sched.size", "epi_count", "sched.t", "read", "release",
+                       "sched.handoff")
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
