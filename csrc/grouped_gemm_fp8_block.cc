@@ -7,50 +7,36 @@
 //   sum(group_sizes) are zero.
 //
 // Attribute variant: index into JGM_GROUPED_GEMM_FP8_BLOCK_VARIANTS, X(name).
+#include "fp8_block_operands.h"
 #include "jgm_variants.h"
 
 namespace jgm {
 namespace {
 
 struct Args {
-  Tensor<2> a;
-  Tensor<3> b;
-  Tensor<2> sa;
-  Tensor<3> sb;
+  Fp8BlockOperands in;
   Tensor<2> out;
   Tensor<1> group_sizes;
   int32_t num_sms;
 };
-#define JGM_CALL(a, s) a.a, a.b, a.sa, a.sb, a.out, a.group_sizes, a.num_sms, s
+#define JGM_CALL(a, s) a.in.a, a.in.b, a.in.sa, a.in.sb, a.out, a.group_sizes, a.num_sms, s
 JGM_FAMILY(JGM_GROUPED_GEMM_FP8_BLOCK_VARIANTS, "grouped_gemm_fp8_block")
-
-constexpr int64_t kBlock = 128;  // the scale block along K (and along N for rhs)
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, Fp8 lhs, Fp8 lhs_scale, Fp8 rhs,
                    Fp8 rhs_scale, S32R1 group_sizes, Out<Bf16R2> out, int32_t variant) {
   if (auto e = kFamily.Load(variant); e.failure()) return e;
-  const int64_t m = Dim(lhs, 0), k = Dim(lhs, 1), g = Dim(rhs, 0), n = Dim(rhs, 1),
-                kb = CeilDiv(k, kBlock), nb = CeilDiv(n, kBlock);
-  auto e = Check("grouped_gemm_fp8_block")
-               .Shape("lhs", lhs, "[M, K]", {m, k})
-               .Type("lhs", lhs.element_type(), ffi::F8E4M3FN)
-               .Shape("lhs_scale", lhs_scale, "[M, cdiv(K, 128)]", {m, kb})
-               .Type("lhs_scale", lhs_scale.element_type(), ffi::F8E8M0FNU)
-               .Shape("rhs", rhs, "[G, N, K]", {g, n, k})
-               .Type("rhs", rhs.element_type(), ffi::F8E4M3FN)
-               .Shape("rhs_scale", rhs_scale, "[G, cdiv(N, 128), cdiv(K, 128)]", {g, nb, kb})
-               .Type("rhs_scale", rhs_scale.element_type(), ffi::F8E8M0FNU)
-               .Shape("group_sizes", group_sizes, "[G]", {g}).Shape("out", *out, "[M, N]", {m, n})
-               .MultipleOf("K", k, 16).Multiple8("N", n).Result();
+  const Fp8BlockDims d = Fp8BlockDimsOf(lhs, rhs);
+  const int64_t m = d.m, k = d.k, g = d.g, n = d.n;
+  Check check("grouped_gemm_fp8_block");
+  auto e = CheckFp8BlockOperands(check, d, lhs, lhs_scale, rhs, rhs_scale)
+               .Shape("group_sizes", group_sizes, "[G]", {g})
+               .Shape("out", *out, "[M, N]", {m, n})
+               .Result();
   if (e.failure() || m == 0 || n == 0) return e;
   // Every row past the groups (G = 0) or every product empty (K = 0): zeros, no launch (a
   // TMA descriptor cannot have an empty dimension).
   if (g == 0 || k == 0) return Status("grouped_gemm_fp8_block", Zero(stream, *out));
-  // rhs [G, N, K] is seen as (N, K, G): strides (K, 1, N * K); rhs_scale as stored.
-  Args args{Matrix(lhs.untyped_data(), m, k),
-            Batched(rhs.untyped_data(), n, k, g, k, k * n),
-            Matrix(lhs_scale.untyped_data(), m, kb),
-            {rhs_scale.untyped_data(), {I32(g), I32(nb), I32(kb)}, {I32(nb * kb), I32(kb)}},
+  Args args{Fp8BlockOperandsOf(d, lhs, lhs_scale, rhs, rhs_scale),
             Matrix(out->untyped_data(), m, n), Vector(group_sizes.untyped_data(), g),
             SmCount(device)};
   return kFamily.Launch(variant, args, stream);

@@ -9,43 +9,33 @@
 //   column scale rows: a_col_scale is cleared here first.
 //
 // Attribute variant: index into JGM_GROUPED_GEMM_FP8_BLOCK_FC1_VARIANTS, X(name).
+#include "fp8_block_operands.h"
 #include "jgm_variants.h"
 
 namespace jgm {
 namespace {
 
 struct Args {
-  Tensor<2> a;
-  Tensor<3> b;
-  Tensor<2> sa;
-  Tensor<3> sb;
+  Fp8BlockOperands in;
   Tensor<2> h, a_row, a_row_scale, a_col, a_col_scale;
   Tensor<1> probs, group_sizes;
   int32_t num_sms;
 };
 #define JGM_CALL(a, s)                                                                        \
-  a.a, a.b, a.sa, a.sb, a.h, a.a_row, a.a_row_scale, a.a_col, a.a_col_scale, a.probs, \
+  a.in.a, a.in.b, a.in.sa, a.in.sb, a.h, a.a_row, a.a_row_scale, a.a_col, a.a_col_scale, a.probs, \
       a.group_sizes, a.num_sms, s
 JGM_FAMILY(JGM_GROUPED_GEMM_FP8_BLOCK_FC1_VARIANTS, "grouped_gemm_fp8_block_fc1")
-
-constexpr int64_t kBlock = 128;  // the scale block along K and N, and along M for a_col
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, Fp8 lhs, Fp8 lhs_scale, Fp8 rhs,
                    Fp8 rhs_scale, S32R1 group_sizes, F32R1 probs, Out<Bf16R2> h,
                    Out<Fp8> a_row, Out<Fp8> a_row_scale, Out<Fp8> a_col, Out<Fp8> a_col_scale,
                    int32_t variant) {
   if (auto e = kFamily.Load(variant); e.failure()) return e;
-  const int64_t m = Dim(lhs, 0), k = Dim(lhs, 1), g = Dim(rhs, 0), n = Dim(rhs, 1),
-                kb = CeilDiv(k, kBlock), nb = CeilDiv(n, kBlock), bb = CeilDiv(m, kBlock) + g;
-  auto e = Check("grouped_gemm_fp8_block_fc1")
-               .Shape("lhs", lhs, "[M, K]", {m, k})
-               .Type("lhs", lhs.element_type(), ffi::F8E4M3FN)
-               .Shape("lhs_scale", lhs_scale, "[M, cdiv(K, 128)]", {m, kb})
-               .Type("lhs_scale", lhs_scale.element_type(), ffi::F8E8M0FNU)
-               .Shape("rhs", rhs, "[G, N, K]", {g, n, k})
-               .Type("rhs", rhs.element_type(), ffi::F8E4M3FN)
-               .Shape("rhs_scale", rhs_scale, "[G, cdiv(N, 128), cdiv(K, 128)]", {g, nb, kb})
-               .Type("rhs_scale", rhs_scale.element_type(), ffi::F8E8M0FNU)
+  const Fp8BlockDims d = Fp8BlockDimsOf(lhs, rhs);
+  const int64_t m = d.m, k = d.k, g = d.g, n = d.n, nb = d.nb,
+                bb = CeilDiv(m, kFp8Block) + g;  // a_col's scale rows: group-aware 128-row blocks
+  Check check("grouped_gemm_fp8_block_fc1");
+  auto e = CheckFp8BlockOperands(check, d, lhs, lhs_scale, rhs, rhs_scale)
                .Shape("group_sizes", group_sizes, "[G]", {g}).Shape("probs", probs, "[M]", {m})
                .Shape("h", *h, "[M, N]", {m, n})
                .Shape("a_row", *a_row, "[M, N]", {m, n})
@@ -56,18 +46,14 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, Fp8 lhs, Fp8 lhs_scale, 
                .Type("a_col", a_col->element_type(), ffi::F8E4M3FN)
                .Shape("a_col_scale", *a_col_scale, "[cdiv(M, 128) + G, N]", {bb, n})
                .Type("a_col_scale", a_col_scale->element_type(), ffi::F8E8M0FNU)
-               .MultipleOf("K", k, 16).Multiple8("N", n).Result();
+               .Result();
   if (e.failure()) return e;
   if (auto e = Status("grouped_gemm_fp8_block_fc1", Zero(stream, *a_col_scale)); e.failure()) return e;
   if (m == 0 || n == 0) return ffi::Error::Success();
   // The Python binding computes the cases without a launch (G = 0 or K = 0) in JAX and
   // never gets here (a TMA descriptor cannot have an empty dimension).
   if (g == 0 || k == 0) return ffi::Error::InvalidArgument("grouped_gemm_fp8_block_fc1: G and K must be > 0");
-  // rhs [G, N, K] is seen as (N, K, G): strides (K, 1, N * K); rhs_scale as stored.
-  Args args{Matrix(lhs.untyped_data(), m, k),
-            Batched(rhs.untyped_data(), n, k, g, k, k * n),
-            Matrix(lhs_scale.untyped_data(), m, kb),
-            {rhs_scale.untyped_data(), {I32(g), I32(nb), I32(kb)}, {I32(nb * kb), I32(kb)}},
+  Args args{Fp8BlockOperandsOf(d, lhs, lhs_scale, rhs, rhs_scale),
             Matrix(h->untyped_data(), m, n),
             Matrix(a_row->untyped_data(), m, n),
             Matrix(a_row_scale->untyped_data(), m, nb),
