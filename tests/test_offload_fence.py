@@ -153,6 +153,7 @@ def test_reloads_wait_for_the_cotangent_only_under_prevent_cse(rng, prevent_cse)
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(w1, w2).lower(lowering_platforms=("cuda",)).as_text()
     warned = [w for w in caught if "prevent_cse=False" in str(w.message)]
     assert bool(warned) == (not prevent_cse)
+    assert all(w.filename == __file__ for w in warned)  # the user's line, not the library's
     host = set(re.findall(r'(%\S+) = stablehlo.custom_call @annotate_device_placement\(\S+\).*"pinned_host"', text))
     barriers = re.findall(r"stablehlo.optimization_barrier ([^:]+):", text)
     holding = [b for b in barriers if host & set(re.findall(r"%[\w#]+", b))]

@@ -42,6 +42,26 @@ def test_warns_once_with_cuda_devices_and_no_kernels(no_kernels, monkeypatch):
         primitives.quantize(_x(), 1)  # (once per process)
 
 
+def test_the_warning_names_the_users_line(no_kernels, monkeypatch):
+    """Raised from deep inside tracing (jit, the op's custom_vjp, the primitive's
+    dispatch), it names this file's line, not the library's or JAX's."""
+    import jax
+
+    import jax_grouped_mlp as jgm
+
+    monkeypatch.setattr(devices, "cuda_devices", lambda: FAKE_GPU)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((2, 32, 16)) * 0.1, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((2, 16, 32)) * 0.1, jnp.bfloat16)
+    gs = jnp.asarray([40, 24], jnp.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.grad(lambda w: jax.jit(jgm.grouped_mlp)(x, w, w2, gs).astype(jnp.float32).sum())(w1)
+    (w,) = [c for c in caught if issubclass(c.category, RuntimeWarning)]
+    assert w.filename == __file__, (w.filename, w.lineno)
+
+
 def test_silent_without_cuda_devices(no_kernels, monkeypatch):
     monkeypatch.setattr(devices, "cuda_devices", lambda: ())
     with warnings.catch_warnings():

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
-
 import jax
+
+from jax_grouped_mlp._src import warn
 
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 
@@ -71,7 +71,7 @@ def sm_count() -> int:
 
 @functools.cache
 def _warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warn.warn(message, RuntimeWarning)
 
 
 def check_kernels_run_here() -> None:

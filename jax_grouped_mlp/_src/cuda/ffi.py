@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import groups
+from jax_grouped_mlp._src import groups, warn
 from jax_grouped_mlp._src.formats import mxfp8
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
 from jax_grouped_mlp.kernels import registry
@@ -91,11 +90,11 @@ def _warn_if_built_for_another_jaxlib(built: str | None) -> None:
         return
     running = jaxlib.version.__version__
     if built and version_tuple(built) > version_tuple(running):
-        warnings.warn(
+        warn.warn(
             f"jax_grouped_mlp._kernels was built against jaxlib {built}, newer than the running "
             f"jaxlib {running}; XLA may reject its kernels ('No FFI handler registered for jgm_...'). "
             "Rebuild it in this environment (`make kernels`), or install a wheel built for this jax.",
-            RuntimeWarning, stacklevel=2)
+            RuntimeWarning)
 
 
 def available() -> bool:

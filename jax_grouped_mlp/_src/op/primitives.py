@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Callable, Literal, Union
 
 import jax
@@ -46,7 +45,7 @@ import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
 
-from jax_grouped_mlp._src import groups, varying
+from jax_grouped_mlp._src import groups, varying, warn
 from jax_grouped_mlp._src.cuda import devices
 from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src.formats import fp8_block, mxfp8
@@ -84,10 +83,10 @@ def _warn_reference_on_gpu() -> None:
     registered (the extension is not built, or not importable): every primitive then runs
     its pure-JAX reference, correct but many times slower, which is otherwise silent."""
     if devices.cuda_devices():
-        warnings.warn(
+        warn.warn(
             "jax_grouped_mlp: CUDA devices are present but its CUDA extension is not loaded, so every "
             "operation runs its pure-JAX reference (correct, many times slower). backend_info() says why; "
-            "docs/troubleshooting.md says what to do.", RuntimeWarning, stacklevel=2)
+            "docs/troubleshooting.md says what to do.", RuntimeWarning)
 
 
 def _dispatch(name: OpName, *args, **static):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -43,6 +42,8 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
+
+from jax_grouped_mlp._src import warn
 
 # Value modes of ``residual_p``: "value" (the identity), "offload" (the values, their
 # host copies, and a token that exists once the copies are written: what :func:`fence`
@@ -481,11 +482,11 @@ def _warn_if_cse_allowed(name: str) -> None:
     while frame is not None:
         if frame.f_code is code:
             if frame.f_locals.get("prevent_cse") is False:
-                warnings.warn(
+                warn.warn(
                     f"jax.checkpoint(..., prevent_cse=False) around a layer whose policy offloads {name!r}: "
                     "outside a scan, XLA removes the host copy and keeps the residual on the device. Keep "
                     "prevent_cse=True (the default) for layers in a Python loop (docs/offload.md, "
-                    "\"Layer stacks\").", stacklevel=2)
+                    "\"Layer stacks\").")
             return
         frame = frame.f_back
 
