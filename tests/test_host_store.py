@@ -242,6 +242,12 @@ def test_cuda_store_empty_and_out_of_order(rng):
     assert np.isnan(np.asarray(back)).all()
     with pytest.raises(Exception, match="out of order|another forward"):
         jax.block_until_ready(get(first))
+    # The failed call's runtime token holds the error too, and JAX's exit-time effects
+    # barrier would raise it again ("Exception ignored in atexit callback" at the end of
+    # the GPU suite's log). A program that failed so stops; this test process goes on.
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.clear()
 
 
 @pytest.mark.gpu
