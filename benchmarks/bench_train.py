@@ -16,6 +16,9 @@ Candidates, one process, same shapes, initialisers and batch:
     host memory);
   * ``jgm_mxfp8_device`` / ``jgm_bf16_device``: the same block, every residual on
     the device;
+  * ``jgm_mxfp8_remat_device`` / ``jgm_bf16_remat_device``: the same under ``nnx.remat``
+    with every residual on the device (the bf16 copies of the float32 masters are then
+    cast again in the backward pass instead of kept: docs/offload.md);
   * ``tokamax_bf16`` (when tokamax imports) and ``ragged_dot_bf16``: the same model
     whose experts are a bf16 squared-ReLU MLP of ``tokamax.ragged_dot`` /
     ``jax.lax.ragged_dot`` over the same routing (the library's route and sort).
@@ -124,9 +127,13 @@ def _candidates(shape: dict) -> dict[str, tuple[Callable, object]]:
                                      use_score_bias=True, recipe=recipe, rngs=rngs)
 
     c: dict[str, tuple[Callable, object]] = {}
+    on_device = jgm.offload_policy(fc1_input="device", activation_input="device", fc2_input="device")
     for recipe in ("mxfp8", "bf16"):
         c[f"jgm_{recipe}_offload"] = (ours(recipe), jgm.offload_policy())
         c[f"jgm_{recipe}_device"] = (ours(recipe), None)
+        # nnx.remat with every residual on the device: the float32 masters' bf16 copies
+        # are cast again in the backward instead of kept (docs/offload.md).
+        c[f"jgm_{recipe}_remat_device"] = (ours(recipe), on_device)
     for name, matmul in _peer_matmuls().items():
         c[name] = ((lambda mm: lambda rngs: PeerMoE(shape, mm, rngs=rngs))(matmul), None)
     return c
@@ -202,14 +209,14 @@ def main(argv: list[str]) -> None:
         print(name, report["results"][name], flush=True)
     write_report({k: v for k, v in report.items() if k != "shapes"}, args.out, data_key="results")
     base = report["results"].get("tokamax_bf16", {}).get("ms")
-    print(f"\n{'candidate':20s} {'ms/step':>9s} {'device GiB':>11s} {'vs tokamax':>10s}")
+    print(f"\n{'candidate':24s} {'ms/step':>9s} {'device GiB':>11s} {'vs tokamax':>10s}")
     for name, e in report["results"].items():
         if "ms" not in e:
-            print(f"{name:20s} {e['error'][:60]}")
+            print(f"{name:24s} {e['error'][:60]}")
             continue
         gib = e["device_bytes"] / 2**30 if e["device_bytes"] else float("nan")
         ratio = f"{base / e['ms']:9.2f}x" if base else ""
-        print(f"{name:20s} {e['ms']:9.2f} {gib:11.2f} {ratio:>10s}")
+        print(f"{name:24s} {e['ms']:9.2f} {gib:11.2f} {ratio:>10s}")
     if args.plot:
         shapes = {"step ms": {n: {"v": e["ms"]} for n, e in report["results"].items() if "ms" in e},
                   "device GiB": {n: {"v": e["device_bytes"] / 2**30} for n, e in report["results"].items()
