@@ -31,7 +31,6 @@ ANY_FENCE = re.compile(r"^[ \t]*```[ \t]*py", re.M | re.I)  # what a reader woul
 NANO = "Nemotron-3-Nano's 128 x 2688 x 1856 experts (5 GB of float32 params) are far too big for a CPU test"
 SUBS: dict[str, list[tuple[str, str, str]]] = {  # block -> [(text, replacement, why)]
     **{f"docs/moe.md#{n}": [("MoEBlock(128, 2688, 1856,", "MoEBlock(E, H, F,", NANO)] for n in (4, 8, 9)},
-    "docs/offload.md#4": [("[params_0, params_1, ...]", "[params_0, params_1]", "'...' stands for more layers")],
     "docs/offload.md#5": [
         ("jgm.measure_host_bandwidth()", "53e9", "times 1 GiB host copies; 53e9 is the doc's alternative and link"),
         ("jgm.measure_layer_time(**shape)",
