@@ -168,6 +168,23 @@ def test_an_empty_stack_is_the_identity(rng):
     assert jgm.layer_stack(_one, [], x) is x
 
 
+@pytest.mark.parametrize("policy", [None, "offload"])
+def test_an_empty_layer_scan_is_the_identity(rng, policy):
+    """A leading (layer) axis of 0: ``x`` back, eager, jitted and differentiated, as
+    ``jax.lax.scan`` and ``layer_stack([])`` do (it raised a bare IndexError)."""
+    policy = jgm.offload_policy() if policy else None
+    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.bfloat16)
+    params = (jnp.zeros((0, 4, 64, 32), jnp.bfloat16), jnp.zeros((0, 4, 32, 64), jnp.bfloat16))
+    gs, probs = jnp.asarray([4, 4, 4, 4], jnp.int32), jnp.ones((16,), jnp.float32)
+    assert jgm.layer_scan(_one, params, x, gs, probs, policy=policy) is x
+    y = jax.jit(lambda p, x: jgm.layer_scan(_one, p, x, gs, probs, policy=policy))(params, x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    loss = lambda p, x: jnp.sum(jgm.layer_scan(_one, p, x, gs, probs, policy=policy).astype(jnp.float32))  # noqa: E731
+    dp, dx = jax.grad(loss, argnums=(0, 1))(params, x)
+    assert [d.shape for d in dp] == [a.shape for a in params]
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.ones(x.shape, np.float32))
+
+
 def test_args_get_summed_gradients(rng):
     """An ``args`` array every layer reads gets the sum of the layers' gradients, and
     integer args (group sizes) pass."""

@@ -225,6 +225,9 @@ def _good(e=4, h=8, f=16):
         (lambda a: {"routing": RoutingConfig(5)}, ValueError, "top_k=5"),
         (lambda a: {"router_kernel": jnp.zeros((9, 4))}, ValueError, "router_kernel"),
         (lambda a: {"w1": jnp.zeros((3, 8, 16))}, ValueError, "w1"),
+        # A router for another expert count names the router, not only w1.
+        (lambda a: {"router_kernel": jnp.zeros((8, 7))}, ValueError,
+         r"router_kernel.shape=\(8, 7\) \(\[H, E\]\) scores E=7 experts, but w1.shape=\(4, 8, 16\)"),
         (lambda a: {"w2": jnp.zeros((4, 8, 16))}, ValueError, "w2"),
         (lambda a: {"x": jnp.zeros((8,))}, ValueError, "x.shape"),
         (lambda a: {"x": jnp.zeros((5, 9), jnp.bfloat16)}, ValueError, r"x.shape\[-1\]=9"),

@@ -233,6 +233,10 @@ def test_route_permute_grouped_mlp_combine_is_moe_block(rng):
         (lambda x, i, w: jgm.permute(x, i, w[:, :1], 4), "weights"),
         (lambda x, i, w: jgm.permute(x, i, w, 0), "num_experts"),
         (lambda x, i, w: jgm.combine(x, jgm.permute(x, i, w, 4)[3]), "y_sorted"),
+        # numpy's "data type 'foo' not understood", an AttributeError, and an int cast.
+        (lambda x, i, w: jgm.combine(jnp.zeros((10, 8)), jgm.permute(x, i, w, 4)[3], dtype="foo"), "dtype"),
+        (lambda x, i, w: jgm.combine(jnp.zeros((10, 8)), jgm.permute(x, i, w, 4)[3], dtype=jnp.int32), "dtype"),
+        (lambda x, i, w: jgm.combine(jnp.zeros((10, 8)), (1, 2)), "permutation must be the Permutation"),
         (lambda x, i, w: jgm.route(w, RoutingConfig(3)), "top_k=3"),
         (lambda x, i, w: jgm.route(w, RoutingConfig(1), jnp.zeros(3)), "score_bias"),
         (lambda x, i, w: jgm.route(w, RoutingConfig(1), jnp.zeros((5, 2))), "score_bias"),

@@ -19,6 +19,10 @@ Special values, documented behaviour:
 * subnormal inputs may be flushed to zero by the backend's float32 arithmetic.
 * a block that holds a NaN or ±Inf: scale byte ``0xFF`` (E8M0 NaN) and every data
   element NaN, so the whole block dequantizes to NaN.
+* an element within about 3 % of float32's (and bfloat16's) largest finite value
+  (above ``248 * 2**120``, about 3.297e38): step 4 rounds its data up to 256 under a
+  scale of ``2**120``, which dequantizes to ``2**128``, i.e. ±Inf (3.3e38 does, 3.2e38
+  does not). The same holds for the fp8_block format's 128-blocks.
 
 An axis whose length is not a multiple of 32 is padded with zeros internally
 (zeros never change a block's amax); ``data`` keeps the input's shape and ``scale``
@@ -342,7 +346,8 @@ def _check_tensor(t: MXFP8Tensor) -> None:
 
 def dequantize(t: MXFP8Tensor, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     """Back to ``dtype``, a float dtype (exact for bfloat16 and float32 except below float32's
-    normal range).
+    normal range, and ±Inf for blocks quantized from values near float32's largest: the
+    module docstring).
 
     Differentiable: linear in ``t.data`` (whose tangent is FP8 like the data). The
     quantizers themselves are not (:func:`quantize_mxfp8`).

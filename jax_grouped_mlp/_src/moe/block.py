@@ -246,6 +246,11 @@ def _check_args(x, router_kernel, w1, w2, score_bias, routing, parallel) -> None
             f"([H, E]): x must be [..., {router_kernel.shape[0]}], or the block built for H={h}"
         )
     e = router_kernel.shape[1]
+    if w1.ndim == 3 and w1.shape[1] == h and w1.shape[0] != e:
+        raise ValueError(
+            f"router_kernel.shape={router_kernel.shape} ([H, E]) scores E={e} experts, but "
+            f"w1.shape={w1.shape} ([E, H, F]) holds {w1.shape[0]}: they must agree"
+        )
     if w1.ndim != 3 or w1.shape[:2] != (e, h):
         raise ValueError(f"w1 must be [E, H, F] with E={e}, H={h}, got w1.shape={w1.shape}")
     f = w1.shape[2]

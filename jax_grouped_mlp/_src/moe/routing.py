@@ -226,8 +226,15 @@ def combine(
     the weights when it has not. Rows at or past ``sum(group_sizes)`` (the skipped
     pairs) contribute zero whatever they hold. Differentiable in ``y_sorted`` and
     ``weights_sorted``. Raises ValueError for bad shapes, TypeError for a
-    ``y_sorted`` that is not an array or ``weights_sorted`` that is not a float array.
+    ``y_sorted`` that is not an array, ``weights_sorted`` that is not a float array,
+    a ``permutation`` that is not :func:`sort_by_expert`'s / :func:`permute`'s
+    :class:`Permutation`, or a ``dtype`` that is not a float dtype.
     """
+    if not isinstance(permutation, Permutation):
+        raise TypeError(f"permutation must be the Permutation that permute / sort_by_expert returned, "
+                        f"got permutation={type(permutation).__name__}")
+    if dtype is not None:
+        dtype = checks.float_dtype("dtype", dtype, ("bfloat16", "float16", "float32", "float64"))
     n = permutation.order.shape[0]
     _require_array("y_sorted", y_sorted, "a [T*k, H] array")
     if getattr(y_sorted, "ndim", None) != 2 or y_sorted.shape[0] != n:

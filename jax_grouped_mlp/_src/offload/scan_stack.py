@@ -78,7 +78,7 @@ def layer_scan(
     :func:`layer_stack` for scanned stacks: the backward pass brings layer ``i - 1``'s
     offloaded residuals back while layer ``i`` runs backward, and the last layer keeps
     its residuals on the device. Without ``prefetch`` it is ``jax.lax.scan`` of the
-    checkpointed layer.
+    checkpointed layer. An empty stack (``L = 0``) returns ``x``.
 
     On a CUDA GPU the copies are the library's own (CUDA streams beside XLA's; pinned
     host memory the process keeps and reuses, a layer's offloaded bytes per offloaded
@@ -116,21 +116,22 @@ def layer_scan(
     if len(lengths) != 1 or None in lengths:
         raise ValueError(f"every array in params must have the same leading (layer) axis, got lengths {sorted(map(str, lengths))}")
     (length,) = lengths
+    if length == 0:
+        return x  # no layers (what jax.lax.scan over an empty axis and layer_stack([]) give)
     # Python numbers and NumPy arrays as JAX arrays (weakly typed numbers stay weak): a
     # Python scalar stayed a constant of one trace and an input of another.
     args = tuple(jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), args))
     if eager.outside_any_trace((params, x, args), (layer, policy, prefetch)):
         return _layer_scan_jit(layer, params, x, args, policy, prefetch)  # one program per shape (eager.py)
     p0 = jax.tree.map(lambda a: a[0], params)
-    if length:
-        layer, args = stack.closure_as_args(layer, p0, x, args, check_types=True)
+    layer, args = stack.closure_as_args(layer, p0, x, args, check_types=True)
 
     ckpt = jax.checkpoint(layer, policy=policy)
 
     def run(params, x, args):
         return lax.scan(lambda x, p: (ckpt(p, x, *args), None), x, params)[0]
 
-    if not prefetch or length == 0 or policy is None:
+    if not prefetch or policy is None:
         return run(params, x, tuple(args))
     ckpt_keep = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))  # the last layer
     ckpt_defer = jax.checkpoint(layer, policy=residuals.DeferredOffload(policy))  # what runs: no copies
