@@ -19,23 +19,30 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ja
 _OTHERS = ("jax", "jaxlib", "flax")
 
 
-def _internal_dirs() -> tuple[str, ...]:
-    dirs = [_PACKAGE_DIR]
+def _dirs(paths) -> tuple[str, ...]:
+    return tuple(os.path.abspath(d).rstrip(os.sep) + os.sep for d in paths if d)
+
+
+def _internal_dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(this package's, JAX's, jaxlib's and Flax's directories; the standard library's;
+    the site-packages directories, which may lie inside the standard library's and hold
+    the user's own installed code)."""
+    packages = [_PACKAGE_DIR]
     for name in _OTHERS:  # only those already imported: never import one for a warning
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):
-            dirs.append(os.path.dirname(os.path.abspath(module.__file__)))
-    stdlib = sysconfig.get_paths().get("stdlib")
-    if stdlib:
-        dirs.append(os.path.abspath(stdlib))
-    return tuple(d.rstrip(os.sep) + os.sep for d in dirs)
+            packages.append(os.path.dirname(module.__file__))
+    paths = sysconfig.get_paths()
+    return _dirs(packages), _dirs([paths.get("stdlib")]), _dirs([paths.get("purelib"), paths.get("platlib")])
 
 
-def _is_internal(frame: types.FrameType, dirs: tuple[str, ...]) -> bool:
+def _is_internal(frame: types.FrameType, dirs) -> bool:
+    packages, stdlib, site = dirs
     filename = frame.f_code.co_filename
-    if filename.startswith("<"):  # <frozen ...>, <string>: the interpreter's own frames
+    if filename.startswith("<"):  # <frozen importlib...>: the interpreter's; <string>, <stdin>: the user's
         return filename.startswith("<frozen")
-    return os.path.abspath(filename).startswith(dirs)
+    path = os.path.abspath(filename)
+    return path.startswith(packages) or (path.startswith(stdlib) and not path.startswith(site))
 
 
 def _frames_to_user(frame: types.FrameType) -> int:
