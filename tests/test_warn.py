@@ -29,6 +29,7 @@ def test_internal_frames():
     ]
     user = [
         os.path.join(paths["purelib"], "my_model", "train.py"),  # the user's installed package
+        os.path.join(paths["stdlib"], "site-packages", "my_model", "train.py"),  # the base Python's
         "/home/someone/train.py",
         "<stdin>",
         "<string>",

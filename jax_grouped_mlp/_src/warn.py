@@ -17,6 +17,7 @@ import types
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_grouped_mlp/
 _OTHERS = ("jax", "jaxlib", "flax")
+_SITE_NAMES = frozenset({"site-packages", "dist-packages"})  # any interpreter's, not only this one's
 
 
 def _dirs(paths) -> tuple[str, ...]:
@@ -42,7 +43,10 @@ def _is_internal(frame: types.FrameType, dirs) -> bool:
     if filename.startswith("<"):  # <frozen importlib...>: the interpreter's; <string>, <stdin>: the user's
         return filename.startswith("<frozen")
     path = os.path.abspath(filename)
-    return path.startswith(packages) or (path.startswith(stdlib) and not path.startswith(site))
+    if path.startswith(packages):
+        return True
+    installed = path.startswith(site) or not _SITE_NAMES.isdisjoint(path.split(os.sep))
+    return path.startswith(stdlib) and not installed
 
 
 def _frames_to_user(frame: types.FrameType) -> int:
