@@ -17,8 +17,9 @@ Candidates, one process, same shapes, initialisers and batch:
   * ``jgm_mxfp8_device`` / ``jgm_bf16_device``: the same block, every residual on
     the device;
   * ``jgm_mxfp8_remat_device`` / ``jgm_bf16_remat_device``: the same under ``nnx.remat``
-    with every residual on the device (the bf16 copies of the float32 masters are then
-    cast again in the backward pass instead of kept: docs/offload.md);
+    with every residual of the op on the device: what the layer's checkpoint costs and
+    saves (the router, norm, permutation and the float32 masters' bf16 casts are then
+    recomputed in the backward pass);
   * ``tokamax_bf16`` (when tokamax imports) and ``ragged_dot_bf16``: the same model
     whose experts are a bf16 squared-ReLU MLP of ``tokamax.ragged_dot`` /
     ``jax.lax.ragged_dot`` over the same routing (the library's route and sort).
@@ -131,8 +132,8 @@ def _candidates(shape: dict) -> dict[str, tuple[Callable, object]]:
     for recipe in ("mxfp8", "bf16"):
         c[f"jgm_{recipe}_offload"] = (ours(recipe), jgm.offload_policy())
         c[f"jgm_{recipe}_device"] = (ours(recipe), None)
-        # nnx.remat with every residual on the device: the float32 masters' bf16 copies
-        # are cast again in the backward instead of kept (docs/offload.md).
+        # nnx.remat with the op's residuals on the device: everything else of the layer
+        # (router, norm, the masters' bf16 casts) is recomputed in the backward pass.
         c[f"jgm_{recipe}_remat_device"] = (ours(recipe), on_device)
     for name, matmul in _peer_matmuls().items():
         c[name] = ((lambda mm: lambda rngs: PeerMoE(shape, mm, rngs=rngs))(matmul), None)

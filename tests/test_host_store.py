@@ -245,9 +245,14 @@ def test_cuda_store_empty_and_out_of_order(rng):
     # The failed call's runtime token holds the error too, and JAX's exit-time effects
     # barrier would raise it again ("Exception ignored in atexit callback" at the end of
     # the GPU suite's log). A program that failed so stops; this test process goes on.
+    # jax.effects_barrier() raises it without dropping the token (it clears only after
+    # every token succeeded), so the token set is cleared by hand (private; skipped where
+    # a jax has moved it).
     from jax._src import dispatch
 
-    dispatch.runtime_tokens.clear()
+    tokens = getattr(dispatch, "runtime_tokens", None)
+    if tokens is not None and hasattr(tokens, "clear"):
+        tokens.clear()
 
 
 @pytest.mark.gpu

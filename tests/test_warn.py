@@ -1,17 +1,29 @@
-"""Which frames the library's warnings skip (``_src/warn.py``): this package's, JAX's,
-jaxlib's, Flax's and the standard library's, but not code installed in site-packages
-(which may lie inside the standard library's directory) nor ``<stdin>``/``<string>``."""
+"""Where the library's warnings point (``_src/warn.py``): at the first frame outside this
+package, JAX, jaxlib, Flax and the standard library (the import machinery included), not
+at code installed in site-packages (which may lie inside the standard library's
+directory) nor past ``<stdin>``/``<string>``; module filters still match the library."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import sysconfig
+import textwrap
 import types
 import warnings
 
 import jax
 
 from jax_grouped_mlp._src import warn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A stand-in for library code: compiled under a file name inside the package, so the walk
+# has library frames to skip (under jit: JAX's frames between it and this file too).
+_LIB = {"__name__": "jax_grouped_mlp._src.fake"}
+exec(compile("from jax_grouped_mlp._src import warn\ndef library_warns():\n    warn.warn('here', RuntimeWarning)\n",
+             os.path.join(warn._PACKAGE_DIR, "_src", "fake.py"), "exec"), _LIB)
 
 
 def _frame(filename: str):
@@ -38,12 +50,45 @@ def test_internal_frames():
     assert [warn._is_internal(_frame(f), dirs) for f in user] == [False] * len(user)
 
 
-def test_names_the_first_user_frame_under_jit():
-    def library_like():  # (this file's frame is the user's: the warning names it)
-        warn.warn("here", RuntimeWarning)
-
+def _caught(fn):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jax.jit(lambda x: (library_like(), x)[1])(1.0)
-    (w,) = caught
-    assert (w.filename, w.category) == (__file__, RuntimeWarning)
+        fn()
+    return caught
+
+
+def test_names_the_users_line_through_library_and_jax_frames():
+    (w,) = _caught(lambda: _LIB["library_warns"]())
+    assert (w.filename, w.lineno, w.category) == (__file__, test_names_the_users_line_through_library_and_jax_frames.__code__.co_firstlineno + 1, RuntimeWarning)  # noqa: E501
+    line = sys._getframe().f_lineno + 1
+    (w,) = _caught(lambda: jax.jit(lambda x: (_LIB["library_warns"](), x)[1])(1.0))
+    assert (w.filename, w.lineno) == (__file__, line)
+
+
+def test_module_filters_still_match_the_library():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", module="jax_grouped_mlp")
+        _LIB["library_warns"]()
+    assert caught == []
+
+
+def test_a_warning_raised_while_importing_names_the_import(tmp_path):
+    """The newer-jaxlib warning fires while ``import jax_grouped_mlp`` loads the
+    extension: it names that import line (it named ``sys:1`` when the import
+    machinery's frames were counted as ``warnings.warn`` does not)."""
+    (tmp_path / "user.py").write_text(textwrap.dedent("""\
+        import sys, types, warnings
+        fake = types.ModuleType("jax_grouped_mlp._kernels")
+        fake.JAXLIB_VERSION = "99.0"
+        fake.registrations = lambda **kw: {}
+        sys.modules["jax_grouped_mlp._kernels"] = fake
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import jax_grouped_mlp  # line 9
+        print([(w.filename, w.lineno) for w in caught if "newer than the running" in str(w.message)])
+        """))
+    out = subprocess.run([sys.executable, str(tmp_path / "user.py")], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), check=True).stdout
+    assert out.strip() == repr([(str(tmp_path / "user.py"), 9)]), out

@@ -10,7 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals
+
+try:  # (private: jax.ad_checkpoint.print_saved_residuals prints the same list)
+    from jax._src.ad_checkpoint import saved_residuals
+except ImportError:  # pragma: no cover - a jax that moved it
+    pytest.skip("this jax has no jax._src.ad_checkpoint.saved_residuals", allow_module_level=True)
 
 import jax_grouped_mlp as jgm
 
@@ -59,4 +63,5 @@ def test_float32_masters_keep_bf16_copies_only_without_checkpoint(recipe):
 def test_bf16_weights_are_kept_as_they_are():
     x, w1, w2, gs = _inputs(jnp.bfloat16)
     kept = saved_residuals(_loss(x, gs, "bf16"), w1, w2)
-    assert all("convert_element_type" not in why for why in _weight_shaped(kept, jnp.bfloat16)), kept
+    weights = _weight_shaped(kept, jnp.bfloat16)
+    assert len(weights) == 2 and all("from the argument" in why for why in weights), kept

@@ -49,20 +49,31 @@ def _is_internal(frame: types.FrameType, dirs) -> bool:
     return path.startswith(stdlib) and not installed
 
 
-def _frames_to_user(frame: types.FrameType) -> int:
-    """How many frames up from ``frame`` the first frame outside the library, JAX,
-    jaxlib, Flax and the standard library is (the outermost frame where all are)."""
+def _user_frame(frame: types.FrameType) -> types.FrameType:
+    """The first frame up from ``frame`` outside the library, JAX, jaxlib, Flax and the
+    standard library (the import machinery's frames included); the outermost frame where
+    every one is."""
     dirs = _internal_dirs()
-    steps = 0
     while frame.f_back is not None and _is_internal(frame, dirs):
         frame = frame.f_back
-        steps += 1
-    return steps
+    return frame
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message, category)`` naming the user's frame."""
+    """Warns ``message`` at the user's line (:func:`_user_frame`), keeping the calling
+    library module as the warning's module: filters by module (``-W
+    ignore::RuntimeWarning:jax_grouped_mlp``) still match, and "once per location" is
+    per user line. Falls back to the caller's line if the walk fails."""
     import warnings
 
     caller = sys._getframe(1)
-    warnings.warn(message, category, stacklevel=2 + _frames_to_user(caller))
+    try:
+        user = _user_frame(caller)
+    except Exception:  # noqa: BLE001 - a warning must never fail the call that raises it
+        warnings.warn(message, category, stacklevel=2)
+        return
+    warnings.warn_explicit(
+        message, category, user.f_code.co_filename, user.f_lineno,
+        module=caller.f_globals.get("__name__", "jax_grouped_mlp"),
+        registry=user.f_globals.setdefault("__warningregistry__", {}), module_globals=user.f_globals,
+    )

@@ -228,7 +228,7 @@ def combine(
     ``weights_sorted``. Raises ValueError for bad shapes, TypeError for a
     ``y_sorted`` that is not an array, ``weights_sorted`` that is not a float array,
     a ``permutation`` that is not :func:`sort_by_expert`'s / :func:`permute`'s
-    :class:`Permutation`, or a ``dtype`` that is not a float dtype.
+    :class:`Permutation`, or a ``dtype`` other than bfloat16, float16, float32 or float64.
     """
     if not isinstance(permutation, Permutation):
         raise TypeError(f"permutation must be the Permutation that permute / sort_by_expert returned, "
