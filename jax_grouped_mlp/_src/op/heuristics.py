@@ -218,8 +218,8 @@ def wgrad_skew_imbalance(group_sizes, group_tiles: int, ctas: int):
         _check_tiles(group_tiles, ctas)
         return 1.0
     work, cost = _wgrad_static_work(group_sizes, group_tiles, ctas)
-    counts, _ = _wgrad_static_work(np.ones(group_sizes.shape[0], np.int64), group_tiles, ctas)
-    spread = work.mean() * float(counts.max() / counts.mean())
+    granularity = wgrad_static_imbalance(np.ones(group_sizes.shape[0], np.int64), group_tiles, ctas)  # equal tiles
+    spread = work.mean() * float(granularity)
     largest = cost.max()
     floor = spread + (largest - spread) * (largest > spread).astype(spread.dtype)  # max(), as array operators
     return work.max() / floor
