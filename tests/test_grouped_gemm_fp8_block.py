@@ -59,15 +59,12 @@ def test_shapes_off_128_are_in_the_contract():
 
 
 def test_registry_entry():
-    v, wide, regs = registry.variants(registry.Family.GROUPED_GEMM_FP8_BLOCK)
+    v, wide = registry.variants(registry.Family.GROUPED_GEMM_FP8_BLOCK)
     assert v.name == "grouped_gemm_sm90_fp8block_m128n128k128_s6"
     assert (v.tile_m, v.tile_n, v.tile_k, v.rhs_k_major) == (128, 128, 128, True)
     assert wide.name == "grouped_gemm_sm90_fp8block_m128n256k128_s4" and wide.tile_n == 256
-    assert regs.name == "grouped_gemm_sm90_fp8block_m128n256k128_s4_ar" and regs.a_regs and regs.tile_n == 256
     with pytest.raises(ValueError, match="tile_n"):
         registry.Fp8BlockGemmVariant(tile_n=192, stages=4)
-    with pytest.raises(ValueError, match="a_regs"):
-        registry.Fp8BlockGemmVariant(tile_n=128, stages=6, a_regs=True)
 
 
 def test_transpose_tiles_is_quantizing_the_transpose():
@@ -84,7 +81,7 @@ def test_transpose_tiles_is_quantizing_the_transpose():
 
 def test_default_variant_is_the_widest_tile_that_skips_no_half():
     names = tuple(v.name for v in registry.variants(registry.Family.GROUPED_GEMM_FP8_BLOCK))
-    narrow, wide, _regs = names  # (the register-A tile is never the default until measured)
+    narrow, wide = names
     assert gemm_ffi.fp8_block_default_variant(4096, names) == wide
     assert gemm_ffi.fp8_block_default_variant(1536, names) == wide
     assert gemm_ffi.fp8_block_default_variant(1856, names) == narrow  # Nano FC1: 14.5 x 128

@@ -262,7 +262,7 @@ def _kernel(v: registry.Variant):
     if isinstance(v, registry.Fp8BlockGemmVariant):
         from jax_grouped_mlp.kernels.grouped_gemm_fp8_block_sm90 import Fp8BlockGemmConfig, GroupedGemmFp8BlockSm90
 
-        cfg = Fp8BlockGemmConfig(tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m, a_regs=v.a_regs)
+        cfg = Fp8BlockGemmConfig(tile_n=v.tile_n, stages=v.stages, panel_m=v.panel_m)
         return cfg, GroupedGemmFp8BlockSm90(cfg), _grouped_gemm_fp8_block_args()
     if isinstance(v, registry.Fp8BlockWgradVariant):
         from jax_grouped_mlp.kernels.grouped_wgrad_fp8_block_sm90 import (

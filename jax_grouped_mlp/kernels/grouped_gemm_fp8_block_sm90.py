@@ -74,7 +74,6 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Uint32
-from cutlass.cute.nvgpu.warpgroup import OperandSource
 
 from jax_grouped_mlp.kernels import ptx
 
@@ -99,10 +98,6 @@ class Fp8BlockGemmConfig:
     stages: shared-memory pipeline depth (0: as many as fit). Each stage is one
       128-wide K block: 128 x 128 bytes of A and tile_n x 128 of B.
     panel_m, epi_stages: as :class:`~jax_grouped_mlp.kernels.grouped_gemm_sm90.GroupedGemmConfig`.
-    a_regs: (tile_n 256 only) each consumer warp group reads its 64 x 128 A slice of a
-      stage into registers once (``ldmatrix``) and both halves' wgmmas take A from there,
-      instead of each half's wgmmas reading A from shared memory: the wgmmas' shared-memory
-      reads per stage fall from 96 to 80 KB (16 more registers a thread). Same bits.
     The CTA tile has 128 rows: two consumer warp groups of 64.
     """
 
@@ -110,7 +105,6 @@ class Fp8BlockGemmConfig:
     stages: int = 0
     panel_m: int = 8
     epi_stages: int = 2
-    a_regs: bool = False
 
     tile_m = 128
     tile_k = SCALE_BLOCK
@@ -124,8 +118,6 @@ class Fp8BlockGemmConfig:
             raise ValueError(f"panel_m must be >= 1, got {self.panel_m=}")
         if self.num_stages < 2:
             raise ValueError(f"{self} leaves room for {self.num_stages} stages; need >= 2")
-        if self.a_regs and self.tile_n != 2 * SCALE_BLOCK:
-            raise ValueError(f"a_regs shares one A read between two column halves: tile_n must be {2 * SCALE_BLOCK}, got {self}")
 
     @property
     def stage_bytes(self) -> int:
@@ -144,8 +136,7 @@ class Fp8BlockGemmConfig:
     def name(self) -> str:
         s = f"grouped_gemm_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.num_stages}"
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
-        s += f"_e{self.epi_stages}" if self.epi_stages != 2 else ""
-        return s + ("_ar" if self.a_regs else "")
+        return s + (f"_e{self.epi_stages}" if self.epi_stages != 2 else "")
 
 
 class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
@@ -155,18 +146,16 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
     def __init__(self, config: Fp8BlockGemmConfig):
         super().__init__(config)
         self.halves = config.tile_n // SCALE_BLOCK
-        self.a_regs = config.a_regs
 
     def _mma_and_operand_layouts(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor):
         """The base class's, plus ``tiled_mma_half``: the wgmma over one 128-column half
-        (the whole tile when ``tile_n`` is 128), with A from registers for ``a_regs``."""
+        (the whole tile when ``tile_n`` is 128)."""
         layouts = super()._mma_and_operand_layouts(a, b, out)
-        rmem = {"a_source": OperandSource.RMEM} if self.a_regs else {}
         self.tiled_mma_half = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype,
             utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
             utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, SCALE_BLOCK), **rmem,
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, SCALE_BLOCK),
         )
         return layouts
 
@@ -222,22 +211,18 @@ class GroupedGemmFp8BlockSm90(GroupedGemmSm90):
             )
 
 
-def issue_block(
-    tiled_mma: cute.TiledMma, temp: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, stage, a_in_registers: bool = False,
-) -> cute.TiledMma:
+def issue_block(tiled_mma: cute.TiledMma, temp: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, stage) -> cute.TiledMma:
     """One 128-wide K block's wgmmas (stage ``stage`` of ``tCrA`` times ``tCrB``) into the
     temporary accumulator ``temp`` (the first overwrites it), committed.
-    ``a_in_registers``: ``tCrA`` is one stage's register fragment (no stage mode).
 
     Returns ``tiled_mma``, whose ACCUMULATE field this sets: the caller rebinds its local
     to it, so the DSL carries the changed value out of loops and branches. (Also the
     FP8 weight gradient's, :mod:`grouped_wgrad_fp8_block_sm90`.)"""
-    cute.nvgpu.warpgroup.fence()  # temp was read by its last promotion (and A just written)
+    cute.nvgpu.warpgroup.fence()  # temp was read by its last promotion
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
     for kk in range(cute.size(tCrA, mode=[2])):
         c = (None, None, kk, stage)
-        a = tCrA[(None, None, kk)] if a_in_registers else tCrA[c]
-        cute.gemm(tiled_mma, temp, a, tCrB[c], temp)
+        cute.gemm(tiled_mma, temp, tCrA[c], tCrB[c], temp)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.commit_group()
     return tiled_mma
@@ -274,16 +259,7 @@ class Fp8BlockMainloop(TraceTimeObject):
         k = self.kernel
         half, full = self.tiled_mma_half, self.tiled_mma
         thr = half.get_slice(ctid)
-        if cutlass.const_expr(self.kernel.a_regs):
-            # One stage's A slice in registers, read with ldmatrix (K-major FP8: pairs of
-            # bytes along K are the 16-bit elements of the b16 fragment).
-            tCsA = thr.partition_A(self.sA)
-            self.tCrA = half.make_fragment_A(tCsA[(None, None, None, 0)])
-            s2r = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), k.ab_dtype), half)
-            thr_s2r = s2r.get_slice(ctid)
-            self.s2r, self.tXsA, self.tXrA = s2r, thr_s2r.partition_S(self.sA), thr_s2r.retile(self.tCrA)
-        else:
-            self.tCrA = half.make_fragment_A(thr.partition_A(self.sA))
+        self.tCrA = half.make_fragment_A(thr.partition_A(self.sA))
         # sB (tile_n, 128, stages) -> halves of 128 rows (whole 8-row swizzle atoms).
         sB_halves = cute.flat_divide(self.sB, (SCALE_BLOCK, SCALE_BLOCK))  # (128, 128, halves, 1, stages)
         self.tCrB = [half.make_fragment_B(thr.partition_B(sB_halves[None, None, h, 0, None]))
@@ -331,12 +307,7 @@ class Fp8BlockMainloop(TraceTimeObject):
 
     def _issue(self, tiled_mma: cute.TiledMma, temp: cute.Tensor, tCrB: cute.Tensor, stage) -> cute.TiledMma:
         """:func:`issue_block` with this thread's A fragment."""
-        return issue_block(tiled_mma, temp, self.tCrA, tCrB, stage, a_in_registers=self.kernel.a_regs)
-
-    def _load_a(self, stage) -> None:
-        """``a_regs``: stage ``stage``'s A slice into the register fragment (ldmatrix)."""
-        for kk in range(cute.size(self.tCrA, mode=[2])):  # (trace-time unrolled)
-            cute.copy(self.s2r, self.tXsA[(None, None, kk, stage)], self.tXrA[(None, None, kk)])
+        return issue_block(tiled_mma, temp, self.tCrA, tCrB, stage)
 
     def _load_scales(self, sc: cute.Tensor, rows: list, kb) -> None:
         """A's scales of K block ``kb`` for each of this thread's row slots, into ``sc``."""
@@ -380,8 +351,6 @@ class Fp8BlockMainloop(TraceTimeObject):
         last_nb = mSB.shape[1] - 1
         for kb in range(work.k_tiles):
             pipe.consumer_wait(read)
-            if cutlass.const_expr(self.kernel.a_regs):
-                self._load_a(read.index)  # (the last wgmmas that read the registers were waited for)
             tiled_mma = self._issue(tiled_mma, temp, self.tCrB[0], read.index)
             self._load_scales(sc, rows, kb)  # while the wgmmas run
             sb = ptx.e8m0_value(Uint32(mSB[g, nb0, kb]))

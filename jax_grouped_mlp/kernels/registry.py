@@ -265,7 +265,6 @@ class Fp8BlockGemmVariant:
     tile_n: int
     stages: int
     panel_m: int = 8
-    a_regs: bool = False
 
     tile_m: ClassVar[int] = 128
     tile_k: ClassVar[int] = 128
@@ -274,7 +273,6 @@ class Fp8BlockGemmVariant:
 
     def __post_init__(self) -> None:
         _check(self.tile_n in (128, 256), self, "tile_n (one or two B scale blocks per tile: 128 or 256)")
-        _check(not self.a_regs or self.tile_n == 256, self, "a_regs (A read once per stage for two halves: tile_n 256)")
 
     @property
     def tile_tokens(self) -> int:
@@ -283,8 +281,7 @@ class Fp8BlockGemmVariant:
     @property
     def name(self) -> str:
         s = f"grouped_gemm_sm90_fp8block_m{self.tile_m}n{self.tile_n}k{self.tile_k}_s{self.stages}"
-        s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
-        return s + ("_ar" if self.a_regs else "")
+        return s + (f"_p{self.panel_m}" if self.panel_m != 8 else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,7 +445,6 @@ VARIANTS: tuple[Variant, ...] = (
     # jgm_grouped_gemm_fp8_block (the op picks by N: gemm_ffi.fp8_block_default_variant)
     Fp8BlockGemmVariant(tile_n=128, stages=6),
     Fp8BlockGemmVariant(tile_n=256, stages=4),
-    Fp8BlockGemmVariant(tile_n=256, stages=4, a_regs=True),  # (session 41: A from registers, measured below)
     # jgm_grouped_gemm_fp8_block_fc1 (picked by N as the plain GEMM is)
     Fp8BlockFc1Variant(tile_n=128, stages=6),
     Fp8BlockFc1Variant(tile_n=256, stages=4),
