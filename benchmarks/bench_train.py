@@ -16,6 +16,10 @@ Candidates, one process, same shapes, initialisers and batch:
     host memory);
   * ``jgm_mxfp8_device`` / ``jgm_bf16_device``: the same block, every residual on
     the device;
+  * ``jgm_mxfp8_device_bf16grad`` / ``jgm_bf16_device_bf16grad``: the all-device block
+    with ``weight_grad_dtype=jnp.bfloat16`` (the experts' gradients rounded to bf16
+    inside the op, as the peers' bf16 ``ragged_dot`` gives them; no float32 gradient
+    buffer: XLA fuses the cast into the AdamW update);
   * ``jgm_mxfp8_remat_device`` / ``jgm_bf16_remat_device``: the same under ``nnx.remat``
     with every residual of the op on the device: what the layer's checkpoint costs and
     saves (the router, norm, permutation and the float32 masters' bf16 casts are then
@@ -123,9 +127,9 @@ class Decoder(nnx.Module):
 
 
 def _candidates(shape: dict) -> dict[str, tuple[Callable, object]]:
-    def ours(recipe):
+    def ours(recipe, **kw):
         return lambda rngs: MoEBlock(shape["experts"], shape["hidden"], shape["ffn"], routing=_routing(shape),
-                                     use_score_bias=True, recipe=recipe, rngs=rngs)
+                                     use_score_bias=True, recipe=recipe, rngs=rngs, **kw)
 
     c: dict[str, tuple[Callable, object]] = {}
     on_device = jgm.offload_policy(fc1_input="device", activation_input="device", fc2_input="device")
@@ -135,6 +139,9 @@ def _candidates(shape: dict) -> dict[str, tuple[Callable, object]]:
         # nnx.remat with the op's residuals on the device: everything else of the layer
         # (router, norm, the masters' bf16 casts) is recomputed in the backward pass.
         c[f"jgm_{recipe}_remat_device"] = (ours(recipe), on_device)
+        # The experts' float32 gradients rounded to bf16 inside the op (as the peers'
+        # bf16 ragged_dot gives them): XLA fuses their cast back into the AdamW update.
+        c[f"jgm_{recipe}_device_bf16grad"] = (ours(recipe, weight_grad_dtype=jnp.bfloat16), None)
     for name, matmul in _peer_matmuls().items():
         c[name] = ((lambda mm: lambda rngs: PeerMoE(shape, mm, rngs=rngs))(matmul), None)
     return c

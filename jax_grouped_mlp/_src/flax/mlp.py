@@ -24,7 +24,7 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
-from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.op.mlp import grouped_mlp, weight_grads_in_bf16
 from jax_grouped_mlp._src.op.prepared import PreparedWeights, prepare_weights
 from jax_grouped_mlp._src.op.recipes import Recipe
 
@@ -128,8 +128,10 @@ class GroupedMLP(nnx.Module):
     Params: ``w1 [num_experts, hidden, ffn]`` and ``w2 [num_experts, ffn, hidden]``,
     stored in ``param_dtype`` (float32 master weights by default, or bfloat16): the
     op reads them as bf16 (MXFP8 with ``recipe="mxfp8"``) and returns their
-    gradients in ``param_dtype``; ``dtype`` is the dtype of the tokens. ``recipe`` and
-    ``fuse_fc1_epilogue`` are :func:`jax_grouped_mlp.grouped_mlp`'s.
+    gradients in ``param_dtype``; ``dtype`` is the dtype of the tokens. ``recipe``,
+    ``fuse_fc1_epilogue`` and ``weight_grad_dtype`` are :func:`jax_grouped_mlp.grouped_mlp`'s
+    (``weight_grad_dtype=jnp.bfloat16`` with float32 params: their gradients rounded to
+    bf16 inside the op, half the bytes a training step keeps until its optimizer update).
 
     Call as ``module(x, group_sizes, probs=None)`` with ``x [M, hidden]`` of a float
     dtype, cast to ``dtype``; the output is in ``dtype``. See
@@ -155,6 +157,7 @@ class GroupedMLP(nnx.Module):
         kernel_init: nnx.Initializer = default_kernel_init,
         axis_names: AxisNames = AxisNames(),
         mesh: jax.sharding.Mesh | None = None,
+        weight_grad_dtype: Any = None,
         rngs: nnx.Rngs,
     ):
         num_experts = checks.positive_int("num_experts", num_experts)
@@ -165,6 +168,8 @@ class GroupedMLP(nnx.Module):
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
         self.dtype = checks.float_dtype("dtype", dtype)  # grouped_mlp takes bf16 or f32
         self.param_dtype = checks.float_dtype("param_dtype", param_dtype)
+        weight_grads_in_bf16(weight_grad_dtype, param_dtype=self.param_dtype)  # (checked here, once)
+        self.weight_grad_dtype = None if weight_grad_dtype is None else jnp.dtype(weight_grad_dtype)
         if not isinstance(axis_names, AxisNames):
             raise TypeError(f"axis_names must be an AxisNames, got axis_names={axis_names!r}")
         if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
@@ -203,4 +208,5 @@ class GroupedMLP(nnx.Module):
             recipe=self.recipe,
             fuse_fc1_epilogue=self.fuse_fc1_epilogue,
             prepared=prepared,
+            weight_grad_dtype=self.weight_grad_dtype,
         )

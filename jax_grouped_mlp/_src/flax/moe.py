@@ -58,6 +58,10 @@ class MoEBlock(nnx.Module):
     Call as ``block(x)`` with ``x [..., hidden]`` of a float dtype; it is cast to
     ``dtype`` and the output comes back in ``dtype`` (as Flax's own layers do), not in
     ``x``'s dtype. See :func:`jax_grouped_mlp.moe_block`.
+    ``weight_grad_dtype=jnp.bfloat16`` (with the default float32 ``param_dtype``) rounds
+    the experts' weight gradients to bf16 inside the op, as a bf16 ``ragged_dot`` model
+    gets them: a training step then keeps half the bytes of them until its optimizer
+    update (``moe_block``'s ``weight_grad_dtype``; the router's stay float32).
     With ``parallel=ExpertParallel(mesh, expert_axis, data_axes)`` the experts are
     split over ``expert_axis`` and tokens travel by all-to-all.
 
@@ -96,6 +100,7 @@ class MoEBlock(nnx.Module):
         sow_stats: bool = False,
         load_balancing_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        weight_grad_dtype: Any = None,
         rngs: nnx.Rngs,
     ):
         if not isinstance(routing, RoutingConfig):
@@ -129,7 +134,8 @@ class MoEBlock(nnx.Module):
         with flax_spmd.logical_axis_rules(rules):
             self.experts = GroupedMLP(
                 num_experts, hidden, ffn, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue, dtype=dtype,
-                param_dtype=param_dtype, kernel_init=kernel_init, axis_names=axis_names, mesh=mesh, rngs=rngs,
+                param_dtype=param_dtype, kernel_init=kernel_init, axis_names=axis_names, mesh=mesh,
+                weight_grad_dtype=weight_grad_dtype, rngs=rngs,
             )
             router = initialized("router_init", router_init, rngs, (hidden, num_experts), jnp.float32)
             self.router = sharded_param(router, (axis_names.hidden, None), mesh)
@@ -189,6 +195,7 @@ class MoEBlock(nnx.Module):
             shared_w2=None if self.shared_w2 is None else self.shared_w2[...],
             return_stats=self.sow_stats,
             prepared=prepared,
+            weight_grad_dtype=self.experts.weight_grad_dtype,
         )
         if not self.sow_stats:
             return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -33,7 +34,7 @@ from jax_grouped_mlp._src import checks, eager, groups
 from jax_grouped_mlp._src.moe import router_stats
 from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp._src.moe.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
-from jax_grouped_mlp._src.op.mlp import grouped_mlp
+from jax_grouped_mlp._src.op.mlp import grouped_mlp, weight_grads_in_bf16
 from jax_grouped_mlp._src.op.prepared import PreparedWeights, check_prepared
 from jax_grouped_mlp._src.op.recipes import Recipe
 from jax_grouped_mlp._src.op.validation import is_mlp_float
@@ -124,6 +125,7 @@ def moe_block(
     return_stats: bool = False,
     return_router_probs: bool = False,
     prepared: PreparedWeights | None = None,
+    weight_grad_dtype=None,
 ) -> jax.Array | tuple[jax.Array, RouterStats]:
     """A mixture-of-experts layer of squared-ReLU experts; drop-free unless a capacity is set.
 
@@ -151,6 +153,10 @@ def moe_block(
         made once for many micro-batches (``grouped_mlp``'s ``prepared``; the shared
         expert still prepares its own). Under expert parallelism it is split over the
         expert axis like the weights.
+      weight_grad_dtype: ``grouped_mlp``'s, for the routed and the shared experts'
+        weights: ``jnp.bfloat16`` rounds float32 weights' gradients to bfloat16 inside
+        the op (half the bytes a training step keeps until its optimizer update), None
+        (the default) keeps them float32. The router's gradient is float32 either way.
 
     Returns:
       ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)`` (plus the shared
@@ -174,13 +180,19 @@ def moe_block(
         score_bias = jax.lax.stop_gradient(score_bias)
     if prepared is not None:
         check_prepared(prepared, Recipe.parse(recipe), w1, w2)
+    if weight_grad_dtype is not None:  # (checked against the weights here, where the error names them)
+        extra = {} if shared is None else {"shared_w1": shared[0], "shared_w2": shared[1]}
+        weight_grads_in_bf16(weight_grad_dtype, w1=w1, w2=w2, **extra)
+        weight_grad_dtype = jnp.dtype(weight_grad_dtype)
     statics = dict(routing=routing, recipe=recipe, parallel=parallel, fuse_fc1_epilogue=fuse_fc1_epilogue,
-                   return_stats=return_stats, return_router_probs=return_router_probs)
+                   return_stats=return_stats, return_router_probs=return_router_probs,
+                   weight_grad_dtype=weight_grad_dtype)
     arrays = (x, router_kernel, w1, w2, score_bias, shared_w1, shared_w2, prepared)
     if eager.outside_any_trace(arrays, tuple(statics.values())):
         return _moe_block_jit(*arrays, **statics)  # one compiled program per shape (eager.py)
     opts = _Options(
-        routing=routing, recipe=recipe, fuse=fuse_fc1_epilogue, stats=return_stats, router_probs=return_router_probs
+        routing=routing, recipe=recipe, fuse=fuse_fc1_epilogue, stats=return_stats, router_probs=return_router_probs,
+        weight_grad_dtype=weight_grad_dtype,
     )
     if parallel is None:
         y, sums, probs = _moe_local(x2, router_kernel, score_bias, w1, w2, prepared, shared, opts)
@@ -220,7 +232,8 @@ def _moe_block_positional(x, router_kernel, w1, w2, score_bias, shared_w1, share
 
 _moe_block_jit = jax.jit(
     _moe_block_positional,
-    static_argnames=("routing", "recipe", "parallel", "fuse_fc1_epilogue", "return_stats", "return_router_probs"),
+    static_argnames=("routing", "recipe", "parallel", "fuse_fc1_epilogue", "return_stats", "return_router_probs",
+                     "weight_grad_dtype"),
 )
 
 
@@ -305,6 +318,11 @@ class _Options:
     fuse: bool
     stats: bool
     router_probs: bool
+    weight_grad_dtype: Any = None
+
+    def mlp_kwargs(self) -> dict:
+        """The keyword arguments of every ``grouped_mlp`` call of the block."""
+        return dict(recipe=self.recipe, fuse_fc1_epilogue=self.fuse, weight_grad_dtype=self.weight_grad_dtype)
 
 
 def _router_logits(x, router_kernel):
@@ -319,7 +337,7 @@ def _shared_expert(x, shared, num_valid, opts):
     w1, w2 = shared
     rows = x.shape[0] if num_valid is None else jnp.clip(num_valid, 0, x.shape[0])
     sizes = jnp.asarray(rows, jnp.int32).reshape(1)
-    y = grouped_mlp(x, w1[None], w2[None], sizes, None, recipe=opts.recipe, fuse_fc1_epilogue=opts.fuse)
+    y = grouped_mlp(x, w1[None], w2[None], sizes, None, **opts.mlp_kwargs())
     return y.astype(jnp.float32)
 
 
@@ -329,7 +347,7 @@ def _moe_local(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _Op
     logits = _router_logits(x, router_kernel)
     expert_ids, weights = routing_lib.route(logits, opts.routing, score_bias)
     xs, ps, group_sizes, perm = routing_lib.permute(x, expert_ids, weights, e)
-    ys = grouped_mlp(xs, w1, w2, group_sizes, ps, recipe=opts.recipe, fuse_fc1_epilogue=opts.fuse, prepared=prepared)
+    ys = grouped_mlp(xs, w1, w2, group_sizes, ps, prepared=prepared, **opts.mlp_kwargs())
     y = routing_lib.combine_f32(ys, perm)
     if shared is not None:
         y = y + _shared_expert(x, shared, None, opts)
@@ -459,10 +477,7 @@ class _ExpertParallelBody:
         return y, sums, probs if self.opts.router_probs else None
 
     def _experts(self, x_rows, w1, w2, prepared, group_sizes, probs):
-        return grouped_mlp(
-            x_rows, w1, w2, group_sizes, probs, recipe=self.opts.recipe, fuse_fc1_epilogue=self.opts.fuse,
-            prepared=prepared,
-        )
+        return grouped_mlp(x_rows, w1, w2, group_sizes, probs, prepared=prepared, **self.opts.mlp_kwargs())
 
     def _all_to_all(self, x, expert_ids, weights, w1, w2, prepared, rows):
         """Ragged (or dense) all-to-all: each device receives only the pairs of its experts.

@@ -307,6 +307,7 @@ def grouped_mlp(
     recipe: str = "mxfp8",
     fuse_fc1_epilogue: bool = True,
     prepared: PreparedWeights | None = None,
+    weight_grad_dtype=None,
 ) -> jax.Array:
     """The squared-ReLU expert MLP over tokens sorted by expert, as one differentiable op.
 
@@ -347,6 +348,16 @@ def grouped_mlp(
         these same weights (gradient accumulation over micro-batches): the op then
         reads those copies instead of casting and quantizing the weights itself, with
         the same results bit for bit. Gradients still flow to ``w1`` and ``w2``.
+      weight_grad_dtype: None (the default: each weight's gradient is computed in
+        its own dtype, so float32 master weights get float32 sums written as float32)
+        or ``jnp.bfloat16``: float32 weights then get their float32 sums rounded once to
+        bfloat16 by the weight-gradient kernel and cast back to float32 outside the op,
+        as ``jax.lax.ragged_dot(x, w.astype(jnp.bfloat16))`` gives them. XLA fuses that
+        cast into whatever reads the gradient (an optimizer update), so no float32
+        gradient buffer exists: half the bytes of every layer's weight gradients, which
+        a training step keeps until its optimizer update (2.55 GB a layer less at the
+        Nano shape). No effect on bfloat16 weights. Under ``shard_map`` the sum of a
+        replicated weight's gradient over data shards stays in float32.
 
     Returns:
       ``[M, H]`` in ``x.dtype``. Rows at or past ``sum(group_sizes)`` are zero, and
@@ -360,7 +371,8 @@ def grouped_mlp(
     Weights: bfloat16 or float32 (master weights), the same path either way. The
     GEMMs read bf16, so float32 weights are rounded to bfloat16 once per step (one
     cast pass; the MXFP8 recipe quantizes those bf16 values), and their gradients
-    come back in float32 from float32 sums.
+    come back in float32 from float32 sums (rounded to bfloat16 on the way with
+    ``weight_grad_dtype=jnp.bfloat16``).
 
     Performance: on CUDA every GEMM runs on the Hopper kernels when ``x`` is
     bfloat16 and H, F are multiples of 8; a float32 ``x`` makes FC2 and the FC1
@@ -368,7 +380,7 @@ def grouped_mlp(
     """
     return grouped_mlp_with(
         heuristics.DEFAULT, x, w1, w2, group_sizes, probs, recipe=recipe, fuse_fc1_epilogue=fuse_fc1_epilogue,
-        prepared=prepared,
+        prepared=prepared, weight_grad_dtype=weight_grad_dtype,
     )
 
 
@@ -383,6 +395,7 @@ def grouped_mlp_with(
     recipe: str = "mxfp8",
     fuse_fc1_epilogue: bool = True,
     prepared: PreparedWeights | None = None,
+    weight_grad_dtype=None,
 ) -> jax.Array:
     """:func:`grouped_mlp` with explicit kernel choices (private: for tests and benchmarks
     that compare the op's paths). The same numbers whatever ``choices`` says."""
@@ -397,6 +410,7 @@ def grouped_mlp_with(
         probs = as_array("probs", probs)
     check_mlp_args(x, w1, w2, group_sizes, probs)
     fuse_fc1_epilogue = checks.boolean("fuse_fc1_epilogue", fuse_fc1_epilogue)
+    grad_bf16 = weight_grads_in_bf16(weight_grad_dtype, w1=w1, w2=w2)
     if prepared is not None:
         check_prepared(prepared, recipe_, w1, w2)
     m = x.shape[0]
@@ -407,12 +421,45 @@ def grouped_mlp_with(
     # Clamped once here (sums cut at M, no int32 overflow): every kernel and reference
     # below sees sizes that sum to at most M.
     args = (x, w1, w2, groups.clamp_group_sizes(group_sizes, m), p, prepared)
-    if eager.outside_any_trace(args, (recipe_, fuse_fc1_epilogue, choices)):
-        return _mlp_jit(*args, recipe_, fuse_fc1_epilogue, choices)  # one compiled program per shape (eager.py)
+    statics = (recipe_, fuse_fc1_epilogue, choices, grad_bf16)
+    if eager.outside_any_trace(args, statics):
+        return _mlp_jit(*args, *statics)  # one compiled program per shape (eager.py)
     # Inside shard_map(check_vma=True): all operands vary over the same mesh axes, so the
     # custom_vjp's cotangents have their primals' types, and the transpose of this cast
     # sums a replicated weight's gradient over the axes x varies over (varying.py).
-    return _mlp(*varying.to_common(args), recipe_, fuse_fc1_epilogue, choices)
+    return _mlp_grads_as(*varying.to_common(args), *statics)
 
 
-_mlp_jit = jax.jit(lambda *a: _mlp(*a), static_argnums=(6, 7, 8))
+def weight_grads_in_bf16(weight_grad_dtype, **weights) -> bool:
+    """Whether ``weight_grad_dtype`` asks for bfloat16 gradients of float32 weights
+    (:func:`grouped_mlp`'s argument, checked against ``weights``, name -> array or
+    dtype: None, bfloat16, or float32 for float32 weights only; JAX gives a bfloat16
+    weight a bfloat16 gradient)."""
+    if weight_grad_dtype is None:
+        return False
+    dtype = checks.float_dtype("weight_grad_dtype", weight_grad_dtype)
+    if dtype == jnp.float32:
+        for name, w in weights.items():
+            w_dtype = jnp.dtype(getattr(w, "dtype", w))
+            if w_dtype != jnp.float32:
+                label = f"{name}.dtype" if hasattr(w, "dtype") else name
+                raise ValueError(
+                    f"weight_grad_dtype=float32 needs float32 weights (a weight's gradient has its dtype), "
+                    f"got {label}={w_dtype}"
+                )
+        return False
+    return True
+
+
+def _mlp_grads_as(x, w1, w2, group_sizes, probs, prepared, recipe, fuse, choices, grad_bf16: bool):
+    """:func:`_mlp`, with float32 weights cast to bfloat16 first when ``grad_bf16``: the
+    op then writes their gradients in bfloat16 and JAX's transpose of the cast makes them
+    float32 outside the op, where XLA fuses it into their consumer. (After
+    ``varying.to_common``: the sum over data shards of a replicated weight's gradient,
+    the transpose of that cast, then comes after the cast back to float32.)"""
+    if grad_bf16:
+        w1, w2 = (w.astype(jnp.bfloat16) for w in (w1, w2))
+    return _mlp(x, w1, w2, group_sizes, probs, prepared, recipe, fuse, choices)
+
+
+_mlp_jit = jax.jit(_mlp_grads_as, static_argnums=(6, 7, 8, 9))
