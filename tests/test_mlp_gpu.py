@@ -151,3 +151,28 @@ def test_float32_master_weights_get_float32_gradients(gpu, rng):
         assert rel_err(np.asarray(got), np.asarray(want)) < 5e-3
         # float32 output: the gradients are not all bf16 values.
         assert (np.asarray(got) != np.asarray(got.astype(jax.numpy.bfloat16), np.float32)).any()
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "fp8_block"])
+def test_bf16_weight_gradients_are_the_float32_ones_rounded(gpu, rng, recipe):
+    """weight_grad_dtype=bfloat16 on the kernels: the weight-gradient kernels' bf16 output
+    is their float32 output rounded once (the same sums), for each recipe."""
+    x, w1, w2, gs, probs, dy = make_inputs(rng, m=512, h=256, f=192, g=4, sizes=[200, 0, 57, 190])
+    w1, w2 = w1.astype(np.float32) * 1.001, w2.astype(np.float32) * 1.001  # not bf16-representable
+    args = jax.device_put((x, w1, w2, gs, probs, dy), gpu)
+
+    def grads(wgd):
+        def loss(w1, w2):
+            y = jgm.grouped_mlp(args[0], w1, w2, args[3], args[4], recipe=recipe, weight_grad_dtype=wgd)
+            return (y.astype(np.float32) * args[5]).sum()
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        hlo = fn.lower(args[1], args[2]).compile().as_text()
+        assert re.search(r"custom_call_target=\"jgm_grouped_wgrad", hlo), "no weight-gradient kernel"
+        return fn(args[1], args[2])
+
+    for got, want in zip(grads(jax.numpy.bfloat16), grads(None)):
+        assert got.dtype == np.float32
+        want = np.asarray(want)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.numpy.asarray(want).astype(jax.numpy.bfloat16),
+                                                                  np.float32))
+        assert (want != np.asarray(jax.numpy.asarray(want).astype(jax.numpy.bfloat16), np.float32)).any()
