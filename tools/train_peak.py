@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--small", action="store_true", help="bench_train's tiny shape (CPU smoke test)")
     ap.add_argument("--top", type=int, default=16)
-    ap.add_argument("--json", type=pathlib.Path, default=None, help="also write every peak report here")
+    ap.add_argument("--out", type=pathlib.Path, default=None, help="also write every peak report here (results JSON)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "candidate:layers:dumpdir" in the child
     opts = ap.parse_args(argv)
     if opts.child is not None:
@@ -41,6 +41,7 @@ def main(argv=None) -> None:
         print(json.dumps(_child(opts, name, int(layers), pathlib.Path(dump))))
         return
     from benchmarks.bench_offload import print_peaks
+    from benchmarks.common import command_line, write_result
     from benchmarks.xla_dump import dump_flags
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="train_peak_"))
@@ -61,8 +62,11 @@ def main(argv=None) -> None:
                   f"arguments {row['argument_bytes'] / 2**30:.2f} GiB", flush=True)
     for row in rows:
         print_peaks([row], labels=(row["label"],), top=opts.top)
-    if opts.json:
-        opts.json.write_text(json.dumps(rows, indent=1))
+    if opts.out and rows:
+        write_result(opts.out, command=command_line("tools/train_peak.py", sys.argv[1:] if argv is None else argv),
+                     rows=rows, device=rows[0]["device"],
+                     extra={"what": "compiled temp and what is live at its peak, bench_train's step (compile only)",
+                            "tokens": opts.tokens, "shape": "small" if opts.small else "nano"})
 
 
 def _child(opts, name: str, layers: int, dump: pathlib.Path) -> dict:
@@ -103,6 +107,7 @@ def _child(opts, name: str, layers: int, dump: pathlib.Path) -> dict:
     if prefix is not None:
         tp = temp_peak_from_dump(prefix, hlo_text.parse_hlo(compiled.as_text())["instrs"], top=opts.top)
     return {"label": f"{name} L={layers}", "candidate": name, "layers": layers,
+            "device": jax.devices()[0].device_kind,
             "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
             "temp_peak": tp}
 
