@@ -150,6 +150,36 @@ def test_replicated_weights_get_the_sum_of_the_devices_gradients(case, recipe, c
     grad.trace(*args).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_bf16_weight_gradients_are_summed_in_float32(check_vma):
+    """float32 weights replicated over "d" with ``weight_grad_dtype=bfloat16``: each
+    device's gradient is rounded to bf16 once and the sum over "d" is taken in float32,
+    bitwise the per-device calls' gradients added outside ``shard_map`` (a sum in bf16
+    would round the sum again)."""
+    x, w1, w2, probs, gs = _inputs(2)
+    w1, w2 = w1.astype(jnp.float32) * 1.001, w2.astype(jnp.float32) * 1.001  # not bf16 values
+    mesh = _mesh((2,), ("d",))
+    specs = (P("d"), P(), P(), P("d"), P("d"))
+    args = _put(mesh, (x, w1, w2, probs, gs), specs)
+
+    def fn(x, w1, w2, probs, gs):
+        return jgm.grouped_mlp(x, w1[0], w2[0], gs, probs, recipe="bf16", weight_grad_dtype=jnp.bfloat16)
+
+    def loss(*a):
+        body = lambda x, w1, w2, probs, gs: fn(x, w1, w2, probs, gs[0])  # noqa: E731
+        return _sq(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("d"), check_vma=check_vma)(*a))
+
+    def loss_per_device(x, w1, w2, probs, gs):
+        rows = lambda a, i: a[i * M:(i + 1) * M]  # noqa: E731
+        return sum(_sq(fn(rows(x, i), w1, w2, rows(probs, i), gs[i])) for i in range(2))
+
+    got = jax.jit(jax.value_and_grad(loss, argnums=(1, 2)))(*args)
+    want = jax.jit(jax.value_and_grad(loss_per_device, argnums=(1, 2)))(x, w1, w2, probs, gs)
+    _assert_value_and_grads(got, want, f"bf16 weight gradients check_vma={check_vma}")
+    for g in want[1]:  # (a sum of two bf16 values: not itself a bf16 value everywhere)
+        assert g.dtype == jnp.float32 and (np.asarray(g) != np.asarray(g.astype(jnp.bfloat16), np.float32)).any()
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_per_device_weights_and_replicated_tokens(recipe):
     """The other way round, on a 2 x 2 mesh: x and probs replicated over "w" and
