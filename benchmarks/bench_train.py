@@ -147,13 +147,10 @@ def _candidates(shape: dict) -> dict[str, tuple[Callable, object]]:
     return c
 
 
-def bench(name: str, make_moe, policy, shape: dict, layers: int, tokens: int, iters: int) -> dict:
-    model = Decoder(shape, layers, make_moe, policy, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-    rng = np.random.default_rng(0)
-    batch = jnp.asarray(rng.integers(0, shape["vocab"], (tokens + 1,)), jnp.int32)
-    inputs, targets = batch[:-1], batch[1:]
+def train_step_fn(graphdef) -> Callable:
+    """The training step over ``nnx.split((model, optimizer))``'s state: the mean
+    next-token cross-entropy, its gradient and the optimizer's update; returns
+    ``(loss, new state)``."""
 
     def train_step(state, inputs, targets):
         model, optimizer = nnx.merge(graphdef, state)
@@ -166,7 +163,18 @@ def bench(name: str, make_moe, policy, shape: dict, layers: int, tokens: int, it
         optimizer.update(model, grads)
         return loss, nnx.state((model, optimizer))
 
-    step = jax.jit(train_step, donate_argnums=0)
+    return train_step
+
+
+def bench(name: str, make_moe, policy, shape: dict, layers: int, tokens: int, iters: int) -> dict:
+    model = Decoder(shape, layers, make_moe, policy, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    rng = np.random.default_rng(0)
+    batch = jnp.asarray(rng.integers(0, shape["vocab"], (tokens + 1,)), jnp.int32)
+    inputs, targets = batch[:-1], batch[1:]
+
+    step = jax.jit(train_step_fn(graphdef), donate_argnums=0)
     try:
         compiled = step.lower(state, inputs, targets).compile()
     except Exception as err:  # noqa: BLE001 - out of memory is a result too

@@ -89,18 +89,8 @@ def _child(opts, name: str, layers: int, dump: pathlib.Path) -> dict:
     graphdef, state = nnx.split(nnx.eval_shape(build))
     tokens = jax.ShapeDtypeStruct((opts.tokens,), jnp.int32)
 
-    def train_step(state, inputs, targets):
-        model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(model):
-            logits = model(inputs).astype(jnp.float32)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss, nnx.state((model, optimizer))
-
-    compiled = jax.jit(train_step, donate_argnums=0).lower(state, tokens, tokens).compile()
+    step = jax.jit(bench_train.train_step_fn(graphdef), donate_argnums=0)  # (the module name XLA dumps)
+    compiled = step.lower(state, tokens, tokens).compile()
     mem = compiled.memory_analysis()
     prefix = find_dump(dump, "jit_train_step")
     tp = None
