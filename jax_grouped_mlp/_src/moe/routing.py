@@ -250,9 +250,37 @@ def combine(
 def combine_f32(y_sorted: jax.Array, permutation: Permutation, weights_sorted: jax.Array | None = None) -> jax.Array:
     """:func:`combine` without the checks and the final cast (float32 out)."""
     n = permutation.order.shape[0]
-    valid = jnp.arange(n, dtype=jnp.int32) < jnp.sum(permutation.group_sizes)
-    y = jnp.where(valid[:, None], y_sorted.astype(jnp.float32), 0.0)
+    num_valid = jnp.sum(permutation.group_sizes)
+    valid = jnp.arange(n, dtype=jnp.int32) < num_valid
+    y = rows_below(y_sorted.astype(jnp.float32), num_valid)
     if weights_sorted is not None:  # a skipped pair's weight may be NaN (a masked token's)
         y = y * jnp.where(valid, weights_sorted.astype(jnp.float32), 0.0)[:, None]
     y = y[permutation.inverse].reshape(permutation.num_tokens, permutation.top_k, y_sorted.shape[-1])
     return jnp.sum(y, axis=1)
+
+
+def _zero_rows_from(y: jax.Array, num_valid: jax.Array) -> jax.Array:
+    rows = jax.lax.broadcasted_iota(jnp.int32, (y.shape[0],) + (1,) * (y.ndim - 1), 0)
+    return jnp.where(rows < num_valid, y, jnp.zeros((), y.dtype))
+
+
+@jax.custom_vjp
+def rows_below(y: jax.Array, num_valid: jax.Array) -> jax.Array:
+    """``y`` with its rows at or past ``num_valid`` set to zero (whatever they hold, NaN
+    included), and the same mask on the cotangent. The same values as ``jnp.where`` of a
+    row mask, but its backward keeps only ``num_valid``: differentiating ``jnp.where``
+    keeps the broadcast mask and the broadcast zeros, each as large as ``y`` (at the
+    Nano shape a float32 ``[49152, 2688]`` array and a bool one per MoE layer, from the
+    forward pass to the backward)."""
+    return _zero_rows_from(y, num_valid)
+
+
+def _rows_below_fwd(y, num_valid):
+    return _zero_rows_from(y, num_valid), num_valid
+
+
+def _rows_below_bwd(num_valid, ct):
+    return _zero_rows_from(ct, num_valid), None
+
+
+rows_below.defvjp(_rows_below_fwd, _rows_below_bwd)

@@ -1,0 +1,51 @@
+"""What the MoE block keeps from its combine step for the backward pass: only the count
+of valid pairs, not ``jnp.where``'s broadcast mask and zeros (each ``[T*k, H]``: a
+float32 and a bool array of 528 MB and 132 MB per Nano layer). The masking is the same
+as ``jnp.where``'s, values and gradients bit for bit, NaN rows included."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:  # (private: jax.ad_checkpoint.print_saved_residuals prints the same list)
+    from jax._src.ad_checkpoint import saved_residuals
+except ImportError:  # pragma: no cover - a jax that moved it
+    pytest.skip("this jax has no jax._src.ad_checkpoint.saved_residuals", allow_module_level=True)
+
+import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.moe.routing import rows_below
+
+T, H, F, E, K = 64, 32, 16, 8, 6
+
+
+def test_rows_below_is_where_bit_for_bit(rng):
+    y = jnp.asarray(rng.standard_normal((50, 7)), jnp.float32).at[45].set(jnp.nan).at[3].set(jnp.inf)
+    ct = jnp.asarray(rng.standard_normal((50, 7)), jnp.float32)
+    for n in (0, 1, 44, 50, 80, -3):
+        want_fn = lambda y: jnp.where((jnp.arange(50) < n)[:, None], y, 0.0)  # noqa: E731
+        got_y, got_vjp = jax.vjp(lambda y: rows_below(y, jnp.int32(n)), y)
+        want_y, want_vjp = jax.vjp(want_fn, y)
+        np.testing.assert_array_equal(got_y, want_y)
+        np.testing.assert_array_equal(got_vjp(ct)[0], want_vjp(ct)[0])
+    assert np.isnan(np.asarray(rows_below(y, jnp.int32(50)))).any()  # (NaN rows below n stay)
+
+
+def test_moe_block_keeps_no_pair_sized_combine_residual(rng):
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((H, E)) * 0.1, jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((E, H, F)) * 0.1, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, F, H)) * 0.1, jnp.float32)
+    routing = jgm.RoutingConfig(top_k=K, score_function="sigmoid", routed_scaling_factor=2.5)
+
+    def loss(x, router, w1, w2):
+        y = jgm.moe_block(x, router, w1, w2, routing=routing, recipe="bf16")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    saved = saved_residuals(loss, x, router, w1, w2)
+    combine = [(aval.str_short(), why) for aval, why in saved if "combine" in why]
+    assert combine, "expected the combine's own residuals (its valid count, the inverse permutation)"
+    big = [(s, why) for s, why in combine if s.endswith(f"[{T * K},{H}]")]
+    assert not big, f"the combine keeps pair-sized arrays for the backward: {big}"
