@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
@@ -157,7 +158,7 @@ class GroupedMLP(nnx.Module):
         kernel_init: nnx.Initializer = default_kernel_init,
         axis_names: AxisNames = AxisNames(),
         mesh: jax.sharding.Mesh | None = None,
-        weight_grad_dtype: Any = None,
+        weight_grad_dtype: DTypeLike | None = None,
         rngs: nnx.Rngs,
     ):
         num_experts = checks.positive_int("num_experts", num_experts)

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
@@ -100,7 +101,7 @@ class MoEBlock(nnx.Module):
         sow_stats: bool = False,
         load_balancing_coef: float = 0.0,
         z_loss_coef: float = 0.0,
-        weight_grad_dtype: Any = None,
+        weight_grad_dtype: DTypeLike | None = None,
         rngs: nnx.Rngs,
     ):
         if not isinstance(routing, RoutingConfig):

@@ -26,8 +26,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jax.sharding import PartitionSpec as P
 
 from jax_grouped_mlp._src import checks, eager, groups
@@ -125,7 +127,7 @@ def moe_block(
     return_stats: bool = False,
     return_router_probs: bool = False,
     prepared: PreparedWeights | None = None,
-    weight_grad_dtype=None,
+    weight_grad_dtype: DTypeLike | None = None,
 ) -> jax.Array | tuple[jax.Array, RouterStats]:
     """A mixture-of-experts layer of squared-ReLU experts; drop-free unless a capacity is set.
 

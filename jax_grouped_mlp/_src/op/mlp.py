@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jax_grouped_mlp._src import checks, eager, groups, varying
 from jax_grouped_mlp._src.op import heuristics, primitives, residuals
@@ -307,7 +308,7 @@ def grouped_mlp(
     recipe: str = "mxfp8",
     fuse_fc1_epilogue: bool = True,
     prepared: PreparedWeights | None = None,
-    weight_grad_dtype=None,
+    weight_grad_dtype: DTypeLike | None = None,
 ) -> jax.Array:
     """The squared-ReLU expert MLP over tokens sorted by expert, as one differentiable op.
 
@@ -395,7 +396,7 @@ def grouped_mlp_with(
     recipe: str = "mxfp8",
     fuse_fc1_epilogue: bool = True,
     prepared: PreparedWeights | None = None,
-    weight_grad_dtype=None,
+    weight_grad_dtype: DTypeLike | None = None,
 ) -> jax.Array:
     """:func:`grouped_mlp` with explicit kernel choices (private: for tests and benchmarks
     that compare the op's paths). The same numbers whatever ``choices`` says."""
