@@ -49,3 +49,16 @@ def test_moe_block_keeps_no_pair_sized_combine_residual(rng):
     assert combine, "expected the combine's own residuals (its valid count, the inverse permutation)"
     big = [(s, why) for s, why in combine if s.endswith(f"[{T * K},{H}]")]
     assert not big, f"the combine keeps pair-sized arrays for the backward: {big}"
+
+
+def test_public_combine_stays_forward_differentiable(rng):
+    """``jgm.combine`` keeps ``jnp.where`` (``rows_below`` is reverse mode only): ``jax.jvp``
+    works, and gives what ``jax.vjp`` implies (the map is linear in ``y_sorted``)."""
+    ids = jnp.asarray(rng.integers(0, E + 1, (T, 2)), jnp.int32)  # (id E: a skipped pair)
+    x = jnp.zeros((T, H), jnp.float32)
+    *_, perm = jgm.permute(x, ids, None, E)
+    y = jnp.asarray(rng.standard_normal((T * 2, H)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((T * 2, H)), jnp.float32)
+    out, tangent = jax.jvp(lambda y: jgm.combine(y, perm), (y,), (t,))
+    np.testing.assert_array_equal(tangent, jgm.combine(t, perm))
+    np.testing.assert_array_equal(out, jgm.combine(y, perm))

@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     from benchmarks.xla_dump import dump_flags
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="train_peak_"))
-    rows = []
+    rows, failed = [], []
     for name in opts.candidates.split(","):
         for layers in (int(x) for x in opts.layers.split(",")):
             dump = root / f"{name}_{layers}"
@@ -55,6 +55,7 @@ def main(argv=None) -> None:
             out = subprocess.run(args, env=os.environ | {"XLA_FLAGS": flags}, capture_output=True, text=True)
             if out.returncode:
                 print(f"{name} L={layers}: failed\n{out.stderr[-1500:]}", flush=True)
+                failed.append(f"{name} L={layers}")
                 continue
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
@@ -67,6 +68,8 @@ def main(argv=None) -> None:
                      rows=rows, device=rows[0]["device"],
                      extra={"what": "compiled temp and what is live at its peak, bench_train's step (compile only)",
                             "tokens": opts.tokens, "shape": "small" if opts.small else "nano"})
+    if failed:
+        raise SystemExit(f"train_peak: {len(failed)} compile(s) failed: {', '.join(failed)}")
 
 
 def _child(opts, name: str, layers: int, dump: pathlib.Path) -> dict:

@@ -131,8 +131,9 @@ class GroupedMLP(nnx.Module):
     op reads them as bf16 (MXFP8 with ``recipe="mxfp8"``) and returns their
     gradients in ``param_dtype``; ``dtype`` is the dtype of the tokens. ``recipe``,
     ``fuse_fc1_epilogue`` and ``weight_grad_dtype`` are :func:`jax_grouped_mlp.grouped_mlp`'s
-    (``weight_grad_dtype=jnp.bfloat16`` with float32 params: their gradients rounded to
-    bf16 inside the op, half the bytes a training step keeps until its optimizer update).
+    (None, the default, or ``float32``: gradients in ``param_dtype``;
+    ``jnp.bfloat16`` with float32 params: their gradients rounded to bf16 inside the op,
+    half the bytes a training step keeps until its optimizer update).
 
     Call as ``module(x, group_sizes, probs=None)`` with ``x [M, hidden]`` of a float
     dtype, cast to ``dtype``; the output is in ``dtype``. See

@@ -59,8 +59,9 @@ class MoEBlock(nnx.Module):
     Call as ``block(x)`` with ``x [..., hidden]`` of a float dtype; it is cast to
     ``dtype`` and the output comes back in ``dtype`` (as Flax's own layers do), not in
     ``x``'s dtype. See :func:`jax_grouped_mlp.moe_block`.
-    ``weight_grad_dtype=jnp.bfloat16`` (with the default float32 ``param_dtype``) rounds
-    the experts' weight gradients to bf16 inside the op, as a bf16 ``ragged_dot`` model
+    ``weight_grad_dtype``: None (the default; or ``float32`` with float32 params) keeps
+    the experts' gradients in ``param_dtype``; ``jnp.bfloat16`` (with the default float32
+    ``param_dtype``) rounds them to bf16 inside the op, as a bf16 ``ragged_dot`` model
     gets them: a training step then keeps half the bytes of them until its optimizer
     update (``moe_block``'s ``weight_grad_dtype``; the router's stay float32).
     With ``parallel=ExpertParallel(mesh, expert_axis, data_axes)`` the experts are

@@ -156,9 +156,10 @@ def moe_block(
         expert still prepares its own). Under expert parallelism it is split over the
         expert axis like the weights.
       weight_grad_dtype: ``grouped_mlp``'s, for the routed and the shared experts'
-        weights: ``jnp.bfloat16`` rounds float32 weights' gradients to bfloat16 inside
-        the op (half the bytes a training step keeps until its optimizer update), None
-        (the default) keeps them float32. The router's gradient is float32 either way.
+        weights: None (the default) or ``float32`` (float32 weights only) gives each
+        weight's gradient in its own dtype; ``jnp.bfloat16`` rounds float32 weights'
+        gradients to bfloat16 inside the op (half the bytes a training step keeps until
+        its optimizer update). The router's gradient is float32 either way.
 
     Returns:
       ``[..., H]`` in ``x.dtype``: ``sum_k weight_k * expert_k(x)`` (plus the shared

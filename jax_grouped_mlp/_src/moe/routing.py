@@ -243,16 +243,24 @@ def combine(
             f"got y_sorted.shape={getattr(y_sorted, 'shape', None)}"
         )
     _check_weights("weights_sorted", weights_sorted, (n,), f"[T*k]=({n},)")
-    y = combine_f32(y_sorted, permutation, weights_sorted)
+    y = combine_f32(y_sorted, permutation, weights_sorted, forward_mode=True)
     return y.astype(y_sorted.dtype if dtype is None else dtype)
 
 
-def combine_f32(y_sorted: jax.Array, permutation: Permutation, weights_sorted: jax.Array | None = None) -> jax.Array:
-    """:func:`combine` without the checks and the final cast (float32 out)."""
+def combine_f32(
+    y_sorted: jax.Array, permutation: Permutation, weights_sorted: jax.Array | None = None, *,
+    forward_mode: bool = False,
+) -> jax.Array:
+    """:func:`combine` without the checks and the final cast (float32 out).
+
+    The skipped pairs are masked by :func:`rows_below` (reverse-mode differentiable only;
+    its backward keeps a count), or with ``forward_mode`` by ``jnp.where`` (any mode;
+    its backward keeps two ``y_sorted``-sized arrays): the same values and gradients."""
     n = permutation.order.shape[0]
     num_valid = jnp.sum(permutation.group_sizes)
     valid = jnp.arange(n, dtype=jnp.int32) < num_valid
-    y = rows_below(y_sorted.astype(jnp.float32), num_valid)
+    y = y_sorted.astype(jnp.float32)
+    y = jnp.where(valid[:, None], y, 0.0) if forward_mode else rows_below(y, num_valid)
     if weights_sorted is not None:  # a skipped pair's weight may be NaN (a masked token's)
         y = y * jnp.where(valid, weights_sorted.astype(jnp.float32), 0.0)[:, None]
     y = y[permutation.inverse].reshape(permutation.num_tokens, permutation.top_k, y_sorted.shape[-1])
@@ -267,11 +275,12 @@ def _zero_rows_from(y: jax.Array, num_valid: jax.Array) -> jax.Array:
 @jax.custom_vjp
 def rows_below(y: jax.Array, num_valid: jax.Array) -> jax.Array:
     """``y`` with its rows at or past ``num_valid`` set to zero (whatever they hold, NaN
-    included), and the same mask on the cotangent. The same values as ``jnp.where`` of a
-    row mask, but its backward keeps only ``num_valid``: differentiating ``jnp.where``
-    keeps the broadcast mask and the broadcast zeros, each as large as ``y`` (at the
-    Nano shape a float32 ``[49152, 2688]`` array and a bool one per MoE layer, from the
-    forward pass to the backward)."""
+    included), and the same mask on the cotangent. The same values and gradients as
+    ``jnp.where`` of a row mask, but its backward keeps only ``num_valid``:
+    differentiating ``jnp.where`` keeps its broadcast mask and zeros, each as large as
+    ``y``, from the forward pass to the backward (in ``moe_block``'s step at the Nano
+    shape, XLA's buffer assignment held two float32 ``[49152, 2688]`` arrays, 528 MB
+    each, per layer). A ``custom_vjp``: reverse mode only (``jax.jvp`` raises)."""
     return _zero_rows_from(y, num_valid)
 
 
