@@ -32,3 +32,12 @@ def test_small_step_peaks(tmp_path):
         assert 0 < peak["estimated_peak_bytes"] <= peak["temp_allocation_bytes"]
         assert peak["live_at_peak_top"] and all(b["bytes"] > 0 for b in peak["live_at_peak_top"])
     assert "jgm_bf16_device_bf16grad" in run.stdout and "temp" in run.stdout
+
+
+def test_unknown_candidate_is_named():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "train_peak.py"), "--candidates", "jgm_bf16_device,nope"],
+        env=os.environ | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2 and "unknown ['nope']" in run.stderr, run.stderr[-1000:]

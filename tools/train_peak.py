@@ -40,9 +40,15 @@ def main(argv=None) -> None:
         name, layers, dump = opts.child.split(":", 2)
         print(json.dumps(_child(opts, name, int(layers), pathlib.Path(dump))))
         return
+    import bench_train
     from benchmarks.bench_offload import print_peaks
     from benchmarks.common import command_line, write_result
     from benchmarks.xla_dump import dump_flags
+
+    known = bench_train._candidates(bench_train.SMALL)
+    unknown = [c for c in opts.candidates.split(",") if c not in known]
+    if unknown:
+        ap.error(f"--candidates: unknown {unknown}; bench_train's are {sorted(known)}")
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="train_peak_"))
     rows, failed = [], []
