@@ -328,11 +328,35 @@ class _Options:
         return dict(recipe=self.recipe, fuse_fc1_epilogue=self.fuse, weight_grad_dtype=self.weight_grad_dtype)
 
 
-def _router_logits(x, router_kernel):
-    """``x @ router`` in float32 at HIGHEST precision (TF32 could change the winners)."""
+def _logits(x, router_kernel):
     return jnp.dot(
         x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
+
+
+@jax.custom_vjp
+def _router_logits(x, router_kernel):
+    """``x @ router`` in float32 at HIGHEST precision (TF32 could change the winners).
+
+    Differentiated as the plain product is (the same gradients, bit for bit), but its
+    backward keeps ``x`` in its own dtype and casts it to float32 again, where plain AD
+    keeps the float32 copy: a bf16 ``[T, H]`` instead of a float32 one (44 MB less per
+    MoE layer of 8192 Nano tokens)."""
+    return _logits(x, router_kernel)
+
+
+def _router_logits_fwd(x, router_kernel):
+    return _logits(x, router_kernel), (x, router_kernel)
+
+
+def _router_logits_bwd(res, ct):
+    # The cast again after ct exists: XLA would otherwise merge it with the forward's
+    # and keep that float32 copy.
+    x, router_kernel, ct = jax.lax.optimization_barrier((*res, ct))
+    return jax.vjp(_logits, x, router_kernel)[1](ct)
+
+
+_router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 
 def _shared_expert(x, shared, num_valid, opts):

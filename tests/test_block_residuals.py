@@ -1,7 +1,11 @@
-"""What the MoE block keeps from its combine step for the backward pass: only the count
-of valid pairs, not ``jnp.where``'s broadcast mask and zeros (each ``[T*k, H]``: a
-float32 and a bool array of 528 MB and 132 MB per Nano layer). The masking is the same
-as ``jnp.where``'s, values and gradients bit for bit, NaN rows included."""
+"""What the MoE block keeps for its backward pass besides the op's residuals.
+
+* From its combine step only the count of valid pairs, not ``jnp.where``'s broadcast
+  mask and zeros (each ``[T*k, H]``; XLA held two float32 ones, 528 MB each, per Nano
+  layer). The masking is the same as ``jnp.where``'s, values and gradients bit for bit,
+  NaN rows included; the public ``combine`` keeps ``jnp.where`` (forward mode works).
+* From its router the tokens in their own dtype, not their float32 copy; the same
+  gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ except ImportError:  # pragma: no cover - a jax that moved it
     pytest.skip("this jax has no jax._src.ad_checkpoint.saved_residuals", allow_module_level=True)
 
 import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.moe import block
 from jax_grouped_mlp._src.moe.routing import rows_below
 
 T, H, F, E, K = 64, 32, 16, 8, 6
@@ -62,3 +67,33 @@ def test_public_combine_stays_forward_differentiable(rng):
     out, tangent = jax.jvp(lambda y: jgm.combine(y, perm), (y,), (t,))
     np.testing.assert_array_equal(tangent, jgm.combine(t, perm))
     np.testing.assert_array_equal(out, jgm.combine(y, perm))
+
+
+def _block_inputs(rng):
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((H, E)) * 0.1, jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((E, H, F)) * 0.1, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, F, H)) * 0.1, jnp.float32)
+    return x, router, w1, w2
+
+
+def _stats_loss(x, router, w1, w2):
+    routing = jgm.RoutingConfig(top_k=3, score_function="sigmoid", routed_scaling_factor=2.5)
+    y, stats = jgm.moe_block(x, router, w1, w2, routing=routing, recipe="bf16", return_stats=True)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + stats.load_balancing_loss + stats.z_loss
+
+
+def test_router_keeps_the_tokens_in_their_dtype(rng, monkeypatch):
+    args = _block_inputs(rng)
+    token_sized = lambda: sorted(a.str_short() for a, why in saved_residuals(_stats_loss, *args)  # noqa: E731
+                                 if a.shape == (T, H) and "block.py" in why)
+    grads = jax.jit(jax.grad(_stats_loss, argnums=(0, 1, 2, 3)))(*args)
+    assert token_sized() == [], "the router keeps a float32 copy of the tokens"
+    # Plain AD of the same product (what the block did before): the float32 copy is kept,
+    # and every gradient is the same, bit for bit.
+    monkeypatch.setattr(block, "_router_logits", block._logits)
+    assert token_sized() == [f"float32[{T},{H}]"]
+    plain = jax.jit(jax.grad(lambda *a: _stats_loss(*a), argnums=(0, 1, 2, 3)))(*args)
+    for got, want in zip(grads, plain):
+        np.testing.assert_array_equal(got, want)
+        assert np.abs(np.asarray(want, np.float32)).max() > 0
