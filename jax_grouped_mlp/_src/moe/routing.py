@@ -254,20 +254,20 @@ def combine_f32(
     """:func:`combine` without the checks and the final cast (float32 out).
 
     The skipped pairs are masked by :func:`rows_below` (reverse-mode differentiable only;
-    its backward keeps a count), or with ``forward_mode`` by ``jnp.where`` (any mode;
-    its backward keeps two ``y_sorted``-sized arrays): the same values and gradients."""
-    n = permutation.order.shape[0]
+    its backward keeps a count), or with ``forward_mode`` by the plain ``jnp.where`` it
+    wraps (any mode; its backward keeps two ``y_sorted``-sized arrays): the same values
+    and gradients."""
     num_valid = jnp.sum(permutation.group_sizes)
-    valid = jnp.arange(n, dtype=jnp.int32) < num_valid
     y = y_sorted.astype(jnp.float32)
-    y = jnp.where(valid[:, None], y, 0.0) if forward_mode else rows_below(y, num_valid)
+    y = _zero_rows_from(y, num_valid) if forward_mode else rows_below(y, num_valid)
     if weights_sorted is not None:  # a skipped pair's weight may be NaN (a masked token's)
-        y = y * jnp.where(valid, weights_sorted.astype(jnp.float32), 0.0)[:, None]
+        y = y * _zero_rows_from(weights_sorted.astype(jnp.float32), num_valid)[:, None]
     y = y[permutation.inverse].reshape(permutation.num_tokens, permutation.top_k, y_sorted.shape[-1])
     return jnp.sum(y, axis=1)
 
 
 def _zero_rows_from(y: jax.Array, num_valid: jax.Array) -> jax.Array:
+    """``y`` (rows first, any rank) with its rows at or past ``num_valid`` zero (plain ``jnp.where``)."""
     rows = jax.lax.broadcasted_iota(jnp.int32, (y.shape[0],) + (1,) * (y.ndim - 1), 0)
     return jnp.where(rows < num_valid, y, jnp.zeros((), y.dtype))
 
