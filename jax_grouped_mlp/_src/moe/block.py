@@ -24,6 +24,7 @@ per token shard, added outside ``shard_map``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -373,7 +374,7 @@ def _moe_local(x, router_kernel, score_bias, w1, w2, prepared, shared, opts: _Op
     e = w1.shape[0]
     logits = _router_logits(x, router_kernel)
     expert_ids, weights = routing_lib.route(logits, opts.routing, score_bias)
-    xs, ps, group_sizes, perm = routing_lib.permute(x, expert_ids, weights, e)
+    xs, ps, group_sizes, perm = routing_lib.permute_pairs(x, expert_ids, weights, e)
     ys = grouped_mlp(xs, w1, w2, group_sizes, ps, prepared=prepared, **opts.mlp_kwargs())
     y = routing_lib.combine_f32(ys, perm)
     if shared is not None:
@@ -516,7 +517,7 @@ class _ExpertParallelBody:
         n = expert_ids.size
         h = x.shape[1]
         # Global expert order is also owner order: expert e lives on device e // e_local.
-        xs, ps, group_sizes, perm = routing_lib.permute(x, expert_ids, weights, ep * e_local)
+        xs, ps, group_sizes, perm = routing_lib.permute_pairs(x, expert_ids, weights, ep * e_local)
 
         # Block sizes: per (peer, local expert) counts out, the transposed counts in.
         counts_out = group_sizes.reshape(ep, e_local)
@@ -550,8 +551,10 @@ class _ExpertParallelBody:
         run = groups.search_sorted(run_ends, jnp.arange(rows, dtype=jnp.int32), side="right")
         local_ids = jnp.where(run < ep * e_local, run % e_local, e_local).astype(jnp.int32)
         local = routing_lib.sort_by_expert(local_ids, e_local)
-        y_local = self._experts(x_in[local.order], w1, w2, prepared, local.group_sizes, p_in[local.order])
-        y_in = y_local[local.inverse]
+        gather = routing_lib.gather_pairs
+        y_local = self._experts(gather(x_in, local.order, local.inverse), w1, w2, prepared, local.group_sizes,
+                                gather(p_in, local.order, local.inverse))
+        y_in = gather(y_local, local.inverse, local.order)
 
         # Results go back to where their pairs came from, then combine per token.
         ys = ragged_all_to_all(
@@ -571,7 +574,6 @@ class _ExpertParallelBody:
         e_local = w1.shape[0]
         t_local, k = expert_ids.shape
         load = jnp.bincount(expert_ids.reshape(-1), length=ep * e_local).astype(jnp.int32)
-        x_all = jax.lax.all_gather(x, self.axis, tiled=True)  # [ep * t_local, H], by source
         ids_all = jax.lax.all_gather(expert_ids, self.axis, tiled=True)
         w_all = jax.lax.all_gather(weights, self.axis, tiled=True)
         lid = ids_all - jax.lax.axis_index(self.axis) * e_local
@@ -588,11 +590,34 @@ class _ExpertParallelBody:
             lid = jnp.where(keep, lid, e_local)
         perm = routing_lib.sort_by_expert(lid, e_local, top_k=k)
         order = perm.order[:rows]  # the kept pairs sort first, at most `rows` of them
-        y_rows = self._experts(x_all[order // k], w1, w2, prepared, perm.group_sizes, w_all.reshape(-1)[order])
+        x_rows = _gathered_pairs(x, order, perm.inverse, k, self.axis)  # [rows, H] of [ep * t_local, H]
+        y_rows = self._experts(x_rows, w1, w2, prepared, perm.group_sizes,
+                               routing_lib.gather_pairs(w_all.reshape(-1), order, perm.inverse))
         y_pairs = jnp.pad(y_rows, ((0, lid.shape[0] - rows), (0, 0)))
         y_all = routing_lib.combine_f32(y_pairs, perm)  # this device's experts' share, every token
         y = jax.lax.psum_scatter(y_all, self.axis, scatter_dimension=0, tiled=True)
         return y, load, dropped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gathered_pairs(x, order, inverse, top_k, axis):
+    """``all_gather(x)[order // top_k]`` over ``axis`` (tiled), whose backward sums each
+    token's pairs in float32 (:func:`routing.pair_sums`) and reduce-scatters that float32
+    sum, rounding to ``x``'s dtype once, as the single-device block does, where the
+    plain composition would add the devices' rounded bf16 sums."""
+    return routing_lib.gather_pairs(jax.lax.all_gather(x, axis, tiled=True), order, inverse, top_k)
+
+
+def _gathered_pairs_fwd(x, order, inverse, top_k, axis):
+    return jax.lax.all_gather(x, axis, tiled=True)[order // top_k], inverse
+
+
+def _gathered_pairs_bwd(top_k, axis, inverse, ct):
+    sums = routing_lib.pair_sums(ct, inverse, top_k)  # [ep * t_local, H]
+    return jax.lax.psum_scatter(sums, axis, scatter_dimension=0, tiled=True).astype(ct.dtype), None, None
+
+
+_gathered_pairs.defvjp(_gathered_pairs_fwd, _gathered_pairs_bwd)
 
 
 def _fit_arrivals(counts_in: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:

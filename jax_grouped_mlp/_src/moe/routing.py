@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +192,18 @@ def permute(
       TypeError, ValueError: naming the argument, for non-array ``x`` or
         ``expert_ids``, non-array or non-float ``weights``, bad shapes, non-integer ``expert_ids`` or ``num_experts < 1``.
     """
+    return permute_pairs(x, expert_ids, weights, num_experts, forward_mode=True)
+
+
+def permute_pairs(
+    x: jax.Array, expert_ids: jax.Array, weights: jax.Array | None, num_experts: int, *,
+    forward_mode: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array, Permutation]:
+    """:func:`permute`, same checks and values. Without ``forward_mode`` its two gathers
+    are :func:`gather_pairs` (reverse mode only): their backward gathers and sums each
+    token's ``k`` rows in float32, where plain indexing's backward scatter-adds them into
+    a zero-filled ``[T, H]`` in ``x``'s dtype (XLA:GPU's scatter of repeated indices adds
+    in no fixed order). With ``forward_mode``, plain indexing (any mode)."""
     num_experts = checks.positive_int("num_experts", num_experts)
     _require_array("x", x, "a [T, H] array")
     _require_array("expert_ids", expert_ids, "an integer [T, k] array")
@@ -209,8 +222,12 @@ def permute(
         valid = valid & (expert_ids >= 0) & (expert_ids < num_experts)
     ids = jnp.where(valid, ids, num_experts).reshape(-1)
     perm = sort_by_expert(ids, num_experts, top_k=k)
-    x_sorted = x[perm.order // k]
-    w_sorted = None if weights is None else weights.reshape(-1)[perm.order]
+    if forward_mode:
+        x_sorted = x[perm.order // k]
+        w_sorted = None if weights is None else weights.reshape(-1)[perm.order]
+    else:
+        x_sorted = gather_pairs(x, perm.order, perm.inverse, k)
+        w_sorted = None if weights is None else gather_pairs(weights.reshape(-1), perm.order, perm.inverse)
     return x_sorted, w_sorted, perm.group_sizes, perm
 
 
@@ -253,16 +270,20 @@ def combine_f32(
 ) -> jax.Array:
     """:func:`combine` without the checks and the final cast (float32 out).
 
-    The skipped pairs are masked by :func:`rows_below` (reverse-mode differentiable only;
-    its backward keeps a count), or with ``forward_mode`` by the plain ``jnp.where`` it
-    wraps (any mode; its backward keeps two ``y_sorted``-sized arrays): the same values
-    and gradients."""
+    The skipped pairs are masked by :func:`rows_below` and the rows un-permuted by
+    :func:`gather_pairs` (both reverse-mode differentiable only; their backward keeps
+    only a count and the permutation), or with ``forward_mode`` by the plain
+    ``jnp.where`` and indexing they wrap (any mode): the same values and gradients."""
     num_valid = jnp.sum(permutation.group_sizes)
     y = y_sorted.astype(jnp.float32)
     y = _zero_rows_from(y, num_valid) if forward_mode else rows_below(y, num_valid)
     if weights_sorted is not None:  # a skipped pair's weight may be NaN (a masked token's)
         y = y * _zero_rows_from(weights_sorted.astype(jnp.float32), num_valid)[:, None]
-    y = y[permutation.inverse].reshape(permutation.num_tokens, permutation.top_k, y_sorted.shape[-1])
+    if forward_mode:
+        y = y[permutation.inverse]
+    else:
+        y = gather_pairs(y, permutation.inverse, permutation.order)
+    y = y.reshape(permutation.num_tokens, permutation.top_k, y_sorted.shape[-1])
     return jnp.sum(y, axis=1)
 
 
@@ -293,3 +314,43 @@ def _rows_below_bwd(num_valid, ct):
 
 
 rows_below.defvjp(_rows_below_fwd, _rows_below_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_pairs(x: jax.Array, order: jax.Array, inverse: jax.Array, top_k: int = 1) -> jax.Array:
+    """``x[order // top_k]``, where ``order`` is a permutation of ``N = len(inverse)``
+    pairs (or its first ``r`` entries) and ``inverse`` its inverse, with pairs
+    ``t * top_k .. t * top_k + top_k - 1`` taking row ``t`` of ``x``.
+
+    Its backward gathers instead of scatters: row ``t``'s cotangent is the sum of its
+    ``top_k`` pairs' rows, ``ct[inverse]`` (rows past ``r`` count zero) summed in float32
+    (or ``ct``'s wider dtype) in pair order, rounded once to ``x``'s dtype. Plain
+    indexing's backward scatter-adds into a zero-filled buffer of ``x``'s shape: with
+    repeated rows (``top_k > 1``) in ``x``'s dtype and, on XLA:GPU, in no fixed order;
+    and XLA may merge that zero fill with a forward one and keep it from the forward
+    pass on (in ``moe_block``'s step at the Nano shape, a float32 ``[49152, 2688]``
+    per layer). With ``top_k = 1`` the gradient is the plain one bit for bit. A
+    ``custom_vjp``: reverse mode only (``jax.jvp`` raises)."""
+    return x[order // top_k]
+
+
+def _gather_pairs_fwd(x, order, inverse, top_k):
+    return x[order // top_k], inverse
+
+
+def _gather_pairs_bwd(top_k, inverse, ct):
+    return pair_sums(ct, inverse, top_k).astype(ct.dtype), None, None
+
+
+def pair_sums(ct: jax.Array, inverse: jax.Array, top_k: int) -> jax.Array:
+    """:func:`gather_pairs`' cotangent before its rounding: per row of ``x``, the sum of
+    its ``top_k`` pairs' rows of ``ct`` (rows past ``len(ct)`` count zero), in pair
+    order, in float32 or ``ct``'s wider dtype."""
+    n = inverse.shape[0]
+    ct = jnp.pad(ct, ((0, n - ct.shape[0]),) + ((0, 0),) * (ct.ndim - 1))  # (a prefix of the pairs)
+    acc = jnp.promote_types(ct.dtype, jnp.float32)
+    rows = ct[inverse].astype(acc).reshape(n // top_k, top_k, *ct.shape[1:])
+    return jnp.sum(rows, axis=1)
+
+
+gather_pairs.defvjp(_gather_pairs_fwd, _gather_pairs_bwd)
