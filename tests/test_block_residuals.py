@@ -1,9 +1,11 @@
 """What the MoE block keeps for its backward pass besides the op's residuals.
 
-* From its combine step only the count of valid pairs, not ``jnp.where``'s broadcast
-  mask and zeros (each ``[T*k, H]``; XLA held two float32 ones, 528 MB each, per Nano
-  layer). The masking is the same as ``jnp.where``'s, values and gradients bit for bit,
-  NaN rows included; the public ``combine`` keeps ``jnp.where`` (forward mode works).
+* From its combine step only the count of valid pairs and the permutation, not
+  ``jnp.where``'s ``[T*k, H]`` mask (what JAX saves). The masking is the same as
+  ``jnp.where``'s, values and gradients bit for bit, NaN rows included; the public
+  ``combine`` keeps ``jnp.where`` (forward mode works). (The float32 ``[49152, 2688]``
+  buffers XLA kept per Nano layer were the backward's scatter-add zero fills:
+  tests/test_gather_pairs.py.)
 * From its router the tokens in their own dtype, not their float32 copy; the same
   gradients bit for bit."""
 

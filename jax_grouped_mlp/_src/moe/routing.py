@@ -297,11 +297,10 @@ def _zero_rows_from(y: jax.Array, num_valid: jax.Array) -> jax.Array:
 def rows_below(y: jax.Array, num_valid: jax.Array) -> jax.Array:
     """``y`` with its rows at or past ``num_valid`` set to zero (whatever they hold, NaN
     included), and the same mask on the cotangent. The same values and gradients as
-    ``jnp.where`` of a row mask, but its backward keeps only ``num_valid``:
-    differentiating ``jnp.where`` keeps its broadcast mask and zeros, each as large as
-    ``y``, from the forward pass to the backward (in ``moe_block``'s step at the Nano
-    shape, XLA's buffer assignment held two float32 ``[49152, 2688]`` arrays, 528 MB
-    each, per layer). A ``custom_vjp``: reverse mode only (``jax.jvp`` raises)."""
+    ``jnp.where`` of a row mask, but its backward keeps only ``num_valid``, where
+    differentiating ``jnp.where`` saves its mask, as large as ``y``, for the backward
+    (what JAX saves; XLA may rebuild it instead). A ``custom_vjp``: reverse mode only
+    (``jax.jvp`` raises)."""
     return _zero_rows_from(y, num_valid)
 
 
