@@ -89,11 +89,11 @@ def main(argv: list[str]) -> None:
             r[f"{recipe}_params_float32"]["ms"] / r[f"{recipe}_params_bfloat16"]["ms"])
         report["results"][f"{recipe}_float32_bf16grad_over_bf16"] = (
             r[f"{recipe}_params_float32_bf16grad"]["ms"] / r[f"{recipe}_params_bfloat16"]["ms"])
-    print(f"\n{"candidate":34s} {'ms':>8s} {'temp GiB':>9s}")
+    print(f"\n{'candidate':34s} {'ms':>8s} {'temp GiB':>9s}")
     for name, e in report["results"].items():
         if isinstance(e, dict):
             temp = e["temp_bytes"] / 2**30 if e["temp_bytes"] is not None else float("nan")
-            print(f"{name:34s} {e["ms"]:8.2f} {temp:9.2f}")
+            print(f"{name:34s} {e['ms']:8.2f} {temp:9.2f}")
         else:
             print(f"{name:34s} {e:8.2f}x")
     write_report({k: v for k, v in report.items() if k != "shapes"}, args.out, data_key="results")
