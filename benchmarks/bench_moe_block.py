@@ -35,7 +35,10 @@ NANO = {"hidden": 2688, "ffn": 1856, "experts": 128, "top_k": 6}
 SMALL = {"hidden": 128, "ffn": 64, "experts": 8, "top_k": 2}
 
 
-def _candidate(shape: dict, tokens: int, recipe: str, param_dtype, iters: int, weight_grad_dtype=None) -> dict:
+def block_step(shape: dict, tokens: int, recipe: str, param_dtype, weight_grad_dtype=None):
+    """``(compiled step, (params, x), block's router setup)``: the jitted forward + backward of
+    ``sum(block(x)**2)`` in every parameter and ``x``, compiled (``profile_step.py --step
+    block`` profiles it)."""
     routing = jgm.RoutingConfig(top_k=shape["top_k"], score_function="sigmoid", routed_scaling_factor=2.5)
     block = MoEBlock(shape["experts"], shape["hidden"], shape["ffn"], routing=routing, use_score_bias=True,
                      recipe=recipe, param_dtype=param_dtype, weight_grad_dtype=weight_grad_dtype,
@@ -46,8 +49,12 @@ def _candidate(shape: dict, tokens: int, recipe: str, param_dtype, iters: int, w
     def loss(params, x):
         return jnp.sum(nnx.merge(graphdef, params, rest)(x).astype(jnp.float32) ** 2)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    compiled = step.lower(params, x).compile()
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    return compiled, (params, x), (routing, rest)
+
+
+def _candidate(shape: dict, tokens: int, recipe: str, param_dtype, iters: int, weight_grad_dtype=None) -> dict:
+    compiled, (params, x), (routing, rest) = block_step(shape, tokens, recipe, param_dtype, weight_grad_dtype)
     _, (grads, _) = compiled(params, x)
     dtypes = sorted({str(g.dtype) for g in jax.tree_util.tree_leaves(grads)})
     mem = compiled.memory_analysis()

@@ -6,13 +6,18 @@
         [--candidates bf16/per_micro_batch,fp8_block/prepared_once]
     PYTHONPATH=. python3 benchmarks/profile_step.py --step stack --layers 8
         [--candidates loop/d-d-d,scan/d-d-d,stack/o-d-d] [--timeline DIR]
+    PYTHONPATH=. python3 benchmarks/profile_step.py --step block
+        [--candidates bf16/bfloat16,bf16/float32,mxfp8/float32/bf16grad] [--tokens 8192]
 
 Runs the step of ``bench_mlp`` (same candidates, same operands, same router-made group
 sizes), or with ``--step grad_accum`` the scanned micro-batch step of
 ``bench_grad_accum`` (candidates ``RECIPE/per_micro_batch`` or ``RECIPE/prepared_once``,
 float32 master weights), or with ``--step stack`` the layer stack of ``bench_offload``
 (candidates ``LAYOUT/POLICY``: a Python loop, ``lax.scan`` or ``layer_stack`` of ``--layers``
-checkpointed layers, the policy as a label like ``d-o-d``; ``--timeline DIR`` (any step) also
+checkpointed layers, the policy as a label like ``d-o-d``), or with ``--step block`` the
+Flax ``MoEBlock`` step of ``bench_moe_block`` (candidates ``RECIPE/PARAM_DTYPE``, with
+``/bf16grad`` for ``weight_grad_dtype=jnp.bfloat16``; the Nano layer, router-made group
+sizes; ``--shape`` and ``--alphas`` do not apply); ``--timeline DIR`` (any step) also
 writes every device event with its stream and start time, to see what overlaps what; ``--shape`` nano, ep_share or cpu, equal
 group sizes), ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
 ``ProfileData`` and sums the device events by kernel name: ms per step and launches
@@ -146,10 +151,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="nano")
     ap.add_argument("--alphas", default="inf", help="group-size skews: inf (equal sizes) and Dirichlet alphas")
-    ap.add_argument("--step", default="mlp", choices=["mlp", "grad_accum", "stack"],
+    ap.add_argument("--step", default="mlp", choices=["mlp", "grad_accum", "stack", "block"],
                     help="bench_mlp's step, bench_grad_accum's scan over micro-batches, or bench_offload's "
                          "stack of layers")
     ap.add_argument("--layers", type=int, default=8, help="with --step stack")
+    ap.add_argument("--tokens", type=int, default=8192, help="with --step block")
     ap.add_argument("--no-prevent-cse", dest="prevent_cse", action="store_false",
                     help="with --step stack: jax.checkpoint(..., prevent_cse=False)")
     ap.add_argument("--micro-batches", type=int, default=4, help="with --step grad_accum")
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     if ns.candidates is None:
         ns.candidates = {"mlp": "grouped_mlp_mxfp8", "grad_accum": "bf16/per_micro_batch",
-                         "stack": "loop/d-d-d,scan/d-d-d"}[ns.step]
+                         "stack": "loop/d-d-d,scan/d-d-d", "block": "bf16/bfloat16,bf16/float32"}[ns.step]
     if ns.iters < 1:
         ap.error(f"--iters must be >= 1, got {ns.iters}")
     if not ns.keep_command_buffers:
@@ -181,6 +187,8 @@ def main(argv=None) -> int:
 
     if ns.step == "stack":
         return _profile_stacks(ap, ns)
+    if ns.step == "block":
+        return _profile_blocks(ap, ns)
     if ns.shape not in MLP_SHAPES:
         ap.error(f"--shape must be one of {sorted(MLP_SHAPES)}, got {ns.shape!r}")
     names = [c for c in ns.candidates.split(",") if c]
@@ -257,6 +265,42 @@ def _profile_stacks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         write_result(ns.out, command=command_line("benchmarks/profile_step.py", sys.argv[1:]),
                      results=results, extra={"command_buffers": ns.keep_command_buffers, "step": ns.step,
                                              "layers": ns.layers, "prevent_cse": ns.prevent_cse})
+    return 0
+
+
+def _profile_blocks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """``--step block``: bench_moe_block's Flax ``MoEBlock`` step, per recipe and param dtype."""
+    import jax.numpy as jnp
+
+    import bench_moe_block
+    from common import command_line, write_result
+
+    names = [c for c in ns.candidates.split(",") if c]
+    parsed = {}
+    for c in names:
+        parts = c.split("/")
+        if (len(parts) not in (2, 3) or parts[0] not in ("bf16", "mxfp8", "fp8_block")
+                or parts[1] not in ("float32", "bfloat16") or parts[2:] not in ([], ["bf16grad"])):
+            ap.error(f"--candidates: {c!r} is not RECIPE/PARAM_DTYPE[/bf16grad] "
+                     "(recipes bf16, mxfp8, fp8_block; param dtypes float32, bfloat16)")
+        parsed[c] = (parts[0], jnp.dtype(parts[1]), jnp.bfloat16 if parts[2:] else None)
+    if ns.tokens < 1:
+        ap.error(f"--tokens must be >= 1, got {ns.tokens}")
+    results: dict = {}
+    for cname, (recipe, param_dtype, grad_dtype) in parsed.items():
+        step, args, _ = bench_moe_block.block_step(bench_moe_block.NANO, ns.tokens, recipe, param_dtype, grad_dtype)
+        key = f"moe_block/{ns.tokens}tok/{cname}"
+        where = None
+        if ns.timeline is not None:
+            ns.timeline.mkdir(parents=True, exist_ok=True)
+            where = ns.timeline / f"{cname.replace('/', '_')}.timeline.json"
+        report = measure(key, step, args, ns.iters, ns.top, where)
+        if report is not None:
+            results[key] = report
+    if ns.out is not None and results:
+        write_result(ns.out, command=command_line("benchmarks/profile_step.py", sys.argv[1:]),
+                     results=results, extra={"command_buffers": ns.keep_command_buffers, "step": ns.step,
+                                             "tokens": ns.tokens})
     return 0
 
 
