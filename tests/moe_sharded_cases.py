@@ -521,3 +521,45 @@ def test_offload_fence_only_in_per_device_programs():
 
     manual = _offloaded_loop_text(x, per_device)
     assert _read_backs(manual) > 0 and _waits(manual) > 0
+
+
+def test_gathered_pairs_backward_sums_every_device_in_float32():
+    """The all-gather exchange's token gather (``block._gathered_pairs``), on a prefix of
+    each device's pairs (as under a capacity): its backward is each token's sum over
+    every device's pairs, within one bf16 ulp of the float64 sum, and the devices' sums
+    are reduce-scattered in float32 (rounded once, after the collective)."""
+    from jax_grouped_mlp._src.moe.block import _gathered_pairs
+
+    rng = np.random.default_rng(3)
+    ep, t_local, k, h, rows = 4, 16, 6, 32, 300
+    n = ep * t_local * k
+    orders = np.stack([rng.permutation(n) for _ in range(ep)]).astype(np.int32)
+    inverses = np.argsort(orders, axis=1).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((ep * t_local, h)), jnp.bfloat16)
+    ct = jnp.asarray(rng.standard_normal((ep, rows, h)), jnp.bfloat16)
+    mesh = mesh_of(ep, 1)
+
+    def local(x, order, inverse, ct):
+        vjp = jax.vjp(lambda x: _gathered_pairs(x, order[0, :rows], inverse[0], k, "expert"), x)[1]
+        return vjp(ct[0])[0]
+
+    dx_of = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert")))
+    args = jax.device_put((x, jnp.asarray(orders), jnp.asarray(inverses), ct),
+                          jax.sharding.NamedSharding(mesh, P("expert")))
+    dx = np.asarray(dx_of(*args), np.float64)
+    want = np.zeros((ep * t_local, h))
+    for d in range(ep):
+        np.add.at(want, orders[d, :rows] // k, np.asarray(ct[d], np.float64))
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64) * 2.0**16
+    assert (np.abs(dx - want) <= ulp + 1e-6 * np.abs(want).max()).all()
+    from jax.extend import core as jex_core
+
+    def collectives(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name in ("reduce_scatter", "psum_scatter"):
+                yield str(e.invars[0].aval.dtype)
+            for sub in jex_core.jaxprs_in_params(e.params):
+                yield from collectives(sub)
+
+    dtypes = list(collectives(jax.make_jaxpr(dx_of)(*args).jaxpr))
+    assert dtypes and set(dtypes) == {"float32"}, dtypes

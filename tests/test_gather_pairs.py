@@ -50,6 +50,30 @@ def test_values_and_gradient_against_float64(rng, dtype, k, rows):
         np.testing.assert_array_equal(dx, plain)
 
 
+def test_sums_in_float32(rng):
+    """The bf16 cotangent rows are summed in float32 (the values alone cannot show it)."""
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    order, inverse = _pairs(rng, T, 6)
+    vjp = jax.vjp(lambda x: gather_pairs(x, order, inverse, 6), x)[1]
+    eqns = jax.make_jaxpr(vjp)(x[order // 6]).eqns
+    names = [(e.primitive.name, str(e.outvars[0].aval.dtype)) for e in eqns]
+    assert ("reduce_sum", "float32") in names and ("reduce_sum", "bfloat16") not in names, names
+
+
+def test_block_gradient_under_strict_dtype_promotion(rng):
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((H, E)) * 0.1, jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((E, H, F)) * 0.1, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, F, H)) * 0.1, jnp.float32)
+    routing = jgm.RoutingConfig(top_k=6, score_function="sigmoid", routed_scaling_factor=2.5)
+    loss = lambda *a: jnp.sum(jgm.moe_block(*a, routing=routing).astype(jnp.float32) ** 2)  # noqa: E731
+    want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w1, w2)
+    with jax.numpy_dtype_promotion("strict"):
+        got = jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w1, w2)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_is_reverse_mode_only(rng):
     x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
     order, inverse = _pairs(rng, T, 2)
@@ -96,8 +120,9 @@ def test_moe_block_backward_scatters_no_rows(rng, recipe):
 
 
 def test_moe_block_gradients_repeat_bit_for_bit(rng):
-    """Two runs of the same jitted gradient agree bit for bit (on a GPU, the scatter-add
-    of the tokens' pairs that this replaced added in no fixed order)."""
+    """Two runs of the same jitted gradient agree bit for bit. Only a GPU can fail it (the
+    scatter-add of the tokens' pairs that this replaced added in no fixed order there);
+    the GPU machine runs this file on its GPU."""
     x = jnp.asarray(rng.standard_normal((256, H)), jnp.bfloat16)
     router = jnp.asarray(rng.standard_normal((H, E)) * 0.1, jnp.float32)
     w1 = jnp.asarray(rng.standard_normal((E, H, F)) * 0.1, jnp.float32)

@@ -199,7 +199,8 @@ def permute_pairs(
     x: jax.Array, expert_ids: jax.Array, weights: jax.Array | None, num_experts: int, *,
     forward_mode: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array, Permutation]:
-    """:func:`permute`, same checks and values. Without ``forward_mode`` its two gathers
+    """:func:`permute`, same checks and values (note the default: ``forward_mode=False``,
+    what the block wants; the public :func:`permute` passes True). Without ``forward_mode`` its two gathers
     are :func:`gather_pairs` (reverse mode only): their backward gathers and sums each
     token's ``k`` rows in float32, where plain indexing's backward scatter-adds them into
     a zero-filled ``[T, H]`` in ``x``'s dtype (XLA:GPU's scatter of repeated indices adds
@@ -347,7 +348,7 @@ def pair_sums(ct: jax.Array, inverse: jax.Array, top_k: int) -> jax.Array:
     order, in float32 or ``ct``'s wider dtype."""
     n = inverse.shape[0]
     ct = jnp.pad(ct, ((0, n - ct.shape[0]),) + ((0, 0),) * (ct.ndim - 1))  # (a prefix of the pairs)
-    acc = jnp.promote_types(ct.dtype, jnp.float32)
+    acc = ct.dtype if jnp.finfo(ct.dtype).bits > 32 else jnp.float32  # (no promotion: strict mode)
     rows = ct[inverse].astype(acc).reshape(n // top_k, top_k, *ct.shape[1:])
     return jnp.sum(rows, axis=1)
 
