@@ -359,7 +359,9 @@ def grouped_mlp(
         gradient (an optimizer update), so no float32 gradient buffer exists: half the
         bytes of the weight gradients a training step keeps until its optimizer update
         (at the Nano shape 2.55 of 5.1 GB a layer; the compiled temp of a two-layer
-        decoder step fell from 10.34 to 8.14 GiB, docs/performance.md). Under
+        decoder step fell from 10.34 to 8.14 GiB, docs/performance.md). Where nothing
+        fuses the cast (a jitted function that returns the gradients), it is a pass of
+        its own and the step is slower (docs/performance.md, "The Flax MoE block"). Under
         ``shard_map`` the sum of a replicated weight's gradient over data shards stays
         in float32. Second derivatives with respect to the weights then pass through
         the bf16 copy too (rounded like the gradients).
