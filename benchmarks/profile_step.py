@@ -7,7 +7,7 @@
     PYTHONPATH=. python3 benchmarks/profile_step.py --step stack --layers 8
         [--candidates loop/d-d-d,scan/d-d-d,stack/o-d-d] [--timeline DIR]
     PYTHONPATH=. python3 benchmarks/profile_step.py --step block
-        [--candidates bf16/bfloat16,bf16/float32,mxfp8/float32/bf16grad] [--tokens 8192]
+        [--candidates bf16/bfloat16,bf16/float32,mxfp8/float32/bf16grad] [--tokens 8192] [--shape nano|small]
 
 Runs the step of ``bench_mlp`` (same candidates, same operands, same router-made group
 sizes), or with ``--step grad_accum`` the scanned micro-batch step of
@@ -17,7 +17,7 @@ float32 master weights), or with ``--step stack`` the layer stack of ``bench_off
 checkpointed layers, the policy as a label like ``d-o-d``), or with ``--step block`` the
 Flax ``MoEBlock`` step of ``bench_moe_block`` (candidates ``RECIPE/PARAM_DTYPE``, with
 ``/bf16grad`` for ``weight_grad_dtype=jnp.bfloat16``; the Nano layer, router-made group
-sizes; ``--shape`` and ``--alphas`` do not apply); ``--timeline DIR`` (any step) also
+sizes; ``--shape`` nano or small, ``--alphas`` does not apply); ``--timeline DIR`` (any step) also
 writes every device event with its stream and start time, to see what overlaps what; ``--shape`` nano, ep_share or cpu, equal
 group sizes), ``--iters`` times under ``jax.profiler.trace``, reads the trace with jaxlib's
 ``ProfileData`` and sums the device events by kernel name: ms per step and launches
@@ -233,7 +233,6 @@ def _profile_stacks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     import jax
 
     import bench_offload
-    from common import command_line, write_result
 
     shapes = {"nano": bench_offload.NANO_SHAPE, "ep_share": bench_offload.EP_SHARE_SHAPE,
               "cpu": bench_offload.CPU_SHAPE}
@@ -247,25 +246,15 @@ def _profile_stacks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if bad:
         ap.error(f"--candidates: {bad} are not LAYOUT/POLICY (layouts {bench_offload.LAYOUTS}, "
                  "policies like d-o-d)")
-    results: dict = {}
-    for cname in names:
-        layout, _, label = cname.partition("/")
+
+    def make(layout, label):
         loss_for, args = bench_offload.make_stack(shapes[ns.shape], ns.layers, "mxfp8", False, ns.seed,
                                                   layout=layout, prevent_cse=ns.prevent_cse)
-        step = jax.jit(jax.value_and_grad(loss_for(label), argnums=(0, 1)))
-        key = f"{ns.shape}/{ns.layers}L/{cname}" + ("" if ns.prevent_cse else "/no_prevent_cse")
-        where = None
-        if ns.timeline is not None:
-            ns.timeline.mkdir(parents=True, exist_ok=True)
-            where = ns.timeline / f"{cname.replace('/', '_')}.timeline.json"
-        report = measure(key, step, args, ns.iters, ns.top, where)
-        if report is not None:
-            results[key] = report
-    if ns.out is not None and results:
-        write_result(ns.out, command=command_line("benchmarks/profile_step.py", sys.argv[1:]),
-                     results=results, extra={"command_buffers": ns.keep_command_buffers, "step": ns.step,
-                                             "layers": ns.layers, "prevent_cse": ns.prevent_cse})
-    return 0
+        return jax.jit(jax.value_and_grad(loss_for(label), argnums=(0, 1))), args
+
+    suffix = "" if ns.prevent_cse else "/no_prevent_cse"
+    runs = [(c, f"{ns.shape}/{ns.layers}L/{c}{suffix}", lambda c=c: make(*c.split("/", 1))) for c in names]
+    return _measure_runs(ns, runs, {"layers": ns.layers, "prevent_cse": ns.prevent_cse})
 
 
 def _profile_blocks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
@@ -273,7 +262,6 @@ def _profile_blocks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import bench_moe_block
-    from common import command_line, write_result
 
     names = [c for c in ns.candidates.split(",") if c]
     parsed = {}
@@ -286,10 +274,26 @@ def _profile_blocks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parsed[c] = (parts[0], jnp.dtype(parts[1]), jnp.bfloat16 if parts[2:] else None)
     if ns.tokens < 1:
         ap.error(f"--tokens must be >= 1, got {ns.tokens}")
+    shapes = {"nano": bench_moe_block.NANO, "small": bench_moe_block.SMALL}
+    if ns.shape not in shapes:
+        ap.error(f"--shape must be one of {sorted(shapes)} with --step block, got {ns.shape!r}")
+    def make(recipe, param_dtype, grad_dtype):
+        step, args, _ = bench_moe_block.block_step(shapes[ns.shape], ns.tokens, recipe, param_dtype, grad_dtype)
+        return step, args
+
+    runs = [(c, f"moe_block/{ns.shape}/{ns.tokens}tok/{c}", lambda spec=spec: make(*spec))
+            for c, spec in parsed.items()]
+    return _measure_runs(ns, runs, {"tokens": ns.tokens})
+
+
+def _measure_runs(ns: argparse.Namespace, runs: list, extra: dict) -> int:
+    """Profiles each ``(candidate, key, make)`` of ``runs`` (``make()`` -> ``(step, args)``),
+    with ``--timeline`` files named after the candidate; writes ``--out``."""
+    from common import command_line, write_result
+
     results: dict = {}
-    for cname, (recipe, param_dtype, grad_dtype) in parsed.items():
-        step, args, _ = bench_moe_block.block_step(bench_moe_block.NANO, ns.tokens, recipe, param_dtype, grad_dtype)
-        key = f"moe_block/{ns.tokens}tok/{cname}"
+    for cname, key, make in runs:
+        step, args = make()
         where = None
         if ns.timeline is not None:
             ns.timeline.mkdir(parents=True, exist_ok=True)
@@ -298,11 +302,9 @@ def _profile_blocks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         if report is not None:
             results[key] = report
     if ns.out is not None and results:
-        write_result(ns.out, command=command_line("benchmarks/profile_step.py", sys.argv[1:]),
-                     results=results, extra={"command_buffers": ns.keep_command_buffers, "step": ns.step,
-                                             "tokens": ns.tokens})
+        write_result(ns.out, command=command_line("benchmarks/profile_step.py", sys.argv[1:]), results=results,
+                     extra={"command_buffers": ns.keep_command_buffers, "step": ns.step, **extra})
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

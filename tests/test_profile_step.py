@@ -65,6 +65,16 @@ def test_cpu_run_of_a_layer_stack(capsys):
     assert "cpu/2L/scan/d-o-d/no_prevent_cse: no device events" in capsys.readouterr().out
 
 
+def test_cpu_run_of_the_moe_block(capsys):
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("a GPU trace has device events")
+    assert profile_step.main(["--step", "block", "--shape", "small", "--tokens", "32", "--iters", "1",
+                              "--candidates", "bf16/float32/bf16grad", "--keep-command-buffers"]) == 0
+    assert "moe_block/small/32tok/bf16/float32/bf16grad: no device events" in capsys.readouterr().out
+
+
 def test_bad_arguments_name_the_flag(monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")  # main() appends to it; restored afterwards
     for argv, flag in ((["--shape", "huge"], "--shape"), (["--candidates", "nope"], "--candidates"),
@@ -72,7 +82,11 @@ def test_bad_arguments_name_the_flag(monkeypatch, capsys):
                        (["--step", "grad_accum", "--micro-batches", "0"], "--micro-batches"),
                        (["--step", "stack", "--shape", "tiny"], "--shape"),
                        (["--step", "stack", "--candidates", "loop/x-y-z"], "--candidates"),
-                       (["--step", "stack", "--layers", "0"], "--layers")):
+                       (["--step", "stack", "--layers", "0"], "--layers"),
+                       (["--step", "block", "--candidates", "bf16/float16"], "--candidates"),
+                       (["--step", "block", "--candidates", "bf16/float32/x"], "--candidates"),
+                       (["--step", "block", "--tokens", "0"], "--tokens"),
+                       (["--step", "block", "--shape", "tiny"], "--shape")):
         with pytest.raises(SystemExit):
             profile_step.main(argv)
         assert flag in capsys.readouterr().err
