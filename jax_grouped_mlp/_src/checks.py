@@ -96,9 +96,10 @@ def parse_enum(cls: type[E], value, name: str) -> E:
 
 def float_dtype(name: str, value, allowed: tuple[str, ...] = ("bfloat16", "float32")):
     """``jnp.dtype(value)`` if it is one of ``allowed`` (the dtypes the op takes), else a
-    TypeError naming the argument."""
+    TypeError naming the argument. An array or a NumPy scalar is not a dtype, though
+    ``jnp.dtype`` would take its dtype (an argument swapped with a tensor)."""
     try:
-        dtype = jnp.dtype(value)
+        dtype = None if isinstance(value, (jax.Array, np.ndarray, np.generic)) else jnp.dtype(value)
     except TypeError:
         dtype = None
     if dtype is None or dtype.name not in allowed:
