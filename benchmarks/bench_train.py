@@ -120,7 +120,9 @@ class MoEWithCopies(nnx.Module):
     after each optimizer update (the training step calls it), where XLA can fuse the cast
     into the update, which writes the new weights anyway: the step then reads no float32
     weight only to cast it (2 x 2.55 GB a Nano layer). A pattern measured by this
-    benchmark, not a library API: a step that skips the refresh trains on stale copies."""
+    benchmark, not a library API: a step that skips the refresh, or weights restored
+    from a checkpoint without one, trains on stale copies, silently; and the copies are
+    part of the module's state (saved with it unless filtered out)."""
 
     def __init__(self, block: MoEBlock):
         self.block = block
@@ -132,8 +134,8 @@ class MoEWithCopies(nnx.Module):
         return self.block(x, prepared=prepared)
 
     def refresh(self) -> None:
-        self.w1_copy.value = self.block.experts.w1[...].astype(jnp.bfloat16)
-        self.w2_copy.value = self.block.experts.w2[...].astype(jnp.bfloat16)
+        self.w1_copy[...] = self.block.experts.w1[...].astype(jnp.bfloat16)
+        self.w2_copy[...] = self.block.experts.w2[...].astype(jnp.bfloat16)
 
 
 class Decoder(nnx.Module):

@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=pathlib.Path, default=None,
                     help="a folder; writes <candidate>.timeline.json (every device event of the profiled steps)")
     ns = ap.parse_args(argv)
+    ns.argv = list(argv) if argv else sys.argv[1:]  # (the command the results file records)
     if ns.candidates is None:
         ns.candidates = {"mlp": "grouped_mlp_mxfp8", "grad_accum": "bf16/per_micro_batch",
                          "stack": "loop/d-d-d,scan/d-d-d", "block": "bf16/bfloat16,bf16/float32"}[ns.step]
@@ -277,11 +278,13 @@ def _profile_blocks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     shapes = {"nano": bench_moe_block.NANO, "small": bench_moe_block.SMALL}
     if ns.shape not in shapes:
         ap.error(f"--shape must be one of {sorted(shapes)} with --step block, got {ns.shape!r}")
+
     def make(recipe, param_dtype, grad_dtype):
         step, args, _ = bench_moe_block.block_step(shapes[ns.shape], ns.tokens, recipe, param_dtype, grad_dtype)
         return step, args
 
-    runs = [(c, f"moe_block/{ns.shape}/{ns.tokens}tok/{c}", lambda spec=spec: make(*spec))
+    where = "" if ns.shape == "nano" else f"{ns.shape}/"  # (nano: the keys of profile_moe_block_h100.json)
+    runs = [(c, f"moe_block/{where}{ns.tokens}tok/{c}", lambda spec=spec: make(*spec))
             for c, spec in parsed.items()]
     return _measure_runs(ns, runs, {"tokens": ns.tokens})
 
@@ -302,9 +305,10 @@ def _measure_runs(ns: argparse.Namespace, runs: list, extra: dict) -> int:
         if report is not None:
             results[key] = report
     if ns.out is not None and results:
-        write_result(ns.out, command=command_line("benchmarks/profile_step.py", sys.argv[1:]), results=results,
+        write_result(ns.out, command=command_line("benchmarks/profile_step.py", ns.argv), results=results,
                      extra={"command_buffers": ns.keep_command_buffers, "step": ns.step, **extra})
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -98,7 +98,8 @@ def test_bf16_weights_and_float32_request(rng):
     np.testing.assert_array_equal(g, g0)
 
 
-@pytest.mark.parametrize("bad", ["float16", jnp.int8, "fp32x", 3, jnp.zeros((2,), jnp.bfloat16), np.float32(1.0)])
+@pytest.mark.parametrize("bad", ["float16", jnp.int8, "fp32x", 3, jnp.zeros((2,), jnp.bfloat16), np.float32(1.0),
+                                 jax.ShapeDtypeStruct((2,), jnp.bfloat16), nnx.Param(jnp.zeros((2,), jnp.float32))])
 def test_bad_dtype_is_named(rng, bad):
     x, w1, w2, gs, probs, _ = _inputs(rng)
     with pytest.raises(TypeError, match="weight_grad_dtype"):

@@ -96,10 +96,12 @@ def parse_enum(cls: type[E], value, name: str) -> E:
 
 def float_dtype(name: str, value, allowed: tuple[str, ...] = ("bfloat16", "float32")):
     """``jnp.dtype(value)`` if it is one of ``allowed`` (the dtypes the op takes), else a
-    TypeError naming the argument. An array or a NumPy scalar is not a dtype, though
-    ``jnp.dtype`` would take its dtype (an argument swapped with a tensor)."""
+    TypeError naming the argument. Only a name, a scalar type (``jnp.bfloat16``) or a
+    ``np.dtype`` is a dtype here: ``jnp.dtype`` would also take the dtype of anything that
+    has one (an array, a Flax ``Param``, a ``ShapeDtypeStruct``: an argument swapped with
+    a tensor)."""
     try:
-        dtype = None if isinstance(value, (jax.Array, np.ndarray, np.generic)) else jnp.dtype(value)
+        dtype = jnp.dtype(value) if isinstance(value, (str, type, np.dtype)) else None
     except TypeError:
         dtype = None
     if dtype is None or dtype.name not in allowed:
