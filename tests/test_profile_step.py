@@ -45,34 +45,21 @@ def test_cpu_run_reports_no_device_events(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_cpu_run_of_the_grad_accum_step(capsys):
+@pytest.mark.parametrize("argv,key", [
+    (["--step", "grad_accum", "--shape", "tiny", "--micro-batches", "2", "--candidates", "bf16/prepared_once"],
+     "tiny@uniform/bf16/prepared_once/2mb"),
+    (["--step", "stack", "--shape", "cpu", "--layers", "2", "--candidates", "scan/d-o-d", "--no-prevent-cse"],
+     "cpu/2L/scan/d-o-d/no_prevent_cse"),
+    (["--step", "block", "--shape", "small", "--tokens", "32", "--candidates", "bf16/float32/bf16grad"],
+     "moe_block/small/32tok/bf16/float32/bf16grad"),
+])
+def test_cpu_run_of_each_step(capsys, argv, key):
     import jax
 
     if jax.devices()[0].platform != "cpu":
         pytest.skip("a GPU trace has device events")
-    assert profile_step.main(["--step", "grad_accum", "--shape", "tiny", "--micro-batches", "2", "--iters", "1",
-                              "--candidates", "bf16/prepared_once", "--keep-command-buffers"]) == 0
-    assert "tiny@uniform/bf16/prepared_once/2mb: no device events" in capsys.readouterr().out
-
-
-def test_cpu_run_of_a_layer_stack(capsys):
-    import jax
-
-    if jax.devices()[0].platform != "cpu":
-        pytest.skip("a GPU trace has device events")
-    assert profile_step.main(["--step", "stack", "--shape", "cpu", "--layers", "2", "--iters", "1",
-                              "--candidates", "scan/d-o-d", "--no-prevent-cse", "--keep-command-buffers"]) == 0
-    assert "cpu/2L/scan/d-o-d/no_prevent_cse: no device events" in capsys.readouterr().out
-
-
-def test_cpu_run_of_the_moe_block(capsys):
-    import jax
-
-    if jax.devices()[0].platform != "cpu":
-        pytest.skip("a GPU trace has device events")
-    assert profile_step.main(["--step", "block", "--shape", "small", "--tokens", "32", "--iters", "1",
-                              "--candidates", "bf16/float32/bf16grad", "--keep-command-buffers"]) == 0
-    assert "moe_block/small/32tok/bf16/float32/bf16grad: no device events" in capsys.readouterr().out
+    assert profile_step.main([*argv, "--iters", "1", "--keep-command-buffers"]) == 0
+    assert f"{key}: no device events" in capsys.readouterr().out
 
 
 def test_bad_arguments_name_the_flag(monkeypatch, capsys):
