@@ -345,9 +345,12 @@ def _gather_pairs_bwd(top_k, inverse, ct):
 def pair_sums(ct: jax.Array, inverse: jax.Array, top_k: int) -> jax.Array:
     """:func:`gather_pairs`' cotangent before its rounding: per row of ``x``, the sum of
     its ``top_k`` pairs' rows of ``ct`` (rows past ``len(ct)`` count zero), in pair
-    order, in float32 or ``ct``'s wider dtype."""
+    order, in float32 or ``ct``'s wider dtype (``top_k = 1``: the rows as they are, in
+    ``ct``'s dtype)."""
     n = inverse.shape[0]
     ct = jnp.pad(ct, ((0, n - ct.shape[0]),) + ((0, 0),) * (ct.ndim - 1))  # (a prefix of the pairs)
+    if top_k == 1:  # a permutation: nothing to add
+        return ct[inverse]
     acc = ct.dtype if jnp.finfo(ct.dtype).bits > 32 else jnp.float32  # (no promotion: strict mode)
     rows = ct[inverse].astype(acc).reshape(n // top_k, top_k, *ct.shape[1:])
     return jnp.sum(rows, axis=1)
