@@ -336,13 +336,17 @@ def test_qw_band_rows_take_every_row_once():
 
 
 def test_qw_mixed_cost_is_the_bands_cost():
-    """Equal multiples of the chunk: the largest tile's own cost (nothing to gain, so the
-    choice keeps one variant); under router skew below every single tile's cost."""
+    """The bands' tile costs plus one launch cost per extra working launch: equal multiples
+    of the chunk cost more than the largest tile alone (nothing to gain, so the choice
+    keeps one variant, whatever the float sums' rounding); under router skew less than
+    every single tile."""
     tiles = (192, 256, 384)
-    equal = np.full(128, 384)
-    assert heuristics.qw_mixed_cost(equal, tiles, 384) == pytest.approx(heuristics.qw_tiles_cost(equal, 384))
+    extra = 2 * heuristics.QW_MIXED_LAUNCH_COST
+    for rows in (384, 768, 1152):
+        equal = np.full(7, rows)
+        assert heuristics.qw_mixed_cost(equal, tiles, 384) == pytest.approx(heuristics.qw_tiles_cost(equal, 384) + extra)
     skewed = np.random.default_rng(0).multinomial(49152, np.random.default_rng(0).dirichlet(np.ones(128)))
     mixed = heuristics.qw_mixed_cost(skewed, tiles, 384)
     assert mixed < min(heuristics.qw_tiles_cost(skewed, t) for t in tiles)
     parts = heuristics.qw_band_rows(skewed, tiles, 384)
-    assert mixed == pytest.approx(sum(heuristics.qw_tiles_cost(r, t) for r, t in zip(parts, tiles)))
+    assert mixed == pytest.approx(sum(heuristics.qw_tiles_cost(r, t) for r, t in zip(parts, tiles)) + extra)

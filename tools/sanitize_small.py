@@ -59,9 +59,10 @@ def main() -> int:
         outs = [gemm_ffi.grouped_gemm_qw_cuda(a, rhs, gs, transpose_rhs=bk)]
         outs += [gemm_ffi._grouped_gemm_qw_call(a, rhs, gs, jnp.asarray(c, jnp.int32), fits, rhs.shape[1 if bk else 2])
                  for c in ((-3, 0), (len(fits) + 5, 0), (0, 1))]
-        # The mixed tiles with whole 384-token chunks, remainders in every band and rows past the groups.
-        a_long = jnp.asarray(rng.standard_normal((1100, k)), jnp.bfloat16)
-        outs.append(gemm_ffi.grouped_gemm_qw_cuda(a_long, rhs, jnp.asarray([500, 0, 390, 100], jnp.int32),
+        # The mixed tiles with whole 384-token chunks, remainders in every band (116 and 100,
+        # 200, 306) and rows past the groups.
+        a_long = jnp.asarray(rng.standard_normal((1700, k)), jnp.bfloat16)
+        outs.append(gemm_ffi.grouped_gemm_qw_cuda(a_long, rhs, jnp.asarray([500, 200, 690, 100], jnp.int32),
                                                   transpose_rhs=bk, variant=fits))
         bad += sum(int(not np.isfinite(np.asarray(o, np.float32)).all()) for o in outs)
     # FC1 epilogue (h, a_row, a_col): probs with zeros and negatives.

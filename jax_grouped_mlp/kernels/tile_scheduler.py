@@ -47,8 +47,9 @@ class RowBand:
     largest tile (``top`` == 1) takes the chunks, a remainder with ``r > lo`` and the rows
     past the groups; any other launch (token tile ``tile``) takes only a remainder with
     ``lo < r <= tile``. With ``lo`` the next smaller tile among the launches that work (0
-    for the smallest), every row is taken by exactly one launch, and each remainder is one
-    tile of the smallest tile that holds it. ``mixed`` != 1: whole segments.
+    for the smallest), every row is taken by exactly one launch, and (where the largest
+    tile holds a chunk) each remainder is one tile of the smallest tile that holds it.
+    ``mixed`` != 1: whole segments.
 
     ``chunk`` and ``tile`` are trace-time ints; ``mixed``, ``lo`` and ``top`` run-time Int32
     set once per launch (loop-invariant, so they ride along at trace time)."""
