@@ -215,3 +215,24 @@ def test_placements_with_constant_inputs_and_shard_map(inputs):
 def test_extra_names_cannot_shadow_residual_names():
     with pytest.raises(ValueError, match="for your own names"):
         jgm.offload_policy(fc1_input="recompute", extra_saveable=["fc1_input"])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's single memory")
+def test_offload_makes_no_copy_on_the_cpu(inputs):
+    """On the CPU (one memory) an offloaded residual stays where it is, as docs/offload.md
+    says: the jitted step compiles to the all-device program's temp memory, and the
+    residuals it returns are all in device memory, while ``residual_placements`` still
+    reports the policy's "offload"."""
+    x, w1, w2, probs, gs = inputs
+
+    def residuals(policy):
+        layer = jax.checkpoint(lambda x, w1, w2, p: jgm.grouped_mlp(x, w1, w2, gs, p), policy=policy)
+        return jax.jit(lambda x, w1, w2, p: jax.vjp(layer, x, w1, w2, p)[1])(x, w1, w2, probs)
+
+    kept = residuals(jgm.offload_policy("offload", "offload", "offload"))
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(kept)} == {"device"}
+    on_device = jgm.offload_policy("device", "device", "device")
+    temps = [jax.jit(grad_fn(p, gs)).lower(x, w1, w2, probs).compile().memory_analysis().temp_size_in_bytes
+             for p in (jgm.offload_policy(), on_device)]
+    assert temps[0] == temps[1]
+    assert set(jgm.residual_placements(grad_fn(jgm.offload_policy(), gs), x, w1, w2, probs).values()) == {"offload"}

@@ -130,12 +130,15 @@ def residual_placements(fn: Callable, *args, **kwargs) -> dict[str, str]:
     Returns a dict from each ``checkpoint_name`` found at a remat boundary to
     ``"offload"``, ``"device"`` or ``"recompute"`` (``"mixed"`` if different layers
     placed it differently). A host copy of anything unnamed (a weight, say) shows up
-    under the key ``"<unnamed>"``. :func:`residual_report` adds the bytes.
+    under the key ``"<unnamed>"``. :func:`residual_report` adds the bytes. It reports
+    what the traced program places: on the CPU, where host and device memory are one,
+    an ``"offload"`` residual is not copied and saves nothing.
 
-    A ``scan`` body counts once, whatever its length. Under :func:`layer_scan` (whose
-    last two layers keep their residuals on the device by design) an offloading policy
-    reads ``"device"`` for up to two layers and ``"mixed"`` from three on (its first
-    layer and its scan body offload, its last layer does not).
+    A ``scan`` body counts once, whatever its length. Under :func:`layer_stack` and
+    :func:`layer_scan`, whose last layers keep their residuals on the device by design,
+    an offloading policy reads ``"device"`` for a single layer (``layer_stack``) or up to
+    two (``layer_scan``) and ``"mixed"`` from there on (the first layers offload, the
+    last does not).
 
     Example::
 

@@ -9,7 +9,9 @@ primitive's partial-evaluation rule for remat (``partial_eval_jaxpr_custom``):
 * **saved** on the device: as with ``checkpoint_name``;
 * **offloaded**: the forward writes the host copy with this module's own transfer
   (the same ``annotate_device_placement`` custom calls that ``jax.device_put`` to
-  ``pinned_host`` lowers to on GPU/TPU; on CPU, like ``device_put``, no copy). JAX's
+  ``pinned_host`` lowers to on GPU/TPU). On the CPU it makes no copy: the residual
+  stays where it is, since host and device memory are one there (``jax.device_put``
+  would make a copy that saves nothing). JAX's
   own offload would put a ``device_put`` to a memory *space* in the program, and
   ``jax.jit`` then commits every output of the step to its device, so the second
   call of a training step (whose state is now committed) compiled again;
