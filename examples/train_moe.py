@@ -232,7 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "bf16"])
+    p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "bf16", "fp8_block"])
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--balance", default="bias", choices=["bias", "loss"],
                    help="bias: sigmoid router, aux-loss-free bias update; loss: softmax router, aux loss")
@@ -253,6 +253,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 1 <= args.top_k <= args.experts:
+        p.error(f"--top-k must be in [1, --experts={args.experts}], got {args.top_k}")
     return args
 
 
@@ -264,19 +266,21 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--no-resume: {args.ckpt_dir} holds a checkpoint of step {latest}; "
                          "resume from it or give an empty --ckpt-dir")  # fmt: skip
 
-    # 1. Plan. The grouped MLP sees tokens * top_k rows per layer.
+    # 1. Plan. The grouped MLP sees tokens * top_k rows per layer; the MoE block permutes
+    # them first, so its fc1_input is not the layer's input (which the checkpoint keeps).
     shape = dict(tokens=args.tokens * args.top_k, hidden=args.hidden, ffn=args.ffn,
                  num_experts=args.experts)  # fmt: skip
+    block = dict(recipe=args.recipe, fc1_input_is_layer_input=False)
     if args.budget_mb is not None:
         budget = args.budget_mb * 1e6
     else:  # half of what keeping everything would take
-        keep_all = jgm.plan_offload(**shape, num_layers=args.layers, budget_bytes=float("inf"),
-                                    host_bandwidth=1.0, layer_time=1.0, recipe=args.recipe)  # fmt: skip
+        keep_all = jgm.plan_offload(**shape, **block, num_layers=args.layers, budget_bytes=float("inf"),
+                                    host_bandwidth=1.0, layer_time=1.0)  # fmt: skip
         budget = keep_all.chosen.device_bytes / 2
     platform = jax.devices()[0].platform
     print(f"planning on {jax.devices()[0].device_kind} ({platform})...", flush=True)
     plan = jgm.plan_offload(
-        **shape, num_layers=args.layers, budget_bytes=budget, recipe=args.recipe,
+        **shape, **block, num_layers=args.layers, budget_bytes=budget,
         host_bandwidth=jgm.measure_host_bandwidth(1 << 30 if platform == "gpu" else 1 << 22, repeats=3),
         layer_time=args.layer_time if args.layer_time is not None
         else jgm.measure_layer_time(**shape, recipe=args.recipe, repeats=3),

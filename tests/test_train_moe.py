@@ -102,3 +102,14 @@ def test_demo_balances_with_the_aux_loss():
     aux, lb = np.asarray(report["aux_loss"]), np.asarray(report["lb_loss"])
     np.testing.assert_allclose(aux, 0.5 * 2 * lb, rtol=1e-6)  # 2 layers, lb is their mean
     assert np.all(aux > 0.5) and report["train_step_compiles"] == 1
+
+
+def test_flags_are_checked_before_planning(capsys):
+    """A top-k above the experts stops at the flags (before the planner measures
+    anything), naming the flag; every recipe the planner takes is offered."""
+    example = _load_example()
+    with pytest.raises(SystemExit):
+        example.parse_args(["--top-k", "5", "--experts", "4"])
+    assert "--top-k must be in [1, --experts=4], got 5" in capsys.readouterr().err
+    for recipe in ("mxfp8", "bf16", "fp8_block"):
+        assert example.parse_args(["--recipe", recipe]).recipe == recipe

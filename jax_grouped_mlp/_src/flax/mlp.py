@@ -189,7 +189,9 @@ class GroupedMLP(nnx.Module):
     def prepare(self) -> PreparedWeights:
         """The weights cast and quantized for this module's recipe, once: pass the result
         as ``prepared`` to every micro-batch's call within one optimizer step
-        (:func:`jax_grouped_mlp.prepare_weights`)."""
+        (:func:`jax_grouped_mlp.prepare_weights`), and make it again after each update.
+        The op checks the copies' recipe and shapes, not their values: copies made before
+        an update, or from another module, are used without a warning."""
         return prepare_weights(self.w1[...], self.w2[...], recipe=self.recipe)
 
     def __call__(

@@ -177,7 +177,10 @@ class MoEBlock(nnx.Module):
 
     def prepare(self) -> PreparedWeights:
         """The routed experts' weights cast and quantized once (``GroupedMLP.prepare``):
-        pass the result as ``prepared`` to every micro-batch's call within one step."""
+        pass the result as ``prepared`` to every micro-batch's call within one step, and
+        make it again after each optimizer update. The op checks the copies' recipe and
+        shapes, not their values: copies made before an update, or from another block,
+        are used without a warning."""
         return self.experts.prepare()
 
     def __call__(self, x: jax.Array, prepared: PreparedWeights | None = None) -> jax.Array:
