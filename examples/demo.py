@@ -76,7 +76,6 @@ def main() -> None:
           f"(sum {int(gs_np.sum())}), recipe mxfp8")
 
     placements = jgm.residual_placements(step, x, w1, w2, probs)
-    # (On the CPU the policy's "offload" moves nothing: host and device memory are one.)
     note = " (the CPU has one memory: nothing is copied)" if device.platform == "cpu" else ""
     print("residuals:", ", ".join(f"{k} -> {v}" for k, v in placements.items()) + note)
 
