@@ -266,11 +266,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--no-resume: {args.ckpt_dir} holds a checkpoint of step {latest}; "
                          "resume from it or give an empty --ckpt-dir")  # fmt: skip
 
-    # 1. Plan. The grouped MLP sees tokens * top_k rows per layer; the MoE block permutes
-    # them first, so its fc1_input is not the layer's input (which the checkpoint keeps).
+    # 1. Plan. The grouped MLP sees tokens * top_k rows per layer. The layers are MoE
+    # blocks: each keeps its input anyway (the router's gradient reads it), and its
+    # fc1_input is the permuted tokens, not that input.
     shape = dict(tokens=args.tokens * args.top_k, hidden=args.hidden, ffn=args.ffn,
                  num_experts=args.experts)  # fmt: skip
-    block = dict(recipe=args.recipe, fc1_input_is_layer_input=False)
+    block = dict(recipe=args.recipe, layer="moe_block")
     if args.budget_mb is not None:
         budget = args.budget_mb * 1e6
     else:  # half of what keeping everything would take

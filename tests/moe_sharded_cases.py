@@ -458,11 +458,41 @@ def test_planner_residual_bytes_match_the_sharded_program(single_device_results,
     assert plan.buffer_rows == (ep * local_pairs if capacity_factor is None
                                 else int(np.ceil(capacity_factor * local_pairs)))
     assert plan.kept_anyway == frozenset()  # the block's fc1_input is the received buffer
+    assert plan.layer == "moe_block"  # it keeps its input x anyway: recomputing charges none
+    assert all(c.layer_input_bytes == 0 for c in plan.candidates)
     for name in jgm.RESIDUAL_NAMES:
         assert kept[name]["device_bytes"] == plan.residual_bytes[name], (name, kept, plan.residual_bytes)
     with pytest.raises(ValueError, match="divisible"):
         jgm.plan_offload(tokens=local_pairs, hidden=H, ffn=F, num_experts=6, num_layers=1, budget_bytes=1e9,
                          host_bandwidth=50e9, layer_time=1e-3, parallel=parallel)
+
+
+@pytest.mark.parametrize("exchange, collective", [("auto", "all_to_all"), ("all_gather", "all_gather")])
+def test_recomputing_from_x_dispatches_the_tokens_again(single_device_results, exchange, collective):
+    """What ``plan_offload``'s ``DISPATCH_SHARE`` stands for: recomputing "fc1_input" or
+    "activation_input" of an expert-parallel block rebuilds the op's x by sending the
+    tokens through the exchange once more (one collective more in the gradient's
+    program); recomputing "fc2_input" or offloading sends nothing more."""
+    inputs, _ = single_device_results
+    x, router, w1, w2, _, bias = inputs
+    mesh = mesh_of(4, 1)
+    parallel = ExpertParallel(mesh, "expert", exchange=exchange)
+
+    def count(*placement) -> int:
+        block = jax.checkpoint(
+            lambda x, r, w1, w2: moe_block(x, r, w1, w2, routing=RoutingConfig(2), score_bias=bias,
+                                           parallel=parallel).astype(jnp.float32).sum(),
+            policy=jgm.offload_policy(*placement))
+        with jax.set_mesh(mesh):
+            text = str(jax.make_jaxpr(jax.grad(block, argnums=(0, 1, 2, 3)))(x, router, w1, w2))
+        return text.count(f"{collective}[")
+
+    base = count("device", "device", "device")
+    assert base > 0
+    assert count("recompute", "device", "device") == base + 1
+    assert count("device", "recompute", "device") == base + 1
+    assert count("device", "device", "recompute") == base
+    assert count("offload", "offload", "offload") == base
 
 
 @pytest.mark.parametrize("exchange", ["auto", "all_gather"])

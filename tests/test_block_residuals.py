@@ -99,3 +99,20 @@ def test_router_keeps_the_tokens_in_their_dtype(rng, monkeypatch):
     for got, want in zip(grads, plain):
         np.testing.assert_array_equal(got, want)
         assert np.abs(np.asarray(want, np.float32)).max() > 0
+
+
+@pytest.mark.parametrize("placement", [("device",) * 3, ("recompute",) * 3, ("offload", "recompute", "device")])
+def test_moe_block_keeps_its_input_in_every_placement(rng, placement):
+    """The block keeps x for its backward whatever the policy (the router's weight
+    gradient reads it), which ``plan_offload(layer="moe_block")`` relies on: recomputing
+    the op's residuals from x costs a block no memory, unlike a bare ``grouped_mlp``."""
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((H, E)) * 0.1, jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((E, H, F)) * 0.1, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, F, H)) * 0.1, jnp.float32)
+    routing = jgm.RoutingConfig(top_k=2)
+    block = jax.checkpoint(lambda x, router, w1, w2: jgm.moe_block(x, router, w1, w2, routing=routing),
+                           policy=jgm.offload_policy(*placement))
+    saved = saved_residuals(lambda *a: jnp.sum(block(*a).astype(jnp.float32)), x, router, w1, w2)
+    assert any(aval.shape == (T, H) and aval.dtype == jnp.bfloat16 and why == "from the argument a[0]"
+               for aval, why in saved), saved

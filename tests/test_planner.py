@@ -348,6 +348,55 @@ def test_recomputing_from_x_keeps_the_layer_input():
     assert all(c.layer_input_bytes == 0 for c in bf16.candidates)
 
 
+def test_moe_block_layers_keep_their_input_anyway():
+    """``layer="moe_block"``: the block keeps its input x in every placement (the
+    router's gradient reads it; tests/test_block_residuals.py), so recomputing charges no
+    layer input, and its fc1_input is never the layer input, even with bf16."""
+    grouped, moe = _nano_plan(), _nano_plan(layer="moe_block")
+    assert moe.layer == "moe_block" and grouped.layer == "grouped_mlp"
+    for c in moe.candidates:
+        assert c.layer_input_bytes == 0, c.label()
+        g = grouped.candidate(**c.placement)
+        assert (c.device_bytes, c.step_time) == (g.device_bytes, g.step_time), c.label()
+    assert "layer=moe_block" in moe.table(top=1)
+    bf16 = _nano_plan(recipe="bf16", layer="moe_block")
+    assert bf16.kept_anyway == frozenset()
+    assert all(c.layer_input_bytes == 0 for c in bf16.candidates)
+    # A budget that fits all three recomputed only without the layer inputs.
+    rrr = dict(fc1_input="recompute", activation_input="recompute", fc2_input="recompute")
+    budget = moe.candidate(**rrr).device_bytes
+    assert _nano_plan(layer="moe_block", budget_bytes=budget).candidate(**rrr).fits
+    assert not _nano_plan(budget_bytes=budget).candidate(**rrr).fits
+
+
+def test_moe_block_recompute_dispatches_again():
+    """With an exchange, recomputing fc1_input or activation_input of a ``moe_block``
+    sends the tokens through it once more (one of its four all-to-alls:
+    tests/moe_sharded_cases.py counts them): DISPATCH_SHARE of ``exchange_time``."""
+    from jax_grouped_mlp._src.offload.planner import DISPATCH_SHARE
+
+    base = _nano_plan(layer="moe_block")
+    ep = _nano_plan(layer="moe_block", exchange_time=2e-3)
+    for a in base.candidates:
+        b = ep.candidate(**a.placement)
+        from_x = "recompute" in (a.placement["fc1_input"], a.placement["activation_input"])
+        extra = DISPATCH_SHARE * 2e-3 if from_x else 0.0
+        assert b.recompute == pytest.approx(a.recompute + 8 * extra), a.label()
+        if "offload" not in a.placement.values():  # (else the recompute also hides reloads)
+            assert b.step_time == pytest.approx(a.step_time + 8 * (2e-3 + extra)), a.label()
+    # grouped_mlp layers have no dispatch to redo.
+    plain, plain_ep = _nano_plan(), _nano_plan(exchange_time=2e-3)
+    assert all(c.recompute == plain_ep.candidate(**c.placement).recompute for c in plain.candidates)
+
+
+@pytest.mark.parametrize("bad", ["moe", "", 3, "GROUPED_MLP"])
+def test_layer_argument_is_checked(bad):
+    with pytest.raises(ValueError, match="layer must be one of"):
+        _nano_plan(layer=bad)
+    with pytest.raises(ValueError, match="layer='grouped_mlp'"):
+        _nano_plan(recipe="bf16", layer="moe_block", fc1_input_is_layer_input=True)
+
+
 def test_layer_stack_model():
     """``layout="layer_stack"``: the copies hide behind the neighbouring layers (never slower
     than one checkpoint per layer), the last layer offloads nothing, one more layer's

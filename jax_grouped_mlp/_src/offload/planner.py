@@ -24,7 +24,10 @@ Device memory for residuals::
                                                           # the layer input x, which the
                                                           # checkpoint keeps only to
                                                           # recompute from it (reported and
-                                                          # budgeted with the residuals)
+                                                          # budgeted with the residuals);
+                                                          # 0 for layer="moe_block", which
+                                                          # keeps its input in every
+                                                          # placement (the router's gradient)
 
 Step time (forward + backward of the stack)::
 
@@ -37,6 +40,9 @@ Step time (forward + backward of the stack)::
 ``recompute[r]`` the extra backward work to rebuild ``r`` ("fc2_input": srelu and a
 quantize from "activation_input"; "activation_input": quantize x and the FC1 grouped
 GEMM, ``2*M*H*F`` flops; "fc1_input": quantize x), all from a :class:`LayerTime`.
+Expert-parallel ``moe_block`` layers rebuild the op's x for either of the last two by
+sending the tokens through the exchange again: :data:`DISPATCH_SHARE` of
+``exchange_time`` more, once per layer.
 The copy of each layer's residuals to the host finishes within that layer's forward
 pass (in a Python loop the op's host-copy fence makes it, on CUDA GPUs and not under
 automatic partitioning; in a scan the iteration does) and hides behind that layer's forward compute, of which ``overlap`` (0..1) is
@@ -129,6 +135,18 @@ H200_HOST_BANDWIDTH = 53e9  # pinned host <-> device, each way, measured
 # ``jax.lax.scan``, :func:`layer_stack`, :func:`layer_scan` (its CUDA copies), and
 # :func:`layer_scan` with XLA's copies.
 LAYOUTS = ("loop", "scan", "layer_stack", "layer_scan", "layer_scan_xla")
+
+# What each checkpointed layer is (``plan_offload(layer=...)``): a ``grouped_mlp`` call,
+# whose x is the checkpointed layer's input, or a ``moe_block`` / ``MoEBlock``, which
+# keeps its input x in every placement (the router's weight gradient reads it) and
+# permutes (under ``parallel``: exchanges) the tokens before its ``grouped_mlp``.
+LAYERS = ("grouped_mlp", "moe_block")
+
+# The expert-parallel exchange is four all-to-alls of the same rows per layer (the
+# dispatch and the combine, forward, and their transposes, backward). Recomputing
+# "fc1_input" or "activation_input" of a ``moe_block`` rebuilds the op's x, the
+# dispatched tokens: one more of them (seen in the jaxpr; not measured on a GPU).
+DISPATCH_SHARE = 0.25
 
 # The fraction of a layer's backward pass (its GEMMs, in the op's order) that runs
 # before each residual is first read: "activation_input" feeds the first kernel (the
@@ -372,6 +390,7 @@ class OffloadPlan:
     kept_anyway: frozenset = frozenset()  # residuals that are the layer's input
     exchange_time: float = 0.0  # seconds per layer of the expert-parallel exchange
     layout: str = "loop"  # how the layers run: one of LAYOUTS
+    layer: str = "grouped_mlp"  # what each checkpointed layer is: one of LAYERS
 
     @property
     def chosen(self) -> Candidate:
@@ -413,6 +432,7 @@ class OffloadPlan:
         lines = [
             f"offload plan: M={s.tokens} H={s.hidden} F={s.ffn} G={s.num_experts} "
             f"recipe={self.recipe} layers={self.num_layers} layout={self.layout}"
+            + (f" layer={self.layer}" if self.layer != "grouped_mlp" else "")
             + (f" (residuals at {self.buffer_rows} rows: the expert-parallel receive buffer)"
                if self.buffer_rows and self.buffer_rows != s.tokens else "")
             + (f", exchange {_fmt_time(self.exchange_time)}/layer" if self.exchange_time else ""),
@@ -468,6 +488,7 @@ def predict(
     exchange_time: float = 0.0,
     layer_input_bytes: int = 0,
     layout: str = "loop",
+    recompute_exchange: float = 0.0,
 ) -> Candidate:
     """Device memory and step time of one placement (the module docstring's model).
 
@@ -481,6 +502,9 @@ def predict(
     counted against the budget with the residuals (not when "fc1_input" is x itself,
     ``kept_anyway``, where the layer input stays outside the budget).
     ``layout``: how the layers run, one of :data:`LAYOUTS` (the module docstring).
+    ``recompute_exchange``: seconds per layer added to the recompute when "fc1_input" or
+    "activation_input" is recomputed (an expert-parallel ``moe_block`` dispatches its
+    tokens again to rebuild the op's x).
     """
     on = {p: [n for n in RESIDUAL_NAMES if placement[n] == p] for p in PLACEMENTS}
     kept = sum(residual_bytes[n] for n in on["device"] if n not in kept_anyway)
@@ -493,7 +517,10 @@ def predict(
     # Python loop, the iteration in a scan). Back: from the start of the layer's
     # backward; in a loop each hides behind the backward before its first read, in a
     # scan none does (measured on the H200).
+    recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     recompute = sum(layer_time.recompute[n] for n in on["recompute"])
+    if recomputes_from_x:
+        recompute += recompute_exchange
     out = max(0.0, transfer - overlap * layer_time.forward)  # the copies to the host (scan, layer_stack)
     # Copies that run beside the next layer's forward and backward (layer_stack, layer_scan).
     beside_next = out + max(0.0, transfer - overlap * (layer_time.backward + recompute))
@@ -517,7 +544,6 @@ def predict(
     if offloading == 0:  # every layer keeps its "offload" residuals (extra): none is read back
         not_kept -= offloaded_kept
     device = num_layers * kept + not_kept + extra
-    recomputes_from_x = placement[FC1_INPUT] == "recompute" or placement[ACTIVATION_INPUT] == "recompute"
     inputs = num_layers * layer_input_bytes if recomputes_from_x and FC1_INPUT not in kept_anyway else 0
     return Candidate(
         placement=dict(placement),
@@ -549,6 +575,7 @@ def plan_offload(
     exchange_time: float = 0.0,
     fc1_input_is_layer_input: bool | None = None,
     layout: str = "loop",
+    layer: str | None = None,
 ) -> OffloadPlan:
     """Choose where each residual of a stack of grouped-MLP layers lives.
 
@@ -584,13 +611,14 @@ def plan_offload(
         Budget and memory are per device.
       exchange_time: seconds per layer of the expert-parallel exchange (forward and
         backward together); added to every placement's step time, not hidden by
-        host copies.
+        host copies. Recomputing "fc1_input" or "activation_input" adds
+        :data:`DISPATCH_SHARE` of it (the tokens are dispatched again).
       fc1_input_is_layer_input: whether "fc1_input" is the checkpointed layer's own
         input, which the checkpoint keeps on the device anyway. Default: True for the
-        bf16 recipe without ``parallel`` (a stack of ``jax.checkpoint(grouped_mlp)``
-        layers: bf16 saves ``x`` itself), else False (MXFP8 saves a quantized copy;
-        ``moe_block`` permutes or exchanges the tokens first: pass False for a
-        single-device MoE block with bf16).
+        bf16 recipe with ``layer="grouped_mlp"`` (a stack of
+        ``jax.checkpoint(grouped_mlp)`` layers: bf16 saves ``x`` itself), else False
+        (MXFP8 saves a quantized copy; ``moe_block`` permutes or exchanges the tokens
+        first). True needs the bf16 recipe and ``layer="grouped_mlp"``.
       layout: how the layers run. "loop" (default): a Python loop of
         ``jax.checkpoint`` layers (a layer's copies back hide behind the part of its
         own backward before each is read); "scan": ``jax.lax.scan`` / ``nnx.scan`` of
@@ -602,6 +630,14 @@ def plan_offload(
         as under "layer_stack"); "layer_scan_xla": :func:`layer_scan` with XLA's own
         copies (``JGM_LAYER_SCAN_STREAMS=0``: each way exposed, next to the compute
         inside the loop's iterations).
+      layer: what each checkpointed layer is, one of :data:`LAYERS`.
+        "grouped_mlp": a ``grouped_mlp`` call; the checkpoint keeps its input x only
+        when "fc1_input" or "activation_input" is recomputed from it, so those
+        placements are charged ``2 * tokens * hidden`` bytes a layer. "moe_block": a
+        ``moe_block`` / :class:`MoEBlock`, which keeps its input in every placement
+        (the router's gradient reads it): recomputing costs no memory, and under
+        ``parallel`` it dispatches the tokens again. Default: "moe_block" with
+        ``parallel``, else "grouped_mlp" (pass "moe_block" for single-device blocks).
 
     Returns:
       An :class:`OffloadPlan`: ``plan.placement`` (name -> placement), ``plan.policy``
@@ -630,14 +666,21 @@ def plan_offload(
 
     exchange_time = _check_positive_float("exchange_time", exchange_time, allow_zero=True)
     buffer_rows, local_experts = _device_rows(parallel, tokens, num_experts)
+    layer = _check_layer(layer, parallel)
     if fc1_input_is_layer_input is None:
-        fc1_input_is_layer_input = recipe == "bf16" and parallel is None
+        fc1_input_is_layer_input = recipe == "bf16" and layer == "grouped_mlp"
     elif not isinstance(fc1_input_is_layer_input, bool):
         raise TypeError(f"fc1_input_is_layer_input must be a bool or None, got {fc1_input_is_layer_input!r}")
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got layout={layout!r}")
     if fc1_input_is_layer_input and recipe != "bf16":
         raise ValueError("fc1_input_is_layer_input=True needs recipe='bf16' (MXFP8 keeps a quantized copy of x)")
+    if fc1_input_is_layer_input and layer == "moe_block":
+        raise ValueError(
+            "fc1_input_is_layer_input=True needs layer='grouped_mlp': a moe_block's fc1_input is its "
+            "permuted (or exchanged) tokens, not its input"
+        )
+    moe = layer == "moe_block"
     kept_anyway = frozenset({FC1_INPUT}) if fc1_input_is_layer_input else frozenset()
     residual_bytes = LayerShape(buffer_rows, hidden, ffn, local_experts).residual_bytes(recipe)
     candidates = [
@@ -651,8 +694,9 @@ def plan_offload(
             budget_bytes=budget_bytes,
             kept_anyway=kept_anyway,
             exchange_time=exchange_time,
-            layer_input_bytes=2 * buffer_rows * hidden,
+            layer_input_bytes=0 if moe else 2 * tokens * hidden,
             layout=layout,
+            recompute_exchange=DISPATCH_SHARE * exchange_time if moe else 0.0,
         )
         for combo in itertools.product(PLACEMENTS, repeat=len(RESIDUAL_NAMES))
     ]
@@ -683,7 +727,19 @@ def plan_offload(
         kept_anyway=kept_anyway,
         exchange_time=exchange_time,
         layout=layout,
+        layer=layer,
     )
+
+
+def _check_layer(layer, parallel) -> str:
+    """``plan_offload``'s ``layer``, its default filled in from ``parallel``."""
+    if layer is None:
+        return "grouped_mlp" if parallel is None else "moe_block"
+    if not isinstance(layer, str) or layer not in LAYERS:
+        raise ValueError(f"layer must be one of {list(LAYERS)} or None, got layer={layer!r}")
+    if parallel is not None and layer != "moe_block":
+        raise ValueError(f"parallel= plans expert-parallel moe_block layers: layer must be 'moe_block', got {layer=!r}")
+    return layer
 
 
 def _device_rows(parallel, tokens: int, num_experts: int) -> tuple[int, int]:
