@@ -98,6 +98,17 @@ def sharded_param(value: jax.Array, names: tuple[str | None, ...], mesh: jax.sha
     return nnx.Param(value, **metadata)
 
 
+def replicated(value: jax.Array, mesh: jax.sharding.Mesh | None) -> jax.Array:
+    """``value`` placed whole on every device of ``mesh`` (else of the mesh ``jax.set_mesh``
+    set), or left where it is without one: state that is not a param (the router's
+    score bias) then starts where a jitted step returns it, so the second step does not
+    compile again for its new placement."""
+    mesh = mesh if mesh is not None else _context_mesh()
+    if mesh is None:
+        return value
+    return jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def initialized(name: str, init: nnx.Initializer, rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
     """``init(key, shape, dtype)``, or an error naming the initializer when it returns
     another shape or dtype (it would otherwise fail at the first call, blaming ``x``).

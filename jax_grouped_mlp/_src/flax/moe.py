@@ -11,7 +11,9 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 
 from jax_grouped_mlp._src import checks
-from jax_grouped_mlp._src.flax.mlp import AxisNames, GroupedMLP, default_kernel_init, float_tokens, initialized, sharded_param
+from jax_grouped_mlp._src.flax.mlp import (
+    AxisNames, GroupedMLP, default_kernel_init, float_tokens, initialized, replicated, sharded_param,
+)
 from jax_grouped_mlp._src.moe.block import ExpertParallel, moe_block
 from jax_grouped_mlp._src.op.prepared import PreparedWeights
 from jax_grouped_mlp._src.op.recipes import Recipe
@@ -73,8 +75,10 @@ class MoEBlock(nnx.Module):
     ``shared_w2 (ffn, hidden)``; ``score_bias`` is replicated. With
     ``parallel``, the logical expert name maps to ``parallel.expert_axis`` and the
     params are placed on ``parallel.mesh`` when built (other names follow
-    ``nnx.logical_axis_rules`` if set, else stay replicated), so no
-    ``jax.set_mesh`` is needed, for the block nor for ``nnx.Optimizer``. Without
+    ``nnx.logical_axis_rules`` if set, else stay replicated) and the score bias
+    replicated on it, so the block needs no ``jax.set_mesh``. (``nnx.Optimizer`` does,
+    once: it makes its step counters on the default device, and the second jitted step
+    would compile again for their placement on the mesh.) Without
     ``parallel`` they are placed on the mesh ``jax.set_mesh`` set, if any, else left
     on one device with the names only (shard them with ``nnx.get_partition_spec``
     under ``nnx.logical_axis_rules``). Works under ``nnx.jit`` and ``nnx.remat`` with
@@ -151,7 +155,7 @@ class MoEBlock(nnx.Module):
         self.recipe = Recipe.parse(recipe).value
         self.dtype = jnp.dtype(dtype)
         use_score_bias = checks.boolean("use_score_bias", use_score_bias)
-        self.score_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if use_score_bias else None
+        self.score_bias = RouterBias(replicated(jnp.zeros((num_experts,), jnp.float32), mesh)) if use_score_bias else None
 
     def _init_shared_and_stats(
         self, hidden, shared_ffn, sow_stats, load_balancing_coef, z_loss_coef, kernel_init, param_dtype,
