@@ -307,3 +307,68 @@ def test_prepared_weights_same_second_order_without_excess_precision():
     run_cases_on_cpu_devices(pathlib.Path(__file__), "the float32 second-order cases without excess precision",
                              devices=1, xla_flags="--xla_allow_excess_precision=false",
                              keyword="test_prepared_weights_same_second_order and float32 and not excess")
+
+
+# ---------------------------------------------------------------------------------
+# Second derivatives under offloading policies: the tangents (and cotangents) of
+# offloaded residuals follow their values to the host and back.
+
+_POLICIES = {
+    "all offload": ("offload", "offload", "offload"),
+    "fc2_input recompute": ("offload", "offload", "recompute"),
+    "fc1_input offload": ("offload", "device", "recompute"),
+}
+
+
+def _checkpointed_loss(policy):
+    """The bf16 loss with the op under ``jax.checkpoint(policy=policy)`` (None: no checkpoint)."""
+    def loss(x, w1, w2, p, gs):
+        op = lambda x, w1, w2, p: jgm.grouped_mlp(x, w1, w2, gs, p, recipe="bf16")  # noqa: E731
+        if policy is not None:
+            op = jax.checkpoint(op, policy=policy)
+        return jnp.sum(op(x, w1, w2, p).astype(jnp.float32) ** 2)
+
+    return loss
+
+
+def _penalty_grad(policy):
+    """jit(grad of a gradient-norm penalty ``sum(dloss/dw1 ** 2)``) and jit(a
+    Hessian-vector product in w1), through the checkpointed op."""
+    loss = _checkpointed_loss(policy)
+
+    def penalty(x, w1, w2, p, gs):
+        return jnp.sum(jax.grad(loss, argnums=1)(x, w1, w2, p, gs).astype(jnp.float32) ** 2)
+
+    def hvp(x, w1, w2, p, gs, v):
+        return jax.jvp(lambda w: jax.grad(loss, argnums=1)(x, w, w2, p, gs), (w1,), (v,))[1]
+
+    return jax.jit(jax.grad(penalty, argnums=(0, 1, 2, 3))), jax.jit(hvp)
+
+
+@pytest.mark.parametrize("placement", list(_POLICIES), ids=str)
+def test_second_order_under_offload_policies_equals_all_device(rng, placement):
+    """grad of grad and a Hessian-vector product with offloaded residuals are bitwise
+    those of the all-device policy (before: ``NotImplementedError: differentiating a
+    'offload' residual tag``), and the op's without a checkpoint."""
+    x, w1, w2, gs, probs = _inputs(rng)
+    v = jnp.asarray(rng.standard_normal(w1.shape), w1.dtype)
+    gg, hv = _penalty_grad(jgm.offload_policy(*_POLICIES[placement]))
+    gg_ref, hv_ref = _penalty_grad(jgm.offload_policy("device", "device", "device"))
+    got, want = gg(x, w1, w2, probs, gs), gg_ref(x, w1, w2, probs, gs)
+    for a, b in zip(got, want):
+        assert np.isfinite(np.asarray(b, np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(hv(x, w1, w2, probs, gs, v), np.float32),
+                                  np.asarray(hv_ref(x, w1, w2, probs, gs, v), np.float32))
+    # And those of the op without a checkpoint (tested against float64 above).
+    plain, _ = _penalty_grad(None)
+    _assert_same(got, plain(x, w1, w2, probs, gs))
+
+
+def test_second_order_under_offload_lowers_for_cuda(rng):
+    """The same program lowers for a GPU: the tangents' moves are host-offload
+    annotations like the residuals' own (not run on a GPU here)."""
+    x, w1, w2, gs, probs = _inputs(rng)
+    gg, _ = _penalty_grad(jgm.offload_policy())
+    text = gg.trace(x, w1, w2, probs, gs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('_xla_buffer_placement = "pinned_host"') >= 3, "no host copies in the program"

@@ -327,9 +327,17 @@ def _jvp(primals, tangents, *, num_values, **params):
         out, out_dot = jax.jvp(core.jaxpr_as_fun(params["jaxpr"]), list(primals), tangents)
         return list(out), list(out_dot)
     out = residual_p.bind(*primals, num_values=num_values, **params)
+    values_dot = list(tangents[:num_values])
+    if params["mode"] == "offload":
+        # Differentiating a program that makes host copies (grad of grad): each copy's
+        # tangent is its value's tangent, moved where the copy lives (the reload's rule
+        # moves it back with the copy); the token has none.
+        copies = out[num_values:2 * num_values]
+        return out, values_dot + _moved(values_dot, copies, params["memory_kind"]) + [
+            ad.Zero(_TOKEN_AVAL.to_tangent_aval())]
     if params["mode"] != "value":
         raise NotImplementedError(f"differentiating a {params['mode']!r} residual tag")
-    return out, list(tangents[:num_values])
+    return out, values_dot
 
 
 ad.primitive_jvps[residual_p] = _jvp
@@ -354,9 +362,43 @@ def _batch(args, dims, *, num_values, **params):
 
 
 batching.primitive_batchers[residual_p] = _batch
-# A move between memories: the tangents pass as they are (a residual's tangent under
-# second-order differentiation lives on the device already).
-ad.primitive_jvps[to_device_p] = lambda primals, tangents, **p: (to_device_p.bind(*primals, **p), list(tangents))
+def _moved(tangents, outs, memory_kind: str) -> list:
+    """``tangents`` moved to ``memory_kind`` like the primal values that became ``outs``
+    (symbolic zeros stay zeros, of the outputs' tangent types)."""
+    moved = [ad.Zero(o.aval.to_tangent_aval()) if type(t) is ad.Zero else t for t, o in zip(tangents, outs)]
+    live = [i for i, t in enumerate(moved)
+            if type(t) is not ad.Zero and jax.typeof(t).memory_space != jax.typeof(outs[i]).memory_space]
+    if live:
+        for i, t in zip(live, to_device_p.bind(*[moved[i] for i in live], memory_kind=memory_kind)):
+            moved[i] = t
+    return moved
+
+
+# A move between memories: the tangents move with the values (grad of grad reads the
+# tangents of offloaded residuals where their reloads put the values).
+ad.primitive_jvps[to_device_p] = lambda primals, tangents, **p: (
+    (out := to_device_p.bind(*primals, **p)), _moved(tangents, out, p["memory_kind"]))
+
+
+def _to_device_transpose(cts, *args, memory_kind):
+    """A move's cotangents move back to where its inputs were (grad of grad through a
+    reload: the cotangent of a host copy lives on the host)."""
+    del memory_kind
+    out = []
+    for ct, x in zip(cts, args):
+        if not ad.is_undefined_primal(x):
+            out.append(None)
+        elif type(ct) is ad.Zero:
+            out.append(ad.Zero(x.aval.to_tangent_aval()))
+        elif jax.typeof(ct).memory_space == x.aval.memory_space:
+            out.append(ct)
+        else:
+            home = "device" if x.aval.memory_space == core.MemorySpace.Device else "pinned_host"
+            out.append(to_device_p.bind(ct, memory_kind=home)[0])
+    return out
+
+
+ad.primitive_transposes[to_device_p] = _to_device_transpose
 batching.primitive_batchers[to_device_p] = lambda args, dims, **p: (to_device_p.bind(*args, **p), list(dims))
 
 
