@@ -173,6 +173,41 @@ def test_extra_names_combine_with_user_tags(inputs):
     assert got["my_pre"] == "offload" and got["fc1_input"] == "device"
 
 
+def test_otherwise_decides_what_the_policy_does_not_name(inputs):
+    """``otherwise=dots_saveable``: the op's residuals are placed as asked, the user's
+    own matmul around the op is saved rather than recomputed, and the gradients are
+    bitwise those of the plain policy. (``save_from_both_policies`` of the same two
+    raises once anything offloads: it accepts only True or False.)"""
+    x, w1, w2, probs, gs = inputs
+    u = jnp.asarray(np.random.default_rng(5).standard_normal((x.shape[1], x.shape[1])) / 8, jnp.bfloat16)
+
+    def grads(policy):
+        def loss(x, w1, w2, probs):
+            def layer(x, w1, w2, p):
+                return jgm.grouped_mlp(jnp.tanh(x @ u), w1, w2, gs, p)
+            return jnp.sum(jax.checkpoint(layer, policy=policy)(x, w1, w2, probs).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+    plain = jgm.offload_policy("offload", "device", "recompute")
+    mixed = jgm.offload_policy("offload", "device", "recompute", otherwise=jax.checkpoint_policies.dots_saveable)
+    placed = jgm.residual_placements(grads(mixed), x, w1, w2, probs)
+    assert placed == {"fc1_input": "offload", "activation_input": "device", "fc2_input": "recompute"}, placed
+
+    def saved(policy):
+        from jax._src.ad_checkpoint import saved_residuals  # (private; print_saved_residuals prints it)
+
+        def f(x, w1, w2, probs):
+            layer = jax.checkpoint(lambda x, w1, w2, p: jgm.grouped_mlp(jnp.tanh(x @ u), w1, w2, gs, p), policy=policy)
+            return jnp.sum(layer(x, w1, w2, probs).astype(jnp.float32))
+        return [a.shape for a, why in saved_residuals(f, x, w1, w2, probs) if "dot_general" in why]
+
+    assert saved(mixed) and not saved(plain)  # the user's x @ u: saved only with otherwise
+    for a, b in zip(grads(mixed)(x, w1, w2, probs), grads(plain)(x, w1, w2, probs)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(TypeError, match="otherwise must be a jax.checkpoint policy"):
+        jgm.offload_policy(otherwise="dots")
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

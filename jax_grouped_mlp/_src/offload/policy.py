@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Literal, get_args
+from typing import Callable, Iterable, Literal, get_args
 
 import jax
 
@@ -43,6 +43,7 @@ def offload_policy(
     *,
     extra_saveable: Iterable[str] = (),
     extra_offloadable: Iterable[str] = (),
+    otherwise: Callable | None = None,
 ):
     """A ``jax.checkpoint`` policy that places each residual of :func:`grouped_mlp`.
 
@@ -55,7 +56,11 @@ def offload_policy(
 
     Values the policy does not name are recomputed, as with any
     ``save_and_offload_only_these_names`` policy; ``extra_saveable`` and
-    ``extra_offloadable`` add your own ``checkpoint_name`` tags.
+    ``extra_offloadable`` add your own ``checkpoint_name`` tags. ``otherwise``, another
+    ``jax.checkpoint`` policy (e.g. ``jax.checkpoint_policies.dots_saveable``), decides
+    every value this one does not name instead. (JAX's ``save_from_both_policies``
+    cannot combine this policy with another once it offloads: it accepts only True or
+    False answers.)
 
     The op copies its own offloaded residuals to the host (the copies JAX's
     ``device_put`` to ``pinned_host`` makes, without a memory-space transfer in the
@@ -91,9 +96,22 @@ def offload_policy(
     both = set(save) & set(offload)
     if both:
         raise ValueError(f"names cannot be both saved on device and offloaded: {sorted(both)}")
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=save,
         names_which_can_be_offloaded=offload,
         offload_src="device",
         offload_dst="pinned_host",
     )
+    if otherwise is None:
+        return policy
+    if not callable(otherwise) or hasattr(otherwise, "bind"):
+        raise TypeError(f"otherwise must be a jax.checkpoint policy (a callable) or None, got {otherwise=!r}")
+    named = frozenset(placements) | frozenset(extra_save) | frozenset(extra_offload)
+
+    def combined(prim, *avals, **params):
+        """This policy for the names it places, ``otherwise`` for everything else."""
+        if params.get("name") in named:
+            return policy(prim, *avals, **params)
+        return otherwise(prim, *avals, **params)
+
+    return combined
