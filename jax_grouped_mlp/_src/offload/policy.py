@@ -66,8 +66,9 @@ def offload_policy(
     ``device_put`` to ``pinned_host`` makes, without a memory-space transfer in the
     traced program), so a jitted train step does not compile again on its second call.
     Your own names in ``extra_offloadable`` are offloaded by JAX and do bring that
-    back (``jax.jit`` then commits the step's outputs; place the step's inputs on the
-    device with ``jax.device_put`` before the first call to avoid it).
+    back (``jax.jit`` then commits the step's outputs; commit the step's inputs before
+    the first call to avoid it: ``jax.device_put(x, jax.devices()[0])``, with the device
+    named; without one ``device_put`` leaves them uncommitted).
 
     Example::
 
