@@ -24,6 +24,7 @@ from flax import nnx  # noqa: E402
 
 from jax_grouped_mlp import ExpertParallel, RoutingConfig  # noqa: E402
 from jax_grouped_mlp.flax import AxisNames, GroupedMLP, MoEBlock  # noqa: E402
+from compile_counter import COMPILES  # noqa: E402
 
 P = jax.sharding.PartitionSpec
 Explicit, Auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
@@ -119,17 +120,6 @@ def test_adamw_trains_expert_parallel_block_like_one_device(rng):
         assert w.get_value().sharding.spec == P("expert", None, None), w.get_value().sharding
 
 
-class _CompileCounter:
-    def __init__(self):
-        self.n = 0
-        jax.monitoring.register_event_duration_secs_listener(self)
-
-    def __call__(self, event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.n += 1
-
-
-_COMPILES = _CompileCounter()
 
 
 def test_expert_parallel_train_step_compiles_on_the_first_step_only(rng):
@@ -161,9 +151,9 @@ def test_expert_parallel_train_step_compiles_on_the_first_step_only(rng):
     for _ in range(3):
         x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
         target = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-        before = _COMPILES.n
+        before = COMPILES.n
         float(step(block, opt, x, target))
-        counts.append(_COMPILES.n - before)
+        counts.append(COMPILES.n - before)
     assert counts[0] >= 1 and counts[1:] == [0, 0], counts
 
 

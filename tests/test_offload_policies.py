@@ -20,6 +20,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import jax_grouped_mlp as jgm
+from compile_counter import COMPILES
 from jax_grouped_mlp._src.op import mlp, primitives
 from jax_grouped_mlp._src.op.heuristics import DEFAULT, KernelChoices
 
@@ -71,17 +72,6 @@ LAYOUTS = {"loop": loop_loss, "scan": scan_loss}
 # 1. No surprise recompiles (issue 17, item 3).
 
 
-class _CompileCounter:
-    def __init__(self):
-        self.n = 0
-        jax.monitoring.register_event_duration_secs_listener(self)
-
-    def __call__(self, event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.n += 1
-
-
-_COUNTER = _CompileCounter()
 
 
 @pytest.mark.parametrize(
@@ -104,10 +94,10 @@ def test_train_step_compiles_once(rng, layout, combo):
     params = (w1, w2)
     compiles = []
     for _ in range(3):
-        before = _COUNTER.n
+        before = COMPILES.n
         loss, params = step(params, x)
         jax.block_until_ready(params)
-        compiles.append(_COUNTER.n - before)
+        compiles.append(COMPILES.n - before)
     assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
     assert step._cache_size() == 1
     assert np.isfinite(float(loss))
@@ -363,10 +353,10 @@ def test_eager_calls_compile_only_the_first_time(rng):
     x, w1, w2, probs, gs = _make_inputs(rng, layers=1)
     grad = jax.grad(lambda w1: jnp.sum(jgm.grouped_mlp(x, w1, w2[0], gs, probs).astype(jnp.float32)))
     jax.block_until_ready((jgm.grouped_mlp(x, w1[0], w2[0], gs, probs), grad(w1[0])))
-    before = _COUNTER.n
+    before = COMPILES.n
     for _ in range(2):
         jax.block_until_ready((jgm.grouped_mlp(x, w1[0], w2[0], gs, probs), grad(w1[0])))
-    assert _COUNTER.n == before, _COUNTER.n - before
+    assert COMPILES.n == before, COMPILES.n - before
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "fp8_block", "bf16"])
@@ -383,10 +373,10 @@ def test_an_eager_call_at_a_new_shape_compiles_one_program(rng, recipe):
         return y, g(w1)
 
     jax.block_until_ready(fwd_and_grad(x, w1, probs))
-    before = _COUNTER.n
+    before = COMPILES.n
     x1, p1 = x[:-1], probs[:-1]  # one row fewer: new shapes everywhere
     got = jax.block_until_ready(fwd_and_grad(x1, w1, p1))
-    assert _COUNTER.n - before <= 12, _COUNTER.n - before
+    assert COMPILES.n - before <= 12, COMPILES.n - before
     want = jax.jit(fwd_and_grad)(x1, w1, p1)
     for g, w in zip(got, want):
         assert np.abs(np.asarray(w, np.float32)).max() > 0
