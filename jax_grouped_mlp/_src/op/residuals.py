@@ -362,6 +362,8 @@ def _batch(args, dims, *, num_values, **params):
 
 
 batching.primitive_batchers[residual_p] = _batch
+
+
 def _moved(tangents, outs, memory_kind: str) -> list:
     """``tangents`` moved to ``memory_kind`` like the primal values that became ``outs``
     (symbolic zeros stay zeros, of the outputs' tangent types)."""
