@@ -547,16 +547,16 @@ def test_layer_scan_layer_must_keep_x_types(rng):
 def test_layer_scan_eager_gradient_compiles_once(rng):
     """Without jit, the second gradient call reuses the first's program (each call
     compiled the scans again: ~2.8 s a call at a tiny shape on the CPU)."""
-    from test_offload_policies import _COUNTER
+    from compile_counter import COMPILES
 
     x, w1, w2, probs, gs = _make_inputs(rng, layers=3)
     policy = jgm.offload_policy()
     grad = jax.grad(lambda w1: jnp.sum(jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=policy)
                                        .astype(jnp.float32)))  # fmt: skip
     first = jax.block_until_ready(grad(w1))
-    before = _COUNTER.n
+    before = COMPILES.n
     again = jax.block_until_ready(grad(w1))
-    assert _COUNTER.n == before, _COUNTER.n - before
+    assert COMPILES.n == before, COMPILES.n - before
     np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(again, np.float32))
 
 
