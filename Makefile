@@ -5,13 +5,14 @@
 demo: kernels
 	@PY=$$(tools/venv.sh) && $$PY examples/demo.py
 
-# The fast suite (under 5 minutes on 2 cores); test-slow: the long CPU cases
-# (tests/conftest.py SLOW); CI runs both (test-all).
+# The fast suite (about 18 minutes on 2 cores, 2026-12-07); test-slow: the long CPU
+# cases (tests/conftest.py SLOW); CI runs both (test-all). Each prints its 25 slowest
+# tests, so that a CI log shows where the time goes.
 test: kernels
-	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 -m "not slow" tests
+	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 -m "not slow" --durations=25 tests
 
 test-slow: kernels
-	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 -m slow tests
+	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 -m slow --durations=25 tests
 
 test-all: test test-slow
 
