@@ -14,11 +14,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # Without a GPU, the CPU tests spend most of their time in XLA's CPU compiler; LLVM at
-# optimization level 0 cuts that by about a third (a 6-layer gradient: backend compile
-# 37-42 s -> 28 s; the fast suite 1347 -> 1057 s on 2 cores, 2026-12-07). It changes no number: XLA
-# emits the arithmetic without fast-math flags, so LLVM may not reorder or contract it,
-# and every program a test compares is compiled the same way. Read when the backend
-# starts (after this import), and inherited by the tests' subprocesses. A GPU machine
+# optimization level 0 cuts that time by about a third (a 6-layer gradient: backend
+# compile 37-42 s -> 28 s) and the fast suite's by a fifth (1347 -> 1057 s on 2 cores,
+# 2026-12-07). It changes no number: XLA emits the arithmetic without fast-math flags,
+# so LLVM may not reorder or contract it, and every program a test compares is
+# compiled the same way. Read when the backend starts (after this import), and
+# inherited by the tests' subprocesses. A GPU machine
 # (its driver's /dev/nvidiactl) keeps XLA's defaults; JGM_TEST_XLA_OPT=1 keeps them here.
 if not os.path.exists("/dev/nvidiactl") and os.environ.get("JGM_TEST_XLA_OPT") != "1":
     _LLVM_O0 = "--xla_backend_optimization_level=0"
