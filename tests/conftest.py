@@ -19,12 +19,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # 2026-12-07). It changes no number: XLA emits the arithmetic without fast-math flags,
 # so LLVM may not reorder or contract it, and every program a test compares is
 # compiled the same way. Read when the backend starts (after this import), and
-# inherited by the tests' subprocesses. A GPU machine
-# (its driver's /dev/nvidiactl) keeps XLA's defaults; JGM_TEST_XLA_OPT=1 keeps them here.
-if not os.path.exists("/dev/nvidiactl") and os.environ.get("JGM_TEST_XLA_OPT") != "1":
-    _LLVM_O0 = "--xla_backend_optimization_level=0"
-    if _LLVM_O0 not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LLVM_O0}".strip()
+# inherited by the tests' subprocesses. A GPU machine (its driver's /dev/nvidiactl)
+# keeps XLA's defaults; so does JGM_TEST_XLA_OPT=1, and so does an XLA_FLAGS that
+# already names an optimization level.
+_OPT_LEVEL = "--xla_backend_optimization_level"
+if (not os.path.exists("/dev/nvidiactl") and os.environ.get("JGM_TEST_XLA_OPT") != "1"
+        and _OPT_LEVEL not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_LEVEL}=0".strip()
 
 from gpu_helpers import has_gpu  # noqa: E402
 
