@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,19 @@ def test_expert_parallel_numbers_and_none():
     for bad in (None, 5):
         with pytest.raises(TypeError, match="data_axes"):
             jgm.ExpertParallel(mesh, "expert", data_axes=bad)
+
+
+def test_expert_parallel_warns_below_the_average_load():
+    """capacity_factor < 1 drops pairs even under balanced routing: a warning at the
+    user's line; 1 and above construct silently."""
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    with pytest.warns(UserWarning, match=r"capacity_factor=0\.5 is below 1.*perfectly balanced") as record:
+        assert jgm.ExpertParallel(mesh, "expert", capacity_factor=0.5).capacity_factor == 0.5
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for fine in (None, 1, 1.0, 1.25, 8):
+            jgm.ExpertParallel(mesh, "expert", capacity_factor=fine)
 
 
 def test_planner_takes_numpy_scalars():

@@ -1,7 +1,8 @@
 """Where the library's warnings point (``_src/warn.py``): at the first frame outside this
 package, JAX, jaxlib, Flax and the standard library (the import machinery included), not
 at code installed in site-packages (which may lie inside the standard library's
-directory) nor past ``<stdin>``/``<string>``; module filters still match the library."""
+directory) nor past ``<stdin>``/``<string>`` (unless run in a library module's namespace, as a
+dataclass's generated ``__init__`` is); module filters still match the library."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ exec(compile("from jax_grouped_mlp._src import warn\ndef library_warns():\n    w
              os.path.join(warn._PACKAGE_DIR, "_src", "fake.py"), "exec"), _LIB)
 
 
-def _frame(filename: str):
-    return types.SimpleNamespace(f_code=types.SimpleNamespace(co_filename=filename))
+def _frame(filename: str, module: str = "__main__"):
+    return types.SimpleNamespace(f_code=types.SimpleNamespace(co_filename=filename), f_globals={"__name__": module})
 
 
 def test_internal_frames():
@@ -39,6 +40,8 @@ def test_internal_frames():
         os.path.join(warn._PACKAGE_DIR, "_src", "op", "mlp.py"),
         "<frozen importlib._bootstrap>",
     ]
+    # code exec'd in a library module's namespace (a dataclass's generated __init__)
+    generated = [_frame("<string>", m) for m in ("jax_grouped_mlp._src.moe.block", "flax.nnx.module", "jax")]
     user = [
         os.path.join(paths["purelib"], "my_model", "train.py"),  # the user's installed package
         os.path.join(paths["stdlib"], "site-packages", "my_model", "train.py"),  # the base Python's
@@ -48,6 +51,8 @@ def test_internal_frames():
     ]
     assert [warn._is_internal(_frame(f), dirs) for f in internal] == [True] * len(internal)
     assert [warn._is_internal(_frame(f), dirs) for f in user] == [False] * len(user)
+    assert [warn._is_internal(f, dirs) for f in generated] == [True] * len(generated)
+    assert not warn._is_internal(_frame("<string>", "jax_grouped_mlp_extras"), dirs)  # a prefix is not the package
 
 
 def _caught(fn):

@@ -17,6 +17,7 @@ import types
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_grouped_mlp/
 _OTHERS = ("jax", "jaxlib", "flax")
+_LIBRARIES = frozenset({"jax_grouped_mlp", *_OTHERS})
 _SITE_NAMES = frozenset({"site-packages", "dist-packages"})  # any interpreter's, not only this one's
 
 
@@ -40,8 +41,10 @@ def _internal_dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 def _is_internal(frame: types.FrameType, dirs) -> bool:
     packages, stdlib, site = dirs
     filename = frame.f_code.co_filename
-    if filename.startswith("<"):  # <frozen importlib...>: the interpreter's; <string>, <stdin>: the user's
-        return filename.startswith("<frozen")
+    if filename.startswith("<"):  # <frozen importlib...>: the interpreter's; <string>, <stdin>: the user's,
+        # unless exec'd in a library module's namespace (a dataclass's generated __init__)
+        module = str(frame.f_globals.get("__name__", ""))
+        return filename.startswith("<frozen") or module.split(".")[0] in _LIBRARIES
     path = os.path.abspath(filename)
     if path.startswith(packages):
         return True

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jax.sharding import PartitionSpec as P
 
-from jax_grouped_mlp._src import checks, eager, groups
+from jax_grouped_mlp._src import checks, eager, groups, warn
 from jax_grouped_mlp._src.moe import router_stats
 from jax_grouped_mlp._src.moe import routing as routing_lib
 from jax_grouped_mlp._src.moe.exchange import Exchange, exclusive_cumsum, ragged_all_to_all
@@ -58,7 +58,8 @@ class ExpertParallel:
     ``capacity_factor=None`` (default) is drop-free. A number ``c`` sizes each
     device's receive buffer (the ``M`` of its ``grouped_mlp``) at ``ceil(c * local
     pairs)`` rows instead of ``axis_size`` times that, where local pairs is a token
-    shard's ``tokens * top_k``; ``c >= axis_size`` is drop-free. ``c`` must be finite
+    shard's ``tokens * top_k``; ``c >= axis_size`` is drop-free, and ``c < 1`` drops
+    pairs even under perfectly balanced routing (it warns). ``c`` must be finite
     (a Python or NumPy number; use None, not ``inf``, for drop-free). Pairs that do not
     fit are dropped (they contribute zero and get zero gradient): a device accepts
     its peers' blocks in rank order along the expert axis, each block ordered by
@@ -98,6 +99,12 @@ class ExpertParallel:
                 raise ValueError(f"capacity_factor must be finite (None is drop-free), got capacity_factor={c!r}")
             c = checks.positive_float("capacity_factor", c)
             object.__setattr__(self, "capacity_factor", c)
+            if c < 1:  # below the average load: balanced routing drops pairs too
+                warn.warn(
+                    f"capacity_factor={c!r} is below 1: each device's buffer holds fewer rows than "
+                    "its share of the pairs, so pairs are dropped even when routing is perfectly "
+                    "balanced (1 is the average load; None is drop-free)"
+                )
 
     @property
     def token_axes(self) -> tuple[str, ...]:
