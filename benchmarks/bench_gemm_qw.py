@@ -10,6 +10,9 @@ the same inputs in one process:
   fake_quantize+bf16  the weight's fake-quantize pass, then the plain kernel (what the
                       op runs with ``KernelChoices(quantize_weights_in_gemm=False)``)
   qw                  ``grouped_gemm_qw_cuda``: the weight quantized inside the GEMM
+                      (``qw:<variant>`` each variant alone, ``qw`` the best of them,
+                      ``qw_mixed`` every variant on its band of each group, the mixed
+                      tiles, ``qw_device_choice`` the default call)
 ``qw`` is checked against the plain kernel on the pre-quantized weight: the share of
 bitwise-equal outputs and the largest difference in bf16 ulps (only the fp32 summation
 order may differ). TFLOP/s = 2 M N K / time. Writes JSON and prints a table.
@@ -59,9 +62,14 @@ def bench_layout(a, w, gs, flops: float, transpose: bool, iters: int) -> dict:
         res["qw:" + v] = gemm_entry(time_call(qw, a, w, gs, iters=iters), flops) | _agreement(qw(a, w, gs), want)
     best = min((k for k in res if k.startswith("qw:")), key=lambda k: res[k]["ms"])
     res["qw"] = res[best] | {"variant": best[3:]}
-    # The default call: every variant launched, the one chosen on the device from the sizes working.
+    # The mixed tiles: every variant working on its band of each group.
     fits = tuple(v for v in gemm_ffi.grouped_gemm_qw_variants() if registry.variant(v).rhs_k_major == transpose)
-    chosen = fits[int(jax.jit(gemm_ffi.qw_choice, static_argnums=1)(gs, fits)[0])]
+    if len(fits) > 1:
+        mixed = jax.jit(lambda a, w, gs: gemm_ffi.grouped_gemm_qw_cuda(a, w, gs, transpose_rhs=transpose, variant=fits))
+        res["qw_mixed"] = gemm_entry(time_call(mixed, a, w, gs, iters=iters), flops) | _agreement(mixed(a, w, gs), want)
+    # The default call: every variant launched, the one (or the mixed tiles) chosen on the device from the sizes.
+    first, is_mixed = (int(x) for x in jax.jit(gemm_ffi.qw_choice, static_argnums=1)(gs, fits))
+    chosen = "mixed" if is_mixed == 1 else fits[first]
     auto = jax.jit(lambda a, w, gs: gemm_ffi.grouped_gemm_qw_cuda(a, w, gs, transpose_rhs=transpose))
     res["qw_device_choice"] = (gemm_entry(time_call(auto, a, w, gs, iters=iters), flops)
                                | _agreement(auto(a, w, gs), want) | {"variant": chosen})
@@ -113,6 +121,9 @@ def main(argv=None) -> int:
             for k, q in e.items():
                 if k.startswith("qw:"):
                     print(f"    {k:48} {cell(q)}  bitwise {q['bitwise_equal_fraction']:.4f}")
+            if "qw_mixed" in e:
+                q = e["qw_mixed"]
+                print(f"    {'mixed tiles (every variant on its band)':48} {cell(q)}  bitwise {q['bitwise_equal_fraction']:.4f}")
             d = e["qw_device_choice"]
             print(f"    {'default (device choice: ' + d['variant'] + ')':48} {cell(d)}  bitwise "
                   f"{d['bitwise_equal_fraction']:.4f}  / best {e['device_choice_over_best']:.3f}")

@@ -14,6 +14,9 @@ Checked three ways on fresh random inputs:
   * poisoned outputs (two poisons must give the same result: every element written),
     rows past the groups exactly zero, adversarial group sizes (zeros, one giant group,
     negative, 2^31 - 1, past M).
+The mixed tiles (several variants working in one call, each on its band of every group:
+``heuristics.qw_band_rows``) go through the same checks, and must give the same bits as
+one variant alone.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _fake_quantize(w: jax.Array, axis: int) -> jax.Array:
     return mxfp8.dequantize(mxfp8.quantize_mxfp8(w, axis=axis), jnp.bfloat16)
 
 
-def _run(a, w_stored, group_sizes, transpose: bool, variant: str | None = None) -> np.ndarray:
+def _run(a, w_stored, group_sizes, transpose: bool, variant: str | tuple[str, ...] | None = None) -> np.ndarray:
     """The kernel's output after each of two poisons (must agree), as float64."""
     m, n = a.shape[0], w_stored.shape[1 if transpose else 2]
     gs = jnp.asarray(np.asarray(group_sizes, np.int32))
@@ -56,8 +59,8 @@ def _run(a, w_stored, group_sizes, transpose: bool, variant: str | None = None) 
     return runs[0]
 
 
-def _check(rng, m, n, k, g, group_sizes, variant: str) -> None:
-    transpose = variant.endswith("_bk")
+def _check(rng, m, n, k, g, group_sizes, variant: str | tuple[str, ...]) -> None:
+    transpose = _is_bk(variant)
     a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
     w_stored = jnp.swapaxes(w, 1, 2) if transpose else w  # [G, N, K] for the dgrad use
@@ -87,7 +90,26 @@ def _check(rng, m, n, k, g, group_sizes, variant: str) -> None:
     assert not far.any(), f"{far.sum()} elements more than one bf16 ulp from the plain kernel"
 
 
+def _is_bk(variant: str | tuple[str, ...]) -> bool:
+    return (variant if isinstance(variant, str) else variant[0]).endswith("_bk")
+
+
+def _mixed_sets() -> list[tuple[str, ...]]:
+    """Per weight layout, every variant together (the default call's mixed tiles) and every
+    pair (a largest tile that is not the chunk tile included): the mixed tiles."""
+    names = gemm_ffi.grouped_gemm_qw_variants()
+    sets = []
+    for bk in (False, True):
+        fits = tuple(v for v in names if registry.variant(v).rhs_k_major == bk)
+        if len(fits) > 1:
+            sets.append(fits)
+        sets += [(a, b) for i, a in enumerate(fits) for b in fits[i + 1:]] if len(fits) > 2 else []
+    return sets
+
+
 VARIANTS = gemm_ffi.grouped_gemm_qw_variants() or ("none",)
+# Every variant alone, then the mixed tiles.
+CHOICES = list(VARIANTS) + _mixed_sets()
 
 
 def _sizes(rng, g, total):
@@ -97,7 +119,7 @@ def _sizes(rng, g, total):
 
 @pytest.mark.gpu
 @needs_kernels
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", CHOICES, ids=str)
 @pytest.mark.parametrize(
     "m,n,k,g,total",
     [
@@ -114,22 +136,24 @@ def test_random(rng, variant, m, n, k, g, total):
 
 @pytest.mark.gpu
 @needs_kernels
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", CHOICES, ids=str)
 def test_adversarial_group_sizes(rng, variant):
     m, n, k, g = 640, 192, 256, 6
     for sizes in ([0, 5, 0, 300, 0, 129], [0, 640, 0, 0, 0, 0], [0] * 6, [-7, 100, 2**31 - 1, 5, 0, 0],
-                  [200, 200, 200, 200, 0, 0]):
+                  [200, 200, 200, 200, 0, 0], [0, 384, 0, 256, 0, 0], [-1, 500, 0, 0, 0, 2**31 - 1]):
         _check(rng, m, n, k, g, sizes, variant)
 
 
 @pytest.mark.gpu
 @needs_kernels
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", CHOICES, ids=str)
 def test_group_sizes_at_tile_boundaries(rng, variant):
     """Groups one short of, at, and one past 192 and 384 tokens: the t384 kernel's tiles
-    with two accumulators, with the first only (at most 192 tokens), and partial ones."""
-    sizes = [1, 191, 192, 193, 383, 384, 385, 577]
-    _check(rng, sum(sizes), 192, 256, len(sizes), sizes, variant)
+    with two accumulators, with the first only (at most 192 tokens), and partial ones;
+    for the mixed tiles, groups with no remainder, no whole chunk, and both (767, 768,
+    769), and rows past the groups (M is 100 rows more than the groups)."""
+    sizes = [1, 191, 192, 193, 383, 384, 385, 577, 767, 768, 769, 0, 1152]
+    _check(rng, sum(sizes) + 100, 192, 256, len(sizes), sizes, variant)
 
 
 @pytest.mark.gpu
@@ -218,46 +242,76 @@ def test_token_tile_tokens():
         gemm_ffi.qw_tile_tokens("grouped_gemm_sm90_bf16_m128n256k64_s4")
 
 
-def test_device_choice_matches_the_model_on_cpu():
-    """``qw_choice`` (XLA, on the device) picks the variant ``heuristics.qw_tiles_cost``
-    rates cheapest, first of equals, for equal, skewed and empty groups."""
+def test_device_choice_matches_the_model_on_cpu(monkeypatch):
+    """``qw_choice`` (XLA, on the device) picks the option ``heuristics`` rates cheapest
+    (one variant: ``qw_tiles_cost``; the mixed tiles: ``qw_mixed_cost``), first of equals,
+    for equal, skewed, negative and empty groups; with ``JGM_QW_MIXED_TILES=0`` one
+    variant only. The mixed tiles win under router skew and never at equal 384-token
+    groups."""
     names = ("grouped_gemm_sm90_qw_w128t192k64_s5", "grouped_gemm_sm90_qw_w128t256k64_s4",
              "grouped_gemm_sm90_qw_w128t384k64_s3_ss")
+    tiles = [gemm_ffi.qw_tile_tokens(v) for v in names]
+    options = gemm_ffi.qw_options(names)
+    assert options.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]]
+    assert gemm_ffi.qw_options(names, mixed=False).tolist() == [[0, 0], [1, 0], [2, 0]]
+    assert gemm_ffi.qw_options(names[:1]).tolist() == [[0, 0]]  # one variant: nothing to mix
     rng = np.random.default_rng(0)
-    cases = [np.full(128, 384), np.full(16, 192), np.full(8, 1024), np.zeros(4, np.int64),
-             rng.multinomial(49152, rng.dirichlet(np.ones(128))), rng.multinomial(6000, rng.dirichlet(np.full(32, 0.3)))]
+    dirichlet = rng.multinomial(49152, rng.dirichlet(np.ones(128)))
+    cases = [np.full(128, 384), np.full(16, 192), np.full(8, 1024), np.zeros(4, np.int64), dirichlet,
+             rng.multinomial(6000, rng.dirichlet(np.full(32, 0.3))), np.asarray([-5, 800, 0, 2**31 - 1])]
+
+    def modelled(sizes, row):
+        sizes = np.maximum(np.asarray(sizes, np.int64), 0)
+        i, mixed = row
+        if mixed:
+            return float(heuristics.qw_mixed_cost(sizes, tiles, registry.QW_CHUNK_TOKENS))
+        return float(heuristics.qw_tiles_cost(sizes, tiles[i]))
+
+    choose = jax.jit(gemm_ffi.qw_choice, static_argnums=1)
     with jax.default_device(jax.devices("cpu")[0]):
         for sizes in cases:
-            costs = [heuristics.qw_tiles_cost(np.asarray(sizes, np.int64), gemm_ffi.qw_tile_tokens(v)) for v in names]
-            got = jax.jit(gemm_ffi.qw_choice, static_argnums=1)(jnp.asarray(sizes, jnp.int32), names)
-            assert got.shape == (1,) and got.dtype == jnp.int32
-            assert int(got[0]) == int(np.argmin(costs)), (sizes[:8], costs)
+            costs = [modelled(sizes, row) for row in options]
+            got = choose(jnp.asarray(sizes, jnp.int32), names)
+            assert got.shape == (2,) and got.dtype == jnp.int32
+            assert got.tolist() == options[int(np.argmin(costs))].tolist(), (sizes[:8], costs)
+        assert choose(jnp.asarray(np.full(128, 384), jnp.int32), names).tolist() == [2, 0]
+        assert choose(jnp.asarray(dirichlet, jnp.int32), names).tolist() == [2, 1]  # mixed under skew
+        monkeypatch.setenv("JGM_QW_MIXED_TILES", "0")
+        assert gemm_ffi.qw_choice(jnp.asarray(dirichlet, jnp.int32), names)[1] == 0
+        monkeypatch.setenv("JGM_QW_MIXED_TILES", "yes")
+        with pytest.raises(ValueError, match="JGM_QW_MIXED_TILES"):
+            gemm_ffi.qw_choice(jnp.asarray(dirichlet, jnp.int32), names)
 
 
 @pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("transpose", [False, True], ids=["w", "w_bk"])
-def test_device_choice_runs_exactly_one_variant(rng, transpose):
-    """One call launches every variant of the layout; the ``choice`` operand (clamped into
-    range on the device) makes exactly one work: after two different poisons every
-    element is written and equal, for in-range, negative and too-large choices, and equal
-    bit for bit to that variant launched alone (all variants give the same bits)."""
+def test_device_choice_covers_every_row_once(rng, transpose):
+    """One call launches every variant of the layout; the ``choice`` operand makes one
+    variant work (the first value, clamped into range on the device) or, with a second
+    value of 1, all of them on their bands (mixed tiles): after two different poisons
+    every element is written and equal, for in-range, negative, too-large and mixed
+    choices, and equal bit for bit to one variant launched alone (all variants give the
+    same bits)."""
     fits = tuple(v for v in gemm_ffi.grouped_gemm_qw_variants() if registry.variant(v).rhs_k_major == transpose)
     if len(fits) < 2:
         pytest.skip("one variant of this layout compiled")
-    m, n, k, g = 1500, 192, 320, 6
-    sizes = jnp.asarray([0, 700, 13, 384, 193, 100], jnp.int32)  # 110 rows past the groups
+    m, n, k, g = 2400, 192, 320, 7
+    sizes = jnp.asarray([0, 700, 13, 384, 193, 100, 900], jnp.int32)  # 110 rows past the groups
     a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((g, n, k) if transpose else (g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
     call = jax.jit(gemm_ffi._grouped_gemm_qw_call, static_argnums=(4, 5))
     alone = _run(a, w, np.asarray(sizes), transpose, fits[0])
-    for choice in (-3, 0, 1, len(fits) - 1, len(fits) + 5):
+    last = len(fits) - 1
+    choices = [(-3, 0), (0, 0), (1, 0), (last, 0), (last + 5, 0), (1, -7), (2, 2), (0, 2**31 - 1)]
+    choices += [(0, 1), (last, 1), (-4, 1), (last + 9, 1)]  # the mixed tiles (the first is then unused)
+    for choice in choices:
         runs = []
         for value in (0xFF, 0x7F):
             poison_freed(m * n * 2, value=value)  # (the bf16 [m, n] output)
-            out = call(a, w, sizes, jnp.asarray([choice], jnp.int32), fits, n)
+            out = call(a, w, sizes, jnp.asarray(choice, jnp.int32), fits, n)
             runs.append(np.asarray(jax.block_until_ready(out).astype(jnp.float32), np.float64))
-        # (Two variants running would write the same bits: this catches none running or a race.)
+        # (Two variants on one row would write the same bits: this catches none running or a race.)
         np.testing.assert_array_equal(runs[0], runs[1], err_msg=f"{choice=}: unwritten elements or a race")
         np.testing.assert_array_equal(runs[0], alone, err_msg=f"{choice=}")
     np.testing.assert_array_equal(_run(a, w, np.asarray(sizes), transpose), alone)  # the default: chosen by XLA

@@ -306,3 +306,47 @@ def test_wgrad_tile_order_on_the_device(monkeypatch):
     monkeypatch.setenv("JGM_WGRAD_TILE_ORDER", "fast")
     with pytest.raises(ValueError, match="JGM_WGRAD_TILE_ORDER must be one of"):
         choose(equal)
+
+
+def test_qw_band_rows_take_every_row_once():
+    """The mixed tiles' bands (what the kernels' ``RowBand`` takes): for random, equal,
+    empty and boundary sizes, and for every set of distinct tiles (the compiled 192, 256,
+    384 and others), the bands add up to the sizes; the largest tile takes every whole
+    chunk and a remainder above the next tile; any other tile takes at most one tile's
+    worth, only a remainder it holds and the next smaller tile does not."""
+    rng = np.random.default_rng(3)
+    cases = [np.full(128, 384), np.zeros(5, np.int64), np.asarray([0, 1, 191, 192, 193, 255, 256, 257, 383, 384,
+                                                                  385, 575, 576, 577, 767, 768, 769, 5000]),
+             rng.multinomial(49152, rng.dirichlet(np.ones(128))), rng.multinomial(9999, rng.dirichlet(np.full(64, 0.3)))]
+    for tiles in ((192, 256, 384), (384, 192), (256, 192), (384,), (128, 320)):
+        top = max(tiles)
+        for sizes in cases:
+            parts = heuristics.qw_band_rows(sizes, tiles, 384)
+            np.testing.assert_array_equal(sum(parts), sizes)
+            rest = sizes % 384
+            for rows, t in zip(parts, tiles):
+                assert (rows >= 0).all()
+                lo = max((u for u in tiles if u < t), default=0)
+                if t == top:
+                    np.testing.assert_array_equal(rows, sizes - rest + np.where(rest > lo, rest, 0))
+                else:
+                    np.testing.assert_array_equal(rows, np.where((rest > lo) & (rest <= t), rest, 0))
+    with pytest.raises(ValueError, match="distinct"):
+        heuristics.qw_band_rows(cases[0], (192, 192), 384)
+
+
+def test_qw_mixed_cost_is_the_bands_cost():
+    """The bands' tile costs plus one launch cost per extra working launch: equal multiples
+    of the chunk cost more than the largest tile alone (nothing to gain, so the choice
+    keeps one variant, whatever the float sums' rounding); under router skew less than
+    every single tile."""
+    tiles = (192, 256, 384)
+    extra = 2 * heuristics.QW_MIXED_LAUNCH_COST
+    for rows in (384, 768, 1152):
+        equal = np.full(7, rows)
+        assert heuristics.qw_mixed_cost(equal, tiles, 384) == pytest.approx(heuristics.qw_tiles_cost(equal, 384) + extra)
+    skewed = np.random.default_rng(0).multinomial(49152, np.random.default_rng(0).dirichlet(np.ones(128)))
+    mixed = heuristics.qw_mixed_cost(skewed, tiles, 384)
+    assert mixed < min(heuristics.qw_tiles_cost(skewed, t) for t in tiles)
+    parts = heuristics.qw_band_rows(skewed, tiles, 384)
+    assert mixed == pytest.approx(sum(heuristics.qw_tiles_cost(r, t) for r, t in zip(parts, tiles)) + extra)

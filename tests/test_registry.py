@@ -106,7 +106,7 @@ def test_generated_header_has_every_include_and_row_in_order():
     gemm = header.split("#define JGM_GROUPED_GEMM_VARIANTS(X)")[1].split("\n\n")[0]
     assert "X(grouped_gemm_sm90_bf16_m128n256k64_s4_bk, true)" in gemm
     qw = header.split("#define JGM_GROUPED_GEMM_QW_VARIANTS(X)")[1].split("\n\n")[0]
-    assert "X(grouped_gemm_sm90_qw_w128t384k64_s3_ss, false)" in qw and "_qw_" not in gemm
+    assert "X(grouped_gemm_sm90_qw_w128t384k64_s3_ss, false, 384)" in qw and "_qw_" not in gemm
     assert "X(grouped_wgrad_sm90_bf16_m128n192k64_s4_f32, ffi::F32)" in header
     assert "X(grouped_gemm_sm90_bf16_m128n192k64_s5_bk_dsrelu, 192)" in header
     assert "X(fake_quantize_mxfp8_row_colq_v8_t128, ffi::F8E4M3FN)" in header
@@ -171,3 +171,11 @@ def test_quantize_fp8_block_table_columns():
     pair = {v.mode: (v.col_type, v.col_token_major) for v in registry.variants(registry.Family.QUANTIZE_FP8_BLOCK_PAIR)}
     assert pair == {"pair": ("ffi::F8E4M3FN", "false"), "pair_bf16": ("ffi::BF16", "false"),
                     "pair_tm": ("ffi::F8E4M3FN", "true")}
+
+
+def test_qw_chunk_is_the_largest_token_tile_of_each_layout():
+    """The mixed tiles hand every group's whole chunks of ``QW_CHUNK_TOKENS`` to the
+    largest tile: a chunk must be exactly one tile of it, in both weight layouts."""
+    qw = [v for v in registry.VARIANTS if isinstance(v, registry.QwGemmVariant)]
+    for layout in (False, True):
+        assert max(v.tile_t for v in qw if v.rhs_k_major == layout) == registry.QW_CHUNK_TOKENS

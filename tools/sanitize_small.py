@@ -53,12 +53,17 @@ def main() -> int:
         rhs = jnp.swapaxes(w, 1, 2) if bk else w
         out = gemm_ffi.grouped_gemm_qw_cuda(a, rhs, gs, variant=v, transpose_rhs=bk)
         bad += int(not np.isfinite(np.asarray(out, np.float32)).all())
-    for bk in (False, True):  # every tile in one call, the device's choice and out-of-range ones
+    for bk in (False, True):  # every tile in one call: the device's choice, out-of-range ones, the mixed tiles
         rhs = jnp.swapaxes(w, 1, 2) if bk else w
         fits = tuple(v for v in gemm_ffi.grouped_gemm_qw_variants() if registry.variant(v).rhs_k_major == bk)
         outs = [gemm_ffi.grouped_gemm_qw_cuda(a, rhs, gs, transpose_rhs=bk)]
-        outs += [gemm_ffi._grouped_gemm_qw_call(a, rhs, gs, jnp.asarray([c], jnp.int32), fits, rhs.shape[1 if bk else 2])
-                 for c in (-3, len(fits) + 5)]
+        outs += [gemm_ffi._grouped_gemm_qw_call(a, rhs, gs, jnp.asarray(c, jnp.int32), fits, rhs.shape[1 if bk else 2])
+                 for c in ((-3, 0), (len(fits) + 5, 0), (0, 1))]
+        # The mixed tiles with whole 384-token chunks, remainders in every band (116 and 100,
+        # 200, 306) and rows past the groups.
+        a_long = jnp.asarray(rng.standard_normal((1700, k)), jnp.bfloat16)
+        outs.append(gemm_ffi.grouped_gemm_qw_cuda(a_long, rhs, jnp.asarray([500, 200, 690, 100], jnp.int32),
+                                                  transpose_rhs=bk, variant=fits))
         bad += sum(int(not np.isfinite(np.asarray(o, np.float32)).all()) for o in outs)
     # FC1 epilogue (h, a_row, a_col): probs with zeros and negatives.
     probs = jnp.asarray(rng.uniform(-1.0, 1.0, m) * (rng.random(m) > 0.1), jnp.float32)

@@ -103,16 +103,16 @@ def _grouped_gemm_args(b_k_major: bool = False, tile_counter: bool = True):
 
 
 def _grouped_gemm_qw_args(b_k_major: bool):
-    """Fake (lhs [M, K], rhs (N, K, G), out [M, N], group_sizes, choice [1], slot, count,
-    num_ctas, stream): :func:`_grouped_gemm_args` with the device-side choice among the
-    ``count`` variants one FFI call launches (``choice`` has a symbolic length, so its
-    exported struct is the other rank-1 tensors')."""
+    """Fake (lhs [M, K], rhs (N, K, G), out [M, N], group_sizes, choice [2], slot, count, lo,
+    top, num_ctas, stream): :func:`_grouped_gemm_args` with the device-side choice among the
+    ``count`` variants one FFI call launches and this launch's band of the mixed tiles
+    (``choice`` has a symbolic length, so its exported struct is the other rank-1 tensors')."""
     import cutlass
     import cutlass.cute as cute
 
     *head, num_ctas, stream = _grouped_gemm_args(b_k_major, tile_counter=False)
     choice = _fake(cutlass.Int32, (cute.sym_int32(),), (0,), align=4)
-    return (*head, choice, cutlass.Int32(0), cutlass.Int32(1), num_ctas, stream)
+    return (*head, choice, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), num_ctas, stream)
 
 
 def _grouped_gemm_fp8_block_args():

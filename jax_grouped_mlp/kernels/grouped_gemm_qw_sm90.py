@@ -59,7 +59,8 @@ from jax_grouped_mlp.kernels import ptx
 from jax_grouped_mlp.kernels.grouped_gemm_sm90 import (
     EPI_N, SMEM_CAPACITY, GroupedGemmSm90, StoreEpilogue, StoreTarget, TmaLoad, gemm_shared_storage,
 )
-from jax_grouped_mlp.kernels.tile_scheduler import SegmentTileScheduler, TileWork, TraceTimeObject
+from jax_grouped_mlp.kernels.registry import QW_CHUNK_TOKENS
+from jax_grouped_mlp.kernels.tile_scheduler import RowBand, SegmentTileScheduler, TileWork, TraceTimeObject
 
 TILE_W = 128  # weight rows (output columns) per CTA tile: two consumer warp groups of 64
 
@@ -128,6 +129,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
     the token-predicated partial-tile store.
     """
 
+
     def __init__(self, config: GroupedGemmQwConfig):
         self.qw_config = config
         self.row_boxes = config.halves
@@ -160,9 +162,11 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         b: cute.Tensor,  # (N, K, G) bf16 weights: N contiguous ([G, K, N]) or K contiguous ([G, N, K])
         out: cute.Tensor,  # (M, N) bf16, N contiguous
         group_sizes: cute.Tensor,  # (G,) int32
-        choice: cute.Tensor,  # (1,) int32: which of `count` launches works (clamped)
+        choice: cute.Tensor,  # (2,) int32: which of `count` launches work (see kernel)
         slot: Int32,  # this launch's index among them
         count: Int32,
+        lo: Int32,  # mixed tiles: the largest token tile below this one's among the launches (0: none)
+        top: Int32,  # mixed tiles: 1 where this launch has the largest token tile
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
@@ -171,7 +175,7 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
             out.iterator, cute.make_layout((out.shape[1], out.shape[0]), stride=(out.stride[1], out.stride[0]))
         )
         tma, smem_layouts = self._prepare_qw(b, a, out_t)
-        self.kernel(*tma, out_t, group_sizes, choice, slot, count, self.tiled_mma, *smem_layouts).launch(
+        self.kernel(*tma, out_t, group_sizes, choice, slot, count, lo, top, self.tiled_mma, *smem_layouts).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
             min_blocks_per_mp=1,
@@ -448,22 +452,32 @@ class GroupedGemmQwSm90(GroupedGemmSm90):
         choice: cute.Tensor,
         slot: Int32,
         count: Int32,
+        lo: Int32,
+        top: Int32,
         tiled_mma: cute.TiledMma,
         w_smem: cute.ComposedLayout,
         x_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
     ):
-        # Tile chosen on the device: the handler launches `count` variants back to back,
-        # this one as `slot`; only the one `choice` names (clamped into range, so exactly
-        # one works whatever the buffer says) runs, every CTA of the others exits before
+        # Tiles chosen on the device: the handler launches `count` variants back to back,
+        # this one as `slot`; `choice` (computed by XLA from the group sizes) says which
+        # work: choice[0] alone (clamped into range), or, with choice[1] == 1 (mixed
+        # tiles), all of them, each on its band of every group (tile_scheduler.RowBand:
+        # whole chunks on the largest tile, each remainder on the smallest tile that holds
+        # it; `lo` and `top` come from the handler). Whatever the buffer holds, the
+        # launches that work take every row once; every CTA of the others exits before
         # touching shared memory or the output.
-        if cutlass.min(cutlass.max(Int32(choice[0]), Int32(0)), count - 1) == slot:
+        first = cutlass.min(cutlass.max(Int32(choice[0]), Int32(0)), count - 1)
+        mixed = cutlass.select_(Int32(choice[1]) == 1, Int32(1), Int32(0))
+        works = cutlass.select_(slot == first, Int32(1), mixed)
+        band = RowBand(QW_CHUNK_TOKENS, self.seg_tile, mixed, lo, top)
+        if works == 1:
             cta = self._kernel_start((tma_atom_w, tma_atom_x, tma_atom_out))
             # The producer's "A" is the token tile (rows from the tile's start), its "B" the
             # group's weight tile: the plain kernel's loads, into the swapped buffers.
             pipe, sW, sX, sC, warp_group, work = self._setup_and_produce(
                 TmaLoad(tma_atom_x, mX), TmaLoad(tma_atom_w, mW), mOut, group_sizes, (w_smem, x_smem, epi_smem),
-                cta, swapped=True,
+                cta, swapped=True, band=band,
             )
             if warp_group != 0:
                 cute.arch.setmaxregister_increase(self.mma_regs)

@@ -74,7 +74,7 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from jax_grouped_mlp.kernels.tile_scheduler import (
-    HANDOFF_SLOTS, SegmentTileScheduler, TileHandoff, TileWork, TraceTimeObject,
+    HANDOFF_SLOTS, RowBand, SegmentTileScheduler, TileHandoff, TileWork, TraceTimeObject,
 )
 
 SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
@@ -575,6 +575,7 @@ class GroupedGemmSm90:
     def _setup_and_produce(
         self, rows: "TmaLoad", weight: "TmaLoad", mOut: cute.Tensor, group_sizes: cute.Tensor, smem_layouts,
         cta: "CtaIds", swapped: bool = False, tile_counter: cute.Tensor | None = None,
+        band: "RowBand | None" = None,
     ):
         """The kernel body up to the consumers (bf16 B): shared memory and pipeline, the B
         partition, the cursor start, and warp group 0 as the TMA producer (warp 0).
@@ -586,6 +587,8 @@ class GroupedGemmSm90:
         first shared-memory buffer, the tokens in the second, and ``mOut`` is ``(N, M)``.
         ``tile_counter`` (with ``dynamic_tiles``): the global counter of the dynamic tile
         order (:class:`TileHandoff`); without it CTA ``b`` takes tiles ``b, b + grid, ...``.
+        ``band``: the rows of every segment this launch takes (:class:`RowBand`, when several
+        launches of one call share the segments; None: all).
 
         Returns ``(mainloop, sA, sB, sC, warp_group, work)`` for the consumers (warp
         groups 1 and 2): the TMA pipeline, the shared-memory buffers (``sA``/``sB`` in
@@ -611,7 +614,7 @@ class GroupedGemmSm90:
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         # Cursor start: segment 0 (or the tail directly when G == 0).
-        seg0 = SegmentTileScheduler.first_segment(group_sizes, m, n_tiles, self.seg_tile)
+        seg0 = SegmentTileScheduler.first_segment(group_sizes, m, n_tiles, self.seg_tile, band)
         producer_source, consumer_source = self._tile_handoffs(tile_counter, gdim)
 
         if warp_group == 0:
@@ -619,14 +622,16 @@ class GroupedGemmSm90:
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 sched = SegmentTileScheduler.create(
-                    group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, source=producer_source
+                    group_sizes, m, n_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, source=producer_source,
+                    band=band,
                 )
                 loads = SegmentLoads(
                     self, TmaLoad(rows.atom, rows.gmem, s_rows), TmaLoad(weight.atom, tBgB, tBsB), k_tiles
                 )
                 self._produce_tiles(mainloop, state, sched, loads)
         work = TileWork(
-            group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, source=consumer_source
+            group_sizes, m, n_tiles, k_tiles, bidx, gdim, self.seg_tile, self.panel_m, seg0, source=consumer_source,
+            band=band,
         )
         return mainloop, sA, sB, sC, warp_group, work
 

@@ -46,7 +46,7 @@ class Family(enum.Enum):
     """
 
     GROUPED_GEMM = ("jgm_grouped_gemm", "GROUPED_GEMM_VARIANTS", ("rhs_k_major",))
-    GROUPED_GEMM_QW = ("jgm_grouped_gemm_qw", "GROUPED_GEMM_QW_VARIANTS", ("rhs_k_major",))
+    GROUPED_GEMM_QW = ("jgm_grouped_gemm_qw", "GROUPED_GEMM_QW_VARIANTS", ("rhs_k_major", "tile_tokens"))
     GROUPED_WGRAD = ("jgm_grouped_wgrad", "GROUPED_WGRAD_VARIANTS", ("out_type",))
     GROUPED_GEMM_FC1 = ("jgm_grouped_gemm_fc1", "GROUPED_GEMM_FC1_VARIANTS", ())
     GROUPED_GEMM_DGRAD = ("jgm_grouped_gemm_dgrad", "GROUPED_GEMM_DGRAD_VARIANTS", ("tile_n",))
@@ -133,6 +133,13 @@ class GemmVariant:
         s += f"_p{self.panel_m}" if self.panel_m != 8 else ""
         s += "_bk" if self.rhs_k_major else ""
         return s + {"store": "", "fc1": "_fc1", "dgrad": "_dsrelu"}[self.epilogue]
+
+
+# The mixed tiles of the ``_qw`` GEMM (one call, every launched variant working on its
+# band of each group, ``tile_scheduler.RowBand``): every group's whole chunks of this many
+# tokens go to the largest tile. The largest compiled token tile, so that a chunk is
+# exactly one of its tiles (tests/test_registry.py).
+QW_CHUNK_TOKENS = 384
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,10 @@ cursor's dynamic state travels through the tile loop (``__extract_mlir_values__`
 the emitted code is the one they had); the problem (``group_sizes``, ``m``, ``n_tiles``,
 ``gdim``) and the tiling constants ride along at trace time.
 
+Several launches of one call may share the segments (a :class:`RowBand` each: the
+``_qw`` GEMM's mixed tiles): each launch then takes only its rows of every segment
+(:meth:`RowBand.extent`), and the launches together take every row once.
+
 ``blocks=True`` also carries ``blk0``: the number of 32-row MXFP8 blocks of all earlier
 segments (the FC1 epilogue's scale row of a tile's first block); ``blocks=128`` counts
 128-row blocks instead (the ``fp8_block`` FC1 epilogue: a tile is then one block).
@@ -34,6 +38,39 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 BIG = 1 << 30  # "infinitely many tiles": stops the cursor past the tail segment
 BLOCK = 32  # MXFP8 block rows (``blocks=True``)
+
+
+class RowBand:
+    """Which rows of every segment a launch takes when several launches of one call share
+    the segments (the ``_qw`` GEMM's mixed tiles, ``mixed`` == 1): each group is cut into
+    whole chunks of ``chunk`` rows and a remainder ``r < chunk``. The launch with the
+    largest tile (``top`` == 1) takes the chunks, a remainder with ``r > lo`` and the rows
+    past the groups; any other launch (token tile ``tile``) takes only a remainder with
+    ``lo < r <= tile``. With ``lo`` the next smaller tile among the launches that work (0
+    for the smallest), every row is taken by exactly one launch, and (where the largest
+    tile holds a chunk) each remainder is one tile of the smallest tile that holds it.
+    ``mixed`` != 1: whole segments.
+
+    ``chunk`` and ``tile`` are trace-time ints; ``mixed``, ``lo`` and ``top`` run-time Int32
+    set once per launch (loop-invariant, so they ride along at trace time)."""
+
+    def __init__(self, chunk: int, tile: int, mixed, lo, top):
+        self.chunk, self.tile = chunk, tile
+        self.mixed, self.lo, self.top = mixed, lo, top
+
+    def extent(self, rows, in_group) -> tuple:
+        """``(first row, rows)`` this launch takes of a segment of ``rows`` rows
+        (``in_group``: a group, not the tail). Selects only, no branches."""
+        full = cutlass.select_(in_group, rows // self.chunk * self.chunk, Int32(0))
+        r = rows - full
+        fits = cutlass.select_(r <= self.tile, Int32(1), Int32(0))
+        in_band = cutlass.select_(r > self.lo, cutlass.select_(self.top == 1, Int32(1), fits), Int32(0))
+        rem = r * in_band
+        top = self.top == 1
+        first = cutlass.select_(top, Int32(0), full)
+        length = cutlass.select_(in_group, cutlass.select_(top, full + rem, rem), cutlass.select_(top, rows, Int32(0)))
+        mixed = self.mixed == 1
+        return cutlass.select_(mixed, first, Int32(0)), cutlass.select_(mixed, length, rows)
 
 
 @cute.jit
@@ -196,13 +233,18 @@ class SegmentTileScheduler(LoopCursor):
     Immutable in use: :meth:`advance` returns the next position (the tile loops rebind it).
     With a :class:`TileHandoff` (``source``) the next tile comes from it, and ``handoff``
     counts the tiles it has handed this role so far.
+
+    ``band``: the rows of every segment this launch takes (:class:`RowBand`; None: all);
+    ``rows`` stays the whole segment's (the cursor's row arithmetic), ``tiles`` counts the
+    band's tiles, and :meth:`tile_coords` offsets the rows into the band.
     """
 
     _DYNAMIC = ("t", "seg", "tile0", "row0", "rows", "tiles", "blk0", "handoff")
 
     def __init__(self, group_sizes: cute.Tensor, m, n_tiles, gdim, seg_tile: int, panel_m: int,
                  t, seg, tile0, row0, rows, tiles, blk0=None, block_rows: int = BLOCK,
-                 handoff=None, source: "TileHandoff | None" = None):
+                 handoff=None, source: "TileHandoff | None" = None, band: "RowBand | None" = None):
+        self.band = band  # trace time: None (whole segments) or this launch's RowBand
         self.block_rows = block_rows  # rows per counted block (blk0), trace time
         self.source = source  # trace time: None (static order) or this role's TileHandoff
         self.handoff = handoff
@@ -219,22 +261,31 @@ class SegmentTileScheduler(LoopCursor):
     # ---- construction and movement ----
 
     @staticmethod
-    def first_segment(group_sizes: cute.Tensor, m, n_tiles, seg_tile: int):
+    def segment_tiles(group_sizes: cute.Tensor, seg, rows, n_tiles, seg_tile: int, band: "RowBand | None" = None):
+        """Tiles of segment ``seg`` (``rows`` rows) that this launch takes."""
+        if cutlass.const_expr(band is not None):
+            _, rows = band.extent(rows, seg < group_sizes.shape[0])
+        return (rows + (seg_tile - 1)) // seg_tile * n_tiles
+
+    @staticmethod
+    def first_segment(group_sizes: cute.Tensor, m, n_tiles, seg_tile: int, band: "RowBand | None" = None):
         """``(rows, tiles)`` of segment 0 (the tail directly when G == 0): the cursor's start,
         computed once per CTA and shared by its roles."""
         rows = segment_rows(group_sizes, Int32(0), Int32(0), m)
-        return rows, (rows + (seg_tile - 1)) // seg_tile * n_tiles
+        return rows, SegmentTileScheduler.segment_tiles(group_sizes, Int32(0), rows, n_tiles, seg_tile, band)
 
     @staticmethod
     def create(group_sizes: cute.Tensor, m, n_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0,
-               blocks: bool | int = False, source: "TileHandoff | None" = None) -> "SegmentTileScheduler":
+               blocks: bool | int = False, source: "TileHandoff | None" = None,
+               band: "RowBand | None" = None) -> "SegmentTileScheduler":
         """The cursor at this CTA's first tile ``bidx``; ``seg0`` from :meth:`first_segment`.
         ``blocks``: count blocks of :data:`BLOCK` rows (True) or of that many rows (an int).
-        ``source``: this role's :class:`TileHandoff` (dynamic order), None for the static one."""
+        ``source``: this role's :class:`TileHandoff` (dynamic order), None for the static one.
+        ``band``: the rows of every segment the launch takes (None: all)."""
         start = SegmentTileScheduler(
             group_sizes, m, n_tiles, gdim, seg_tile, panel_m, Int32(bidx), Int32(0), Int32(0), Int32(0),
             seg0[0], seg0[1], Int32(0) if blocks else None, BLOCK if blocks is True else int(blocks or BLOCK),
-            Int32(0) if source is not None else None, source,
+            Int32(0) if source is not None else None, source, band,
         )
         return start._seek(start.t)
 
@@ -251,7 +302,7 @@ class SegmentTileScheduler(LoopCursor):
                 seg_row0 = seg_row0 + seg_rows
                 seg = seg + 1
                 seg_rows = segment_rows(group_sizes, seg, seg_row0, m)
-                seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
+                seg_tiles = self._tiles_of(seg, seg_rows)
                 if seg > num_groups:
                     seg_tiles = Int32(BIG)
         else:
@@ -261,13 +312,17 @@ class SegmentTileScheduler(LoopCursor):
                 seg_blk0 = seg_blk0 + (seg_rows + (self.block_rows - 1)) // self.block_rows
                 seg = seg + 1
                 seg_rows = segment_rows(group_sizes, seg, seg_row0, m)
-                seg_tiles = (seg_rows + (self.seg_tile - 1)) // self.seg_tile * n_tiles
+                seg_tiles = self._tiles_of(seg, seg_rows)
                 if seg > num_groups:
                     seg_tiles = Int32(BIG)
         return SegmentTileScheduler(
             group_sizes, m, n_tiles, self.gdim, self.seg_tile, self.panel_m, t, seg, seg_tile0, seg_row0,
-            seg_rows, seg_tiles, seg_blk0, self.block_rows, self.handoff, self.source,
+            seg_rows, seg_tiles, seg_blk0, self.block_rows, self.handoff, self.source, self.band,
         )
+
+    def _tiles_of(self, seg, rows):
+        """Tiles of segment ``seg`` with ``rows`` rows that this launch takes."""
+        return self.segment_tiles(self.group_sizes, seg, rows, self.n_tiles, self.seg_tile, self.band)
 
     def advance(self, tile=None, claimed=None) -> "SegmentTileScheduler":
         """The cursor at this CTA's next tile: ``t + gdim``, or the :class:`TileHandoff`'s
@@ -291,7 +346,10 @@ class SegmentTileScheduler(LoopCursor):
     def tile_coords(self):
         """``(row offset in the segment, rows valid, column tile)`` of the current tile."""
         local = self.t - self.tile0
-        m_tiles = (self.rows + (self.seg_tile - 1)) // self.seg_tile
+        first, rows = Int32(0), self.rows
+        if cutlass.const_expr(self.band is not None):
+            first, rows = self.band.extent(self.rows, self.in_group())
+        m_tiles = (rows + (self.seg_tile - 1)) // self.seg_tile
         panel_tiles = self.panel_m * self.n_tiles
         panel = local // panel_tiles
         r = local - panel * panel_tiles
@@ -299,7 +357,7 @@ class SegmentTileScheduler(LoopCursor):
         n_tile = r // rows_in_panel
         m_tile = panel * self.panel_m + (r - n_tile * rows_in_panel)
         row_off = m_tile * self.seg_tile
-        return row_off, cutlass.min(self.rows - row_off, Int32(self.seg_tile)), n_tile
+        return first + row_off, cutlass.min(rows - row_off, Int32(self.seg_tile)), n_tile
 
 
 class TileWork(TraceTimeObject):
@@ -308,10 +366,12 @@ class TileWork(TraceTimeObject):
     pipeline stages per tile), the persistent grid (``bidx`` of ``gdim``), the tiling
     (``seg_tile`` rows per tile, ``panel_m``) and segment 0 (``seg0``,
     :meth:`SegmentTileScheduler.first_segment`) and, for the dynamic order, the consumers'
-    :class:`TileHandoff`. Trace-time only: never loop-carried."""
+    :class:`TileHandoff`, and the rows of every segment the launch takes (``band``,
+    :class:`RowBand`; None: all). Trace-time only: never loop-carried."""
 
     def __init__(self, group_sizes: cute.Tensor, m, n_tiles, k_tiles, bidx, gdim, seg_tile: int, panel_m: int, seg0,
-                 source: "TileHandoff | None" = None):
+                 source: "TileHandoff | None" = None, band: "RowBand | None" = None):
+        self.band = band
         self.source = source  # the consumers' TileHandoff (dynamic order), or None
         self.group_sizes = group_sizes
         self.m = m
@@ -328,7 +388,7 @@ class TileWork(TraceTimeObject):
         :meth:`SegmentTileScheduler.create`)."""
         return SegmentTileScheduler.create(
             self.group_sizes, self.m, self.n_tiles, self.bidx, self.gdim, self.seg_tile, self.panel_m, self.seg0,
-            blocks=blocks, source=self.source,
+            blocks=blocks, source=self.source, band=self.band,
         )
 
 

@@ -196,13 +196,38 @@ def qw_tile_tokens(variant: str) -> int:
     return v.tile_tokens
 
 
+# For measurements: JGM_QW_MIXED_TILES=0, read when a program is traced, keeps the ``_qw``
+# GEMM's device-side choice to one variant (no mixed tiles), to time both in one process.
+def _mixed_tiles_allowed() -> bool:
+    value = os.environ.get("JGM_QW_MIXED_TILES", "1") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"JGM_QW_MIXED_TILES must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def qw_options(variants: tuple[str, ...], mixed: bool = True) -> np.ndarray:
+    """The ``choice`` values of one call over ``variants``, ``[options, 2]`` int32: ``(i, 0)``
+    for variant ``i`` alone, then (``mixed``, with more than one variant) ``(i, 1)``, the
+    mixed tiles, every variant working on its band of each group
+    (:func:`heuristics.qw_band_rows`; ``i``, the largest tile's index, is then unused)."""
+    options = [(i, 0) for i in range(len(variants))]
+    if mixed and len(variants) > 1:
+        tiles = [qw_tile_tokens(v) for v in variants]
+        options.append((tiles.index(max(tiles)), 1))
+    return np.asarray(options, np.int32).reshape(-1, 2)
+
+
 def qw_choice(group_sizes: jax.Array, variants: tuple[str, ...]) -> jax.Array:
-    """``[1]`` int32 on the device: the index in ``variants`` of the one with the least
-    modelled time for these (clamped) group sizes (:func:`heuristics.qw_tiles_cost`; the
-    first of equals). A few integer ops in XLA: no host sync."""
-    sizes = jnp.asarray(group_sizes, jnp.int32)
-    costs = jnp.stack([heuristics.qw_tiles_cost(sizes, qw_tile_tokens(v)) for v in variants])
-    return jnp.argmin(costs).astype(jnp.int32).reshape(1)
+    """``[2]`` int32 on the device: the :func:`qw_options` row with the least modelled
+    time for these (clamped) group sizes (:func:`heuristics.qw_tiles_cost` for one
+    variant, :func:`heuristics.qw_mixed_cost` for the mixed tiles; the first of equals, so
+    one variant wherever mixing gains nothing). A few integer ops in XLA: no host sync."""
+    sizes = jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0)
+    options = qw_options(variants, _mixed_tiles_allowed())
+    tiles = [qw_tile_tokens(v) for v in variants]
+    costs = [heuristics.qw_tiles_cost(sizes, tiles[i]) if not mixed
+             else heuristics.qw_mixed_cost(sizes, tiles, registry.QW_CHUNK_TOKENS) for i, mixed in options]
+    return jnp.asarray(options)[jnp.argmin(jnp.stack(costs))]
 
 
 def grouped_gemm_qw_cuda(
@@ -211,7 +236,7 @@ def grouped_gemm_qw_cuda(
     group_sizes: jax.Array,
     *,
     transpose_rhs: bool = False,
-    variant: str | None = None,
+    variant: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """``out[m] = lhs[m] @ fake_quantize(w[g])`` in one kernel (``kernels/grouped_gemm_qw_sm90.py``).
 
@@ -223,10 +248,12 @@ def grouped_gemm_qw_cuda(
     axis=K)))`` up to fp32 summation order, without the pass that writes the
     quantized weight. bf16 ``[M, N]`` out.
 
-    ``variant``: one compiled variant by name; by default the token tile is chosen on
-    the device from the group sizes (:func:`qw_choice`): the call launches every
-    compiled variant of this weight layout and all but the chosen one exit at once
-    (a few microseconds each). Every variant gives the same bits.
+    ``variant``: one compiled variant by name, or a tuple of several with distinct token
+    tiles (the mixed tiles, each on its band of every group:
+    :func:`heuristics.qw_band_rows`); by default the tiles are chosen on the device from
+    the group sizes (:func:`qw_choice`): the call launches every compiled variant of this
+    weight layout and, unless the mixed tiles are chosen, all but one exit at once (a few
+    microseconds each). Every choice gives the same bits.
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
@@ -235,19 +262,27 @@ def grouped_gemm_qw_cuda(
     group_sizes = _checked_group_sizes(group_sizes, g, m)
     names = grouped_gemm_qw_variants()
     fits = tuple(v for v in names if registry.variant(v).rhs_k_major == transpose_rhs)
-    if variant is not None and variant not in fits:
-        raise ValueError(f"{variant=} is not one of the compiled {names} for {transpose_rhs=}")
     if not fits:
         raise Unsupported(f"no _qw grouped GEMM variant is compiled for {transpose_rhs=}")
-    chosen = fits if variant is None else (variant,)
-    choice = qw_choice(group_sizes, chosen) if len(chosen) > 1 else jnp.zeros((1,), jnp.int32)
+    forced = (variant,) if isinstance(variant, str) else variant
+    if forced is not None:
+        if not (isinstance(forced, tuple) and forced and all(v in fits for v in forced)):
+            raise ValueError(f"{variant=} must be one or a tuple of the compiled {fits} for {transpose_rhs=}")
+        if len({qw_tile_tokens(v) for v in forced}) != len(forced):
+            raise ValueError(f"{variant=}: the mixed tiles need distinct token tiles")
+    chosen = fits if forced is None else forced
+    if forced is None and len(chosen) > 1:
+        choice = qw_choice(group_sizes, chosen)
+    else:
+        choice = jnp.asarray([0, int(len(chosen) > 1)], jnp.int32)
     return _grouped_gemm_qw_call(lhs, w, group_sizes, choice, chosen, n)
 
 
 def _grouped_gemm_qw_call(lhs, w, group_sizes, choice, variants: tuple[str, ...], n: int) -> jax.Array:
     """The custom call (checked operands, ``n`` output columns): launches ``variants``
-    (all of one weight layout) in order, the one ``choice`` names working (``[1]`` int32
-    on the device, clamped into range by the kernels)."""
+    (all of one weight layout, distinct token tiles) in order, the ones ``choice`` names
+    working (``[2]`` int32 on the device, a :func:`qw_options` row; the kernels clamp the
+    first into range and take any second value but 1 as one variant)."""
     names = grouped_gemm_qw_variants()
     attr = np.asarray([names.index(v) for v in variants], np.int32)
     out = jax.ShapeDtypeStruct((lhs.shape[0], n), jnp.bfloat16)

@@ -169,6 +169,47 @@ def qw_tiles_cost(group_sizes, tile_t: int):
     return (tiles * full + small.astype(float) * half).sum()
 
 
+def qw_band_rows(group_sizes, tiles: Sequence[int], chunk: int) -> list:
+    """The rows each launch of the ``_qw`` GEMM's mixed tiles takes of every group (a list
+    over ``tiles``, each like ``group_sizes``), as the kernels' ``tile_scheduler.RowBand``
+    assigns them: a group's whole chunks of ``chunk`` tokens go to the largest tile, its
+    remainder ``r`` to the smallest tile ``>= r`` (the largest tile if none). ``tiles``
+    must be distinct; the lists add up to the (non-negative, clamped) sizes. The rows past
+    the groups, which the largest tile's launch zero-fills, are not counted (as in
+    :func:`qw_tiles_cost`). Array operators only, for NumPy and traced jax arrays alike."""
+    if len(set(tiles)) != len(tiles) or not tiles:
+        raise ValueError(f"tiles must be distinct token tiles, got {tiles=}")
+    top = max(tiles)
+    full = group_sizes // chunk * chunk
+    rest = group_sizes - full
+    rows = []
+    for t in tiles:
+        lo = max((u for u in tiles if u < t), default=0)
+        in_band = (rest > lo) & ((rest <= t) | (t == top))
+        taken = rest * in_band.astype(rest.dtype)
+        rows.append(full + taken if t == top else taken)
+    return rows
+
+
+# What each launch beyond the first costs when the mixed tiles make every launch of the
+# ``_qw`` call work (its CTAs' setup and its last wave's tail), in QW_TILE_COSTS' units per
+# weight tile: about 10 us at the Nano GEMMs (15-21 weight tiles). It also keeps the
+# choice on one variant wherever mixing gains nothing (equal sizes of a multiple of the
+# chunk cost the same either way, up to the float sums' rounding).
+QW_MIXED_LAUNCH_COST = 1.0
+
+
+def qw_mixed_cost(group_sizes, tiles: Sequence[int], chunk: int):
+    """The modelled time of the ``_qw`` GEMM's mixed tiles (:func:`qw_tiles_cost`' units):
+    every launch in ``tiles`` working on its rows (:func:`qw_band_rows`), plus
+    :data:`QW_MIXED_LAUNCH_COST` for each launch beyond the first. Under router skew each
+    group's short remainder runs as one tile of the smallest tile that holds it, while the
+    bulk of the group still converts its weight once per ``chunk`` tokens."""
+    parts = qw_band_rows(group_sizes, tiles, chunk)
+    work = sum(qw_tiles_cost(rows, t) for rows, t in zip(parts, tiles))
+    return work + QW_MIXED_LAUNCH_COST * (len(tiles) - 1)
+
+
 # The bf16 weight gradient's tile cost in integer units (H200, equal Nano sizes: 0.586 us
 # per 64-row stage of a tile's reduction, 0.82 us per output tile for its store; tools/
 # skew_model.py), and the imbalance that skew adds to the static order
