@@ -168,7 +168,9 @@ def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, .
     """Skewed steps against the equal-sizes step, measured in ``rounds`` interleaved rounds
     (every candidate at every skew once per round, after compiling all of them, in the
     order of :func:`round_order`), so that clock drift on a shared machine hits both sides
-    of a ratio alike. Each entry's ``ms``
+    of a ratio alike. One more round first, not kept: without it the first case's first
+    round ran 2-3x slow on an H100 (16-23 ms against 7.3 for the mxfp8 Nano step,
+    2026-12-07), which with two rounds moved its median and every ratio. Each entry's ``ms``
     is the median over rounds; a skewed entry's ``vs_uniform`` is the median of the
     per-round ratios and ``vs_uniform_rounds`` lists them.
 
@@ -192,14 +194,16 @@ def bench_skews_interleaved(name: str, iters: int, seed: int, only: tuple[str, .
                     for c, j in jobs0.items()}
             keyed[skew_key(name, alpha, None if draw == seed else draw)] = (alpha, header, jobs)
     times: dict = {(k, c): [] for k, (_, _, jobs) in keyed.items() for c, j in jobs.items() if not isinstance(j, str)}
-    for r in range(rounds):
-        for key, cname in round_order(list(times), r):
+    for r in range(-1, rounds):  # round -1 warms up and is not kept (see the docstring)
+        for key, cname in round_order(list(times), max(r, 0)):
             if (key, cname) not in times:  # (failed in an earlier round)
                 continue
             out = times[key, cname]
             compiled, args = keyed[key][2][cname]
             try:
-                out.append(time_call(compiled, *args, iters=iters, warmup=1, samples=1))
+                t = time_call(compiled, *args, iters=iters, warmup=1, samples=1)
+                if r >= 0:
+                    out.append(t)
             except Exception as err:  # noqa: BLE001 - an OOM at run time is a result too
                 keyed[key][2][cname] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 del times[key, cname]

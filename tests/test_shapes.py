@@ -147,10 +147,13 @@ def test_bench_mlp_times_more_draws_of_the_sizes(tmp_path, monkeypatch):
     compiles = []
     real = bench_mlp.compile_shape
     monkeypatch.setattr(bench_mlp, "compile_shape", lambda *a, **k: compiles.append(a) or real(*a, **k))
+    clock = iter(range(1, 100))  # every timing a distinct number: the warm-up round's are 1..4
+    monkeypatch.setattr(bench_mlp, "time_call", lambda *a, **k: next(clock) * 1e-3)
     out = tmp_path / "mlp.json"
     bench_mlp.main(["--shapes", "tiny", "--alphas", "inf,1", "--only", "grouped_mlp_bf16", "--iters", "1",
                     "--rounds", "2", "--size-seeds", "0,3,5", "--out", str(out)])
     assert len(compiles) == 1
+    assert next(clock) == 13  # 4 cases x (1 warm-up round + 2 kept rounds)
     data = json.loads(out.read_text())["results"]
     assert set(data) == {"tiny", "tiny@alpha=1", "tiny@alpha=1,sizes=3", "tiny@alpha=1,sizes=5"}
     g, rows, _, _ = bench_mlp.MLP_SHAPES["tiny"]
@@ -159,6 +162,8 @@ def test_bench_mlp_times_more_draws_of_the_sizes(tmp_path, monkeypatch):
         assert data[key]["sizes_seed"] == draw
         assert data[key]["group_sizes"] == {"min": int(sizes.min()), "max": int(sizes.max())}
         assert len(data[key]["grouped_mlp_bf16"]["rounds_ms"]) == 2
+    kept = sorted(t for v in data.values() for t in v["grouped_mlp_bf16"]["rounds_ms"])
+    assert kept == pytest.approx(list(range(5, 13)))  # the warm-up round's timings are not kept
     ratios = [data[k]["grouped_mlp_bf16"]["vs_uniform"] for k in sorted(data) if k != "tiny"]
     summary = data["tiny@alpha=1"]["grouped_mlp_bf16"]["vs_uniform_draws"]
     assert summary["draws"] == 3 and summary["mean"] == pytest.approx(float(np.mean(ratios)))
