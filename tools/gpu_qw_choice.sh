@@ -10,9 +10,6 @@
 #   choice    benchmarks/bench_qw_choice.py at the Nano GEMMs: every option of the call
 #             (each tile alone, the mixed tiles, the device's choice) on equal sizes and
 #             four router draws each of Dirichlet(3), (1), (0.3); the cost table fitted
-#   step      the mxfp8 Nano step at equal sizes, Dirichlet(1) and (0.3), four router draws,
-#             with this tree's cost table and with session 43's (a copy of the tree with
-#             heuristics.py's two lines restored), in alternating processes (STEP_PAIRS pairs)
 #   bars      the Nano step of every recipe (and ragged_dot) at equal sizes, Dirichlet(1)
 #             and (0.3), four router draws each, interleaved rounds: issue 20's skew bars
 source "$(dirname "$0")/gpu_common.sh" gpu_qw_choice /tmp/qw_choice_out
@@ -37,28 +34,6 @@ if [[ " $STEPS " == *" choice "* ]]; then
     --alphas inf,3,1,0.3 --size-seeds 0,1,2,3 --rounds 2 --holdout 3 \
     --out "$OUT/qw_choice.json" > "$OUT/choice.log" 2>&1
   echo "choice rc $?"; grep -E "^==|current |mean regret" "$OUT/choice.log"; stamp choice
-fi
-
-if [[ " $STEPS " == *" step "* ]]; then
-  OLD=/tmp/qw_table_s43; rm -rf $OLD; mkdir -p $OLD; cp -r jax_grouped_mlp benchmarks $OLD/
-  sed -i -e 's/^QW_TILE_COSTS: .*/QW_TILE_COSTS: dict[int, tuple[float, float]] = {192: (0.42, 0.42), 256: (0.49, 0.49), 384: (0.727, 0.58)}/' \
-    -e 's/^QW_MIXED_LAUNCH_COST = .*/QW_MIXED_LAUNCH_COST = 1.0/' $OLD/jax_grouped_mlp/_src/op/heuristics.py
-  grep -E "^QW_TILE_COSTS|^QW_MIXED_LAUNCH_COST" jax_grouped_mlp/_src/op/heuristics.py $OLD/jax_grouped_mlp/_src/op/heuristics.py
-  rm -rf /tmp/qw_steps; mkdir -p /tmp/qw_steps
-  for pair in $(seq ${STEP_PAIRS:-4}); do
-    for table in new s43; do
-      root=.; [ $table = s43 ] && root=$OLD
-      PYTHONPATH=$root timeout ${STEP_S:-100} python3 $root/benchmarks/bench_mlp.py --shapes nano \
-        --only grouped_mlp_mxfp8 --alphas inf,1,0.3 --rounds 2 --iters 10 --size-seeds 0,1,2,3 \
-        --out "/tmp/qw_steps/${table}_$pair.json" > /tmp/step_$table.log 2>&1
-      echo "== table=$table pair $pair rc $?"; grep -E "over [0-9]+ draws|^nano " /tmp/step_$table.log | tail -4
-      stamp "step $table"
-    done
-  done
-  # One file back ($OUT holds 8 at most): {"new": [per-process results], "s43": [...]}.
-  python3 -c 'import glob, json, sys
-d = {t: [json.load(open(f)) for f in sorted(glob.glob(f"/tmp/qw_steps/{t}_*.json"))] for t in ("new", "s43")}
-json.dump(d, open(sys.argv[1], "w"))' "$OUT/step_ab.json"
 fi
 
 if [[ " $STEPS " == *" bars "* ]]; then
