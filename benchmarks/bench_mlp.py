@@ -7,7 +7,11 @@ and fp8_block (whatever kernels the extension provides on this device; the pure-
 path elsewhere), the op's alternatives (mxfp8 with weight-quantizing passes;
 ``grouped_mlp_fp8_block_bf16_wgrad``: fp8_block with the bf16 weight-gradient kernel
 instead of its default FP8 one) and a bf16 MLP built from ``jax.lax.ragged_dot``; tokamax's ragged_dot too when
-it is importable (``--only`` picks candidates by name). Reports ms per step, TFLOP/s (six GEMMs of 2·M·H·F per
+it is importable (``--only`` picks candidates by name). ``grouped_mlp_mxfp8_qw_one_tile`` is
+the mxfp8 op traced with ``JGM_QW_MIXED_TILES=0`` (its ``_qw`` GEMMs choose one token tile,
+never the mixed tiles), and ``--qw-table`` adds ``grouped_mlp_mxfp8_qw_table``, the op
+traced with another cost table for that choice: both A/B the choice in one process,
+where separate processes drift by ~2 %. Reports ms per step, TFLOP/s (six GEMMs of 2·M·H·F per
 step: two forward, two dgrad, two wgrad), the compiled program's temp memory, and
 speedups against ragged_dot. Each shape runs with equal group sizes and with the
 router-like skews of ``--alphas`` (``shapes.router_group_sizes``: Dirichlet(alpha)
@@ -19,6 +23,8 @@ more router draws of each skew. Writes JSON (and a PNG with --plot).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import pathlib
 import sys
 
@@ -71,9 +77,63 @@ def _fp8_block_bf16_wgrad(*a):
     return grouped_mlp_with(KernelChoices(fp8_block_wgrad=False), *a, recipe="fp8_block")
 
 
+# --qw-table's cost table for the `_qw` GEMM's device-side choice: ({tile: (full, half)},
+# launch cost), or None (no grouped_mlp_mxfp8_qw_table candidate).
+QW_TABLE: tuple[dict[int, tuple[float, float]], float] | None = None
+QW_VARIANTS = ("grouped_mlp_mxfp8_qw_one_tile", "grouped_mlp_mxfp8_qw_table")
+
+
+def parse_qw_table(text: str) -> tuple[dict[int, tuple[float, float]], float]:
+    """``--qw-table``: ``TILE:FULL/HALF,...,launch:COST`` (every tile of
+    ``heuristics.QW_TILE_COSTS``, e.g. ``192:0.44/0.41,256:0.5/0.44,384:0.77/0.55,launch:3.8``)."""
+    from jax_grouped_mlp._src.op import heuristics
+
+    table, launch = {}, None
+    try:
+        for item in text.split(","):
+            key, value = item.split(":")
+            if key.strip() == "launch":
+                launch = float(value)
+            else:
+                full, half = value.split("/")
+                table[int(key)] = (float(full), float(half))
+    except ValueError:
+        raise SystemExit(f"--qw-table takes TILE:FULL/HALF,...,launch:COST, got {text!r}") from None
+    if launch is None or sorted(table) != sorted(heuristics.QW_TILE_COSTS):
+        raise SystemExit(f"--qw-table must price the tiles {sorted(heuristics.QW_TILE_COSTS)} and the launch, got {text!r}")
+    return table, launch
+
+
+@contextlib.contextmanager
+def tracing(cname: str):
+    """What candidate ``cname`` changes while its step is traced (the `_qw` choice is
+    computed by the traced program, from what it reads then): one tile only, or
+    :data:`QW_TABLE`. Restored afterwards."""
+    from jax_grouped_mlp._src.op import heuristics
+
+    if cname == "grouped_mlp_mxfp8_qw_one_tile":
+        old = os.environ.get("JGM_QW_MIXED_TILES")
+        os.environ["JGM_QW_MIXED_TILES"] = "0"
+        try:
+            yield
+        finally:
+            os.environ.pop("JGM_QW_MIXED_TILES") if old is None else os.environ.update(JGM_QW_MIXED_TILES=old)
+    elif cname == "grouped_mlp_mxfp8_qw_table":
+        old = heuristics.QW_TILE_COSTS, heuristics.QW_MIXED_LAUNCH_COST
+        heuristics.QW_TILE_COSTS, heuristics.QW_MIXED_LAUNCH_COST = QW_TABLE
+        try:
+            yield
+        finally:
+            heuristics.QW_TILE_COSTS, heuristics.QW_MIXED_LAUNCH_COST = old
+    else:
+        yield
+
+
 def _candidates() -> dict:
+    mxfp8 = lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8")  # noqa: E731
     c = {
-        "grouped_mlp_mxfp8": lambda *a: jgm.grouped_mlp(*a, recipe="mxfp8"),
+        "grouped_mlp_mxfp8": mxfp8,
+        "grouped_mlp_mxfp8_qw_one_tile": mxfp8,  # (traced under tracing(): one `_qw` tile)
         "grouped_mlp_mxfp8_weight_passes": _weight_passes(),
         "grouped_mlp_mxfp8_weight_passes_unfused_fc1": _weight_passes(fuse_fc1_epilogue=False),
         "grouped_mlp_bf16": lambda *a: jgm.grouped_mlp(*a, recipe="bf16"),
@@ -82,6 +142,8 @@ def _candidates() -> dict:
         "grouped_mlp_fp8_block_bf16_wgrad": _fp8_block_bf16_wgrad,
         "ragged_dot_bf16": ragged_dot_mlp,
     }
+    if QW_TABLE is not None:
+        c["grouped_mlp_mxfp8_qw_table"] = mxfp8  # (traced under tracing(): --qw-table's costs)
     try:  # optional peer
         import tokamax
 
@@ -121,10 +183,11 @@ def compile_shape(name: str, seed: int, only: tuple[str, ...] = (), alpha: float
               "skew": skew_label(alpha), "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
     jobs: dict = {}
     for cname, mlp in _candidates().items():
-        if only and cname not in only:
-            continue
+        if (only and cname not in only) or (cname in QW_VARIANTS and cname not in only):
+            continue  # (the _qw A/B candidates run only where --only names them)
         try:
-            jobs[cname] = (_step(mlp).lower(*args).compile(), args)
+            with tracing(cname):
+                jobs[cname] = (_step(mlp).lower(*args).compile(), args)
         except Exception as err:  # noqa: BLE001
             jobs[cname] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     return header, jobs
@@ -267,7 +330,12 @@ def main(argv=None) -> int:
                     help="with --rounds: more router draws of each skewed alpha's group sizes (comma-separated "
                          "seeds; --seed's draw always runs), timed in the same rounds, with the mean, min and max "
                          "of their vs_uniform")
+    ap.add_argument("--qw-table", default="",
+                    help="adds grouped_mlp_mxfp8_qw_table: the mxfp8 op with this cost table for its _qw "
+                         "GEMMs' tile choice (TILE:FULL/HALF,...,launch:COST)")
     ns = ap.parse_args(argv)
+    global QW_TABLE
+    QW_TABLE = parse_qw_table(ns.qw_table) if ns.qw_table else None
     require_kernels()  # (no timing of the pure-JAX fallback under our name)
     alphas = [float(a) for a in ns.alphas.split(",") if a]
     only = tuple(c for c in ns.only.split(",") if c)
