@@ -54,9 +54,9 @@ def _synthetic_cases(params: dict, noise: float, seed: int = 0) -> list[dict]:
 
 
 def test_the_fit_recovers_a_table_and_its_choices():
-    """Times made by a known table (the dgrad's 384 tile dearer, launches dearer than now)
-    fit back to it, and the fitted table's picks are the best measured (regret 1)."""
-    truth = dict(CURRENT, full_384=0.8, half_384=0.65, launches=3.0)
+    """Times made by a known table (the 256 tile dearer than now, launches cheaper) fit
+    back to it, and the fitted table's picks are the best measured (regret 1)."""
+    truth = dict(CURRENT, full_256=0.6, half_256=0.55, launches=0.5)
     cases = _synthetic_cases(truth, 0.0)
     fit = bench.fit_costs([c for c in cases if c["layout"] == "dgrad"], TILES)
     got = bench.in_table_units(fit["params"], truth)

@@ -10,6 +10,10 @@
 #   choice    benchmarks/bench_qw_choice.py at the Nano GEMMs: every option of the call
 #             (each tile alone, the mixed tiles, the device's choice) on equal sizes and
 #             four router draws each of Dirichlet(3), (1), (0.3); the cost table fitted
+#   step      the mxfp8 Nano step at equal sizes, Dirichlet(1) and (0.3), four router draws,
+#             in one process (two processes, STEP_RUNS): the default choice, one tile only
+#             (JGM_QW_MIXED_TILES=0) and session 43's cost table (--qw-table), interleaved
+#             rounds (separate processes drift by ~2 %: docs/notes/2026-12-02-skew.md, "Session 47")
 #   bars      the Nano step of every recipe (and ragged_dot) at equal sizes, Dirichlet(1)
 #             and (0.3), four router draws each, interleaved rounds: issue 20's skew bars
 source "$(dirname "$0")/gpu_common.sh" gpu_qw_choice /tmp/qw_choice_out
@@ -34,6 +38,17 @@ if [[ " $STEPS " == *" choice "* ]]; then
     --alphas inf,3,1,0.3 --size-seeds 0,1,2,3 --rounds 2 --holdout 3 \
     --out "$OUT/qw_choice.json" > "$OUT/choice.log" 2>&1
   echo "choice rc $?"; grep -E "^==|current |mean regret" "$OUT/choice.log"; stamp choice
+fi
+
+if [[ " $STEPS " == *" step "* ]]; then
+  for run in $(seq ${STEP_RUNS:-2}); do
+    timeout ${STEP_S:-270} python3 benchmarks/bench_mlp.py --shapes nano \
+      --only grouped_mlp_mxfp8,grouped_mlp_mxfp8_qw_one_tile,grouped_mlp_mxfp8_qw_table \
+      --qw-table 192:0.42/0.42,256:0.49/0.49,384:0.727/0.58,launch:1.0 \
+      --alphas inf,1,0.3 --size-seeds 0,1,2,3 --rounds 4 --iters 10 --out "$OUT/qw_step_ab_$run.json" > /tmp/step_$run.log 2>&1
+    echo "== run $run rc $?"; grep -E "over [0-9]+ draws|^nano  " /tmp/step_$run.log
+    stamp "step $run"
+  done
 fi
 
 if [[ " $STEPS " == *" bars "* ]]; then

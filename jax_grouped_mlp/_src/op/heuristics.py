@@ -139,14 +139,19 @@ def fuse_dgrad(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:
 # FFI call launches every compiled tile; ``gemm_ffi.qw_choice`` computes which one works,
 # in XLA, without a host sync): the tile with the least modelled time. A group of g rows
 # runs ceil(g / tile) token tiles per weight tile; the model charges each one a cost
-# relative to the others, measured on the H200 at the Nemotron-3-Nano GEMMs
-# (``benchmarks/results/gemm_qw*_h200.json``, equal and skewed sizes): the register-A
-# kernels (192, 256) are bound by the weight conversion, so a tile costs the same however
-# few tokens it holds; the shared-memory-A 384 tile runs one accumulator's wgmmas for at
-# most 192 tokens, which saves about a fifth. (cost of a tile with more than half its
-# tokens, cost with at most half.) The model reproduces the measured order at equal sizes
-# (384 best at 384 rows a group, 192 at 192, 256 at 1024) and under router skew (256).
-QW_TILE_COSTS: dict[int, tuple[float, float]] = {192: (0.42, 0.42), 256: (0.49, 0.49), 384: (0.727, 0.58)}
+# relative to the others: (cost of a tile with more than half its tokens, cost with at
+# most half). The register-A kernels (192, 256) are bound by the weight conversion, so a
+# tile costs nearly the same however few tokens it holds; the shared-memory-A 384 tile
+# runs one accumulator's wgmmas for at most 192 tokens. The numbers are a least-squares
+# fit (``benchmarks/bench_qw_choice.py``) of every option of the call, each tile alone and
+# the mixed tiles, timed at both Nemotron-3-Nano GEMMs and both weight layouts on equal
+# sizes and 24 router draws (Dirichlet 3, 1, 0.3) on an H100
+# (``benchmarks/results/qw_choice_s47_h100.json``, ``qw_choice_seeds4567_s47_h100.json``).
+# Fitted on one half of the draws, the table picks within 0.2-0.6 % of the best option
+# on the other half on average (the session-43 table: 2.7-5.3 %, by taking the mixed
+# tiles where a single tile is faster). It keeps the order measured at equal sizes (384
+# best at 384 rows a group, 192 at 192, 256 at 1024) and under router skew (256).
+QW_TILE_COSTS: dict[int, tuple[float, float]] = {192: (0.44, 0.41), 256: (0.50, 0.44), 384: (0.77, 0.55)}
 
 
 def qw_tiles_cost(group_sizes, tile_t: int):
@@ -192,11 +197,12 @@ def qw_band_rows(group_sizes, tiles: Sequence[int], chunk: int) -> list:
 
 
 # What each launch beyond the first costs when the mixed tiles make every launch of the
-# ``_qw`` call work (its CTAs' setup and its last wave's tail), in QW_TILE_COSTS' units per
-# weight tile: about 10 us at the Nano GEMMs (15-21 weight tiles). It also keeps the
-# choice on one variant wherever mixing gains nothing (equal sizes of a multiple of the
+# ``_qw`` call work (its CTAs' setup, its last wave's tail, and its groups' weight tiles
+# read and converted once more), in QW_TILE_COSTS' units per weight tile: fitted with the
+# table above, about 35 us at the Nano GEMMs (one unit is ~9 us there). It also keeps the
+# choice on one variant wherever mixing gains little (equal sizes of a multiple of the
 # chunk cost the same either way, up to the float sums' rounding).
-QW_MIXED_LAUNCH_COST = 1.0
+QW_MIXED_LAUNCH_COST = 3.8
 
 
 def qw_mixed_cost(group_sizes, tiles: Sequence[int], chunk: int):
