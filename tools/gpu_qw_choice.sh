@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Device calls for the `_qw` GEMM's tile choice under router skew (issue 20's mxfp8 skew;
-# docs/notes/2026-12-02-skew.md, "Session 47"). Builds nothing: carry the extension
+# docs/notes/2026-12-02-skew.md, sessions 43-47; it replaces tools/gpu_qw_mixed.sh). Builds nothing: carry the extension
 #   run(command="JGM_COMMIT=<sha> STEPS='test sanitize choice' bash tools/gpu_qw_choice.sh",
 #       carry=["jax_grouped_mlp/_kernels.cpython-312-x86_64-linux-gnu.so"])
 # STEPS picks what runs, in this order (default "test sanitize choice"; "bars" alone fills
 # a second call):
 #   test      the `_qw` GEMM's and the op's GPU tests (the mixed tiles included)
 #   sanitize  compute-sanitizer memcheck on tools/sanitize_small.py (the mixed tiles included)
+#   gemm      bench_gemm_qw.py at the Nano GEMMs, equal sizes and Dirichlet(1): every variant,
+#             the mixed tiles and the device's choice, next to the plain kernel on the
+#             pre-quantized weight (the ceiling) and the fake-quantize pass
 #   choice    benchmarks/bench_qw_choice.py at the Nano GEMMs: every option of the call
 #             (each tile alone, the mixed tiles, the device's choice) on equal sizes and
 #             four router draws each of Dirichlet(3), (1), (0.3); the cost table fitted
@@ -31,6 +34,15 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
   XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout ${SAN_S:-150} compute-sanitizer --tool memcheck \
     --target-processes all python3 tools/sanitize_small.py > "$OUT/sanitize.log" 2>&1
   echo "sanitize rc $?"; grep -E "ERROR SUMMARY" "$OUT/sanitize.log" | tail -2; stamp sanitize
+fi
+
+if [[ " $STEPS " == *" gemm "* ]]; then
+  for alpha in inf 1; do
+    timeout ${GEMM_S:-100} python3 benchmarks/bench_gemm_qw.py --shapes nano_fc1,nano_fc2 --alpha $alpha \
+      --out "$OUT/gemm_qw_alpha$alpha.json" > /tmp/gemm_$alpha.log 2>&1
+    echo "== alpha $alpha"; grep -E "default|mixed tiles|qw:" /tmp/gemm_$alpha.log
+    stamp "gemm alpha $alpha"
+  done
 fi
 
 if [[ " $STEPS " == *" choice "* ]]; then
