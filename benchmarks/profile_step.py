@@ -220,7 +220,10 @@ def main(argv=None) -> int:
             if ns.timeline is not None:
                 ns.timeline.mkdir(parents=True, exist_ok=True)
                 where = ns.timeline / (re.sub(r"[^A-Za-z0-9_.-]", "_", key) + ".timeline.json")
-            report = measure(key, make_step(cname), args, ns.iters, ns.top, where)
+            # (bench_mlp's _qw A/B candidates change what the step's trace reads: traced here,
+            # on the first call inside measure.)
+            with bench_mlp.tracing(cname):
+                report = measure(key, make_step(cname), args, ns.iters, ns.top, where)
             if report is not None:
                 results[key] = {**report, "group_sizes": {"min": int(sizes.min()), "max": int(sizes.max())}}
     if ns.out is not None and results:

@@ -77,3 +77,28 @@ def test_bad_arguments_name_the_flag(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             profile_step.main(argv)
         assert flag in capsys.readouterr().err
+
+
+def test_mlp_candidates_are_traced_in_their_context(monkeypatch, capsys):
+    """bench_mlp's _qw A/B candidates are profiled as traced under ``bench_mlp.tracing``."""
+    import contextlib
+
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("a GPU trace has device events")
+    import bench_mlp
+
+    seen = []
+
+    @contextlib.contextmanager
+    def spy(cname):
+        seen.append(cname)
+        yield
+
+    monkeypatch.setattr(bench_mlp, "tracing", spy)
+    argv = ["--shape", "tiny", "--iters", "1", "--keep-command-buffers",
+            "--candidates", "grouped_mlp_mxfp8,grouped_mlp_mxfp8_qw_one_tile"]
+    assert profile_step.main(argv) == 0
+    assert seen == ["grouped_mlp_mxfp8", "grouped_mlp_mxfp8_qw_one_tile"]
+    assert "grouped_mlp_mxfp8_qw_one_tile: no device events" in capsys.readouterr().out
