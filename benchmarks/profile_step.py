@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default=None,
                     help="comma-separated: bench_mlp candidates (default grouped_mlp_mxfp8), or with "
                          "--step grad_accum RECIPE/per_micro_batch or RECIPE/prepared_once (default bf16/per_micro_batch)")
+    ap.add_argument("--qw-table", default="",
+                    help="with --step mlp: bench_mlp's --qw-table (the candidate grouped_mlp_mxfp8_qw_table)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=25, help="kernels printed per run")
@@ -194,6 +196,7 @@ def main(argv=None) -> int:
         ap.error(f"--shape must be one of {sorted(MLP_SHAPES)}, got {ns.shape!r}")
     names = [c for c in ns.candidates.split(",") if c]
     if ns.step == "mlp":
+        bench_mlp.QW_TABLE = bench_mlp.parse_qw_table(ns.qw_table) if ns.qw_table else None
         known = bench_mlp._candidates()
         make_step = lambda c: bench_mlp._step(known[c])  # noqa: E731
     else:

@@ -97,8 +97,11 @@ def test_mlp_candidates_are_traced_in_their_context(monkeypatch, capsys):
         yield
 
     monkeypatch.setattr(bench_mlp, "tracing", spy)
+    monkeypatch.setattr(bench_mlp, "QW_TABLE", None)
     argv = ["--shape", "tiny", "--iters", "1", "--keep-command-buffers",
-            "--candidates", "grouped_mlp_mxfp8,grouped_mlp_mxfp8_qw_one_tile"]
+            "--candidates", "grouped_mlp_mxfp8,grouped_mlp_mxfp8_qw_one_tile,grouped_mlp_mxfp8_qw_table",
+            "--qw-table", "192:0.42/0.42,256:0.49/0.49,384:0.727/0.58,launch:1.0"]
     assert profile_step.main(argv) == 0
-    assert seen == ["grouped_mlp_mxfp8", "grouped_mlp_mxfp8_qw_one_tile"]
+    assert seen == ["grouped_mlp_mxfp8", "grouped_mlp_mxfp8_qw_one_tile", "grouped_mlp_mxfp8_qw_table"]
+    assert bench_mlp.QW_TABLE[1] == 1.0  # (restored to None by monkeypatch: set below before main ran)
     assert "grouped_mlp_mxfp8_qw_one_tile: no device events" in capsys.readouterr().out
