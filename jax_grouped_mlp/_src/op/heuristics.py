@@ -147,10 +147,12 @@ def fuse_dgrad(choices: KernelChoices, recipe: str, m, num_groups: int) -> bool:
 # the mixed tiles, timed at both Nemotron-3-Nano GEMMs and both weight layouts on equal
 # sizes and 24 router draws (Dirichlet 3, 1, 0.3) on an H100
 # (``benchmarks/results/qw_choice_s47_h100.json``, ``qw_choice_seeds4567_s47_h100.json``).
-# Fitted on one half of the draws, the table picks within 0.2-0.6 % of the best option
-# on the other half on average (the session-43 table: 2.7-5.3 %, by taking the mixed
-# tiles where a single tile is faster). It keeps the order measured at equal sizes (384
-# best at 384 rows a group, 192 at 192, 256 at 1024) and under router skew (256).
+# Fitted on one half of the draws, a table picked within 0.3 % of the best option on the
+# other half on average (the session-43 table: 1.8-5.3 %, by taking the mixed tiles where
+# a single tile is faster); in the Nano step that is 0.15-0.24 ms less `_qw` kernel time
+# under skew, which XLA's command buffers mostly hide (docs/performance.md). It keeps the
+# order measured at equal sizes (384 best at 384 rows a group, 192 at 192, 256 at 1024)
+# and under router skew (256).
 QW_TILE_COSTS: dict[int, tuple[float, float]] = {192: (0.44, 0.41), 256: (0.50, 0.44), 384: (0.77, 0.55)}
 
 
