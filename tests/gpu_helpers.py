@@ -38,11 +38,13 @@ def poison_freed(*nbytes: int, value: int) -> None:
 
 
 def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4, *, xla_flags: str = "",
-                             keyword: str | None = None) -> None:
+                             keyword: str | None = None, shard: tuple[int, int] | None = None) -> None:
     """Runs the pytest file ``cases`` (its tests matching ``keyword``, a ``pytest -k``
-    expression, when given) in a fresh interpreter that sees ``devices`` CPU devices and
-    runs XLA with ``xla_flags`` too (both fixed at JAX's start), and fails with its
-    output unless every case passed (a run whose last line reports skips fails too)."""
+    expression, when given; with ``shard=(i, n)`` only every ``n``-th of them from the
+    ``i``-th, ``case_shard_plugin.py``) in a fresh interpreter that sees ``devices`` CPU
+    devices and runs XLA with ``xla_flags`` too (both fixed at JAX's start), and fails
+    with its output unless every case passed (a run whose last line reports skips fails
+    too)."""
     import pytest
 
     env = dict(os.environ)
@@ -54,6 +56,10 @@ def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4, *
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(cases)]
     if keyword is not None:
         cmd += ["-k", keyword]
+    if shard is not None:
+        env["JGM_CASE_SHARD"] = f"{shard[0]}/{shard[1]}"
+        cmd += ["-p", "case_shard_plugin"]
+        env["PYTHONPATH"] = os.pathsep.join((str(cases.resolve().parent), env["PYTHONPATH"]))
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired as err:

@@ -1,18 +1,22 @@
 """Runs the user-``shard_map`` cases (``shard_map_cases.py``) on 4 simulated CPU devices,
-in a fresh interpreter (see ``test_moe_sharded.py`` for why). Set ``JGM_SEED`` to vary
-their inputs."""
+in a fresh interpreter (see ``test_moe_sharded.py`` for why), in ``SHARDS`` parts that
+pytest-xdist can run side by side. Set ``JGM_SEED`` to vary their inputs."""
 
 from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 from gpu_helpers import run_cases_on_cpu_devices
 
 CASES = pathlib.Path(__file__).resolve().parent / "shard_map_cases.py"
+SHARDS = 3
 
 
-def test_user_shard_map_cases_on_four_cpu_devices():
-    run_cases_on_cpu_devices(CASES, "user shard_map cases")
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_user_shard_map_cases_on_four_cpu_devices(shard):
+    run_cases_on_cpu_devices(CASES, f"user shard_map cases, part {shard + 1} of {SHARDS}", shard=(shard, SHARDS))
 
 
 def test_outside_shard_map_the_op_casts_nothing():
