@@ -40,8 +40,8 @@ def poison_freed(*nbytes: int, value: int) -> None:
 def run_cases_on_cpu_devices(cases: pathlib.Path, what: str, devices: int = 4, *, xla_flags: str = "",
                              keyword: str | None = None, shard: tuple[int, int] | None = None) -> None:
     """Runs the pytest file ``cases`` (its tests matching ``keyword``, a ``pytest -k``
-    expression, when given; with ``shard=(i, n)`` only every ``n``-th of them from the
-    ``i``-th, ``case_shard_plugin.py``) in a fresh interpreter that sees ``devices`` CPU
+    expression, when given; with ``shard=(i, n)`` only the ``i``-th of ``n`` runs of
+    consecutive ones, ``case_shard_plugin.py``) in a fresh interpreter that sees ``devices`` CPU
     devices and runs XLA with ``xla_flags`` too (both fixed at JAX's start), and fails
     with its output unless every case passed (a run whose last line reports skips fails
     too)."""

@@ -11,6 +11,7 @@
 #   scan      loop against lax.scan, all residuals on the device, LAYERS layers, prevent_cse
 #             on and off, one process; the optimized HLO of each step in $OUT/hlo.tgz
 #   profile   benchmarks/profile_step.py --step stack over the same candidates (per kernel)
+# (At most 8 files come back from a call: "test scan" brings 7.)
 source "$(dirname "$0")/gpu_common.sh" gpu_scan_weights /tmp/scan_weights_out keep-prealloc
 STEPS=${STEPS:-scan}
 LAYERS=${LAYERS:-2,4}
@@ -34,8 +35,8 @@ if [[ " $STEPS " == *" scan "* ]]; then
     flag=""; [ $cse = off ] && flag="--no-prevent-cse"
     timeout ${SCAN_S:-240} python3 benchmarks/bench_offload.py --nano --layers "$LAYERS" --layout loop,scan \
       --policies all_device --inprocess --samples 3 $flag ${SCAN_FLAGS:-} --dump-hlo "$OUT/hlo_cse_$cse" \
-      --out "$OUT/scan_nano_cse_$cse.json" > "$OUT/scan_cse_$cse.log" 2>&1
-    echo "== prevent_cse $cse rc $?"; grep -E "all_device|layout|layers" "$OUT/scan_cse_$cse.log" | head -12
+      --out "$OUT/scan_nano_cse_$cse.json" > "/tmp/scan_cse_$cse.log" 2>&1
+    echo "== prevent_cse $cse rc $?"; grep -E "^(loop|scan) +[0-9]+ all_device" "/tmp/scan_cse_$cse.log"
     stamp "scan cse $cse"
   done
   (cd "$OUT" && tar czf hlo.tgz hlo_cse_* && rm -rf hlo_cse_*)
