@@ -294,3 +294,22 @@ def test_small_for_sanitizer_each_tile_order(rng, monkeypatch, order):
     assert not runs[0][1].any(), "the empty group has a nonzero gradient"
     rel = np.linalg.norm(runs[0] - want) / np.linalg.norm(want)
     assert rel < 5e-3, rel
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_with_token_same_gradient_and_kernel_scratch_token(rng):
+    """``grouped_wgrad(..., with_token=True)`` on CUDA: the same bits as without, an int32
+    [1] token, and the token is the kernel's own second result (no extra barrier or pass
+    in the optimized program: the op's dx waits for it, docs/notes/2026-12-07-scan-weight-copies.md)."""
+    from jax_grouped_mlp._src.op import primitives
+
+    x, dy = _operands(rng, 1000, 256, 512)
+    gs = jnp.asarray(_sizes(rng, 7, 900))
+    plain = jax.jit(lambda a, b: primitives.grouped_wgrad(a, b, gs, jnp.float32))
+    tokened = jax.jit(lambda a, b: primitives.grouped_wgrad(a, b, gs, jnp.float32, with_token=True))
+    out, token = tokened(x, dy)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain(x, dy)))
+    assert token.shape == (1,) and token.dtype == jnp.int32
+    hlo = tokened.lower(x, dy).compile().as_text()
+    assert "opt-barrier" not in hlo and hlo.count('custom_call_target="jgm_grouped_wgrad"') == 1

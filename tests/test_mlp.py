@@ -148,25 +148,75 @@ def test_deterministic(rng):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "bf16", "fp8_block"])
-def test_backward_order_barrier(rng, recipe):
-    """The backward's two ordering barriers (w1 quantized for the FC1 dgrad only once
-    dh exists; dx leaves the layer only with dW1 and dW2 done): present in the lowered
-    gradient, and the results are the same bits with and without them."""
+# The op's ordering barriers per (recipe, weights quantized inside the GEMMs) on the CPU
+# path (the Nano scan's weight copies: docs/notes/2026-12-07-scan-weight-copies.md):
+# "h", the unfused FC1's result as the residual (mlp._residual_copy); "w1", the FC1 dgrad's
+# weight pass after dh (only where a pass prepares w1); "token", a weight gradient's
+# ordering token (reference.order_token; on CUDA the bf16 kernel's scratch result);
+# "dx", dx after both tokens. mxfp8 without the _qw GEMMs and fp8_block fuse FC1.
+BARRIERS = {
+    ("mxfp8", True): ["h", "token", "token", "dx"],
+    ("mxfp8", False): ["w1", "token", "token", "dx"],
+    ("bf16", True): ["h", "token", "token", "dx"],
+    ("bf16", False): ["h", "token", "token", "dx"],
+    ("fp8_block", True): ["w1", "token", "token", "dx"],
+    ("fp8_block", False): ["w1", "token", "token", "dx"],
+}
+
+
+def _barrier_kinds(text: str, m: int, w1_shape) -> list[str]:
+    """Each ``optimization_barrier`` of lowered StableHLO ``text``, named by its operands."""
+    w1_type = "tensor<" + "x".join(map(str, w1_shape))
+    kinds = []
+    for line in text.splitlines():
+        if "optimization_barrier" not in line:
+            continue
+        types = [t.strip() for t in line.split(" : ")[-1].split(", ")]
+        if len(types) == 1 and types[0].startswith(f"tensor<{m}x{w1_shape[2]}x"):
+            kinds.append("h")
+        elif len(types) == 2 and types[0].startswith(w1_type) and types[1].startswith(f"tensor<{m}x"):
+            kinds.append("w1")
+        elif len(types) == 2 and types[1] == "tensor<1xi32>":
+            kinds.append("token")
+        elif len(types) == 3 and types[1:] == ["tensor<1xi32>", "tensor<1xi32>"]:
+            kinds.append("dx")
+        else:
+            kinds.append(f"unexpected: {types}")
+    return sorted(kinds)
+
+
+@pytest.mark.parametrize("recipe,in_gemm", sorted(BARRIERS))
+def test_backward_order_barrier(rng, recipe, in_gemm):
+    """The op's ordering barriers (``BARRIERS``): present in the lowered gradient with
+    ``order_backward``, none without, and the results the same bits either way."""
     from jax_grouped_mlp._src.op.heuristics import KernelChoices
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
 
-    def barriers(order: bool) -> tuple[int, list]:
-        f = functools.partial(run_op, recipe=recipe, choices=KernelChoices(order_backward=order))
+    def barriers(order: bool) -> tuple[list, list]:
+        choices = KernelChoices(order_backward=order, quantize_weights_in_gemm=in_gemm)
+        f = functools.partial(run_op, recipe=recipe, choices=choices)
         text = jax.jit(f).lower(x, w1, w2, gs, probs, dy).as_text()
-        return text.count("optimization_barrier"), jax.tree_util.tree_leaves(jax.jit(f)(x, w1, w2, gs, probs, dy))
+        kinds = _barrier_kinds(text, x.shape[0], w1.shape)
+        return kinds, jax.tree_util.tree_leaves(jax.jit(f)(x, w1, w2, gs, probs, dy))
 
-    n_on, on = barriers(True)
-    n_off, off = barriers(False)
-    assert (n_on, n_off) == (2, 0)
+    kinds_on, on = barriers(True)
+    kinds_off, off = barriers(False)
+    assert (kinds_on, kinds_off) == (sorted(BARRIERS[recipe, in_gemm]), [])
     for u, v in zip(on, off):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+
+
+def test_weight_gradient_token(rng):
+    """``grouped_wgrad(with_token=True)``: the same gradient, and an int32 [1] token."""
+    from jax_grouped_mlp._src.op import primitives
+
+    x, _, _, gs, _, _ = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
+    h = jnp.asarray(rng.standard_normal((x.shape[0], 24)), jnp.bfloat16)
+    want = primitives.grouped_wgrad(x, h, gs, jnp.float32)
+    got, token = jax.jit(lambda a, b: primitives.grouped_wgrad(a, b, gs, jnp.float32, with_token=True))(x, h)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert token.shape == (1,) and token.dtype == jnp.int32
 
 
 def test_weights_quantized_in_the_gemm_same_bits(rng):

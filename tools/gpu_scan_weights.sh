@@ -7,7 +7,7 @@
 # STEPS (default "scan"):
 #   test      the `_qw` GEMM's, the op's and the layer stacks' GPU tests, then memcheck on
 #             tools/sanitize_small.py (as tools/gpu_qw_choice.sh's test and sanitize steps)
-#   optest    the op's and the offload policies' GPU tests alone
+#   optest    the op's, the offload policies' and the weight gradient's GPU tests alone
 #   scan      loop against lax.scan, all residuals on the device, LAYERS layers, prevent_cse
 #             on and off, one process; the optimized HLO of each step in $OUT/hlo.tgz
 #   profile   benchmarks/profile_step.py --step stack over the same candidates (per kernel)
@@ -26,7 +26,7 @@ fi
 
 if [[ " $STEPS " == *" optest "* ]]; then  # the op's and the policies' GPU tests (bitwise checks)
   timeout ${OPTEST_S:-200} python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_mlp_gpu.py \
-    tests/test_offload_policies.py > "$OUT/optest.log" 2>&1
+    tests/test_offload_policies.py tests/test_grouped_wgrad_gpu.py > "$OUT/optest.log" 2>&1
   tail -3 "$OUT/optest.log"; stamp optest
 fi
 

@@ -35,7 +35,7 @@ from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import fp8_block, mxfp8
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
-from jax_grouped_mlp._src.op import activation, heuristics
+from jax_grouped_mlp._src.op import activation, heuristics, reference
 from jax_grouped_mlp.kernels import registry
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
@@ -370,13 +370,15 @@ def grouped_wgrad_bf16_cuda(
     *,
     out_dtype=jnp.bfloat16,
     variant: str | None = None,
-) -> jax.Array:
+    with_token: bool = False,
+):
     """The weight-gradient kernel: ``out[g] = lhs_g^T @ rhs_g`` -> ``[G, K, N]`` in ``out_dtype``.
 
     ``lhs [M, K]`` and ``rhs [M, N]`` bf16; ``out_dtype`` bfloat16 or float32 (one
     rounding of the fp32 sums either way). fp32 accumulation in a fixed order (bitwise
     reproducible), empty groups give zeros, rows past ``sum(group_sizes)`` (clamped
-    to ``M``) do not contribute.
+    to ``M``) do not contribute. ``with_token``: ``(out, token)``, the token the
+    kernel's int32 ``[1]`` scratch result (``primitives.grouped_wgrad``).
     """
     if not ffi.available():
         raise RuntimeError("the CUDA extension jax_grouped_mlp._kernels is not built")
@@ -401,10 +403,10 @@ def grouped_wgrad_bf16_cuda(
     out = jax.ShapeDtypeStruct((g, k, n), out_dtype)
     group_tiles = -(-k // 128) * -(-n // tile_n(grouped_wgrad_variants()[index]))
     order = wgrad_tile_order(group_sizes, group_tiles)
-    result, _ = jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, (out, TILE_COUNTER))(
+    result, scratch = jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, (out, TILE_COUNTER))(
         lhs, rhs, group_sizes, order, variant=index
     )
-    return result
+    return (result, scratch) if with_token else result
 
 
 # For measurements (the skew notes, "Sessions 37-39"): JGM_WGRAD_TILE_ORDER=static or
@@ -431,7 +433,7 @@ def wgrad_tile_order(group_sizes: jax.Array, group_tiles: int) -> jax.Array:
     return jnp.asarray(imbalance > heuristics.WGRAD_DYNAMIC_IMBALANCE, jnp.int32).reshape(1)
 
 
-def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, with_token: bool = False):
     """``primitives`` "grouped_wgrad" on CUDA (same signature as the reference).
 
     Two group-aware ``fp8_block`` operands run the FP8 weight-gradient kernel
@@ -440,15 +442,21 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype) -> jax.Ar
     first (exact) for the bf16 kernel. Either writes bfloat16 or float32 (float32
     master weights get full float32 sums); another ``out_dtype`` gets the float32
     result cast. Shapes outside :func:`grouped_gemm_supported` or non-bf16 operands:
-    :class:`Unsupported`.
+    :class:`Unsupported`. ``with_token``: ``(out, token)`` (``primitives.grouped_wgrad``;
+    the FP8 kernel has no scratch result, so its token comes from
+    ``reference.order_token``).
     """
     bf16 = jnp.dtype(jnp.bfloat16)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
     if _fp8_block_wgrad_pair(lhs, rhs, group_sizes):
         out = grouped_wgrad_fp8_block(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
+        token = reference.order_token(out) if with_token else None
     else:
-        out = grouped_wgrad_bf16_cuda(_as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=kernel_dtype)
-    return out.astype(out_dtype)
+        out, token = grouped_wgrad_bf16_cuda(
+            _as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=kernel_dtype, with_token=True
+        )
+    out = out.astype(out_dtype)
+    return (out, token) if with_token else out
 
 
 def _grouped_dims(t) -> tuple:

@@ -220,6 +220,7 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
     else:
         h, a = _fc1(x_row, w1, group_sizes, probs, recipe, choices, _fprop_ready(prepared, "w1"))
         a_row, a_col = recipe.row_and_col(a, group_sizes, keep_col=True)
+        h = _residual_copy(choices, h)
     y = _fc2(a_row, w2, group_sizes, recipe, choices, x.dtype, _fprop_ready(prepared, "w2"))
     # The residuals are tagged once y exists (the tags are the identity; their host
     # copies still start as soon as each value does, and are read back for the fence
@@ -231,6 +232,26 @@ def _mlp_fwd(x, w1, w2, group_sizes, probs, prepared, recipe: Recipe, fuse: bool
     # The next layer starts only once the offloaded residuals are on the host.
     y = residuals.fence(y, [*_leaves(x_col), *_leaves(h), *_leaves(a_col)])
     return y, (x_col, h, a_col, w1_kept, w2_kept, dgrad_weights, group_sizes, probs, w_dtypes)
+
+
+def _residual_copy(choices: KernelChoices, h: jax.Array) -> jax.Array:
+    """``h`` as the residual, through a barrier of its own (with ``choices.order_backward``).
+
+    Unfused, FC1's result has two readers: the activation and the residual. In a
+    ``jax.lax.scan`` of layers the residual is written into the scan's stack, and XLA's
+    dynamic-slice fusion then clones FC1's kernel to write that stack in place: FC1 ran
+    twice, and its clone read a copy of the layer's ``w1`` slice (1.28 GB at the Nano
+    shape). Through the barrier, the stack gets a plain copy of ``h`` instead
+    (docs/notes/2026-12-07-scan-weight-copies.md)."""
+    return jax.lax.optimization_barrier(h) if choices.order_backward else h
+
+
+def _dgrad_weight_pass(recipe: Recipe, choices: KernelChoices, m: int, w1, ready: _Ready | None) -> bool:
+    """Whether the FC1 dgrad's weight operand comes from a pass over ``w1`` (a quantizer:
+    not for a prepared copy, a ``_qw`` GEMM that quantizes in its kernel, or bf16)."""
+    if ready is not None or recipe is Recipe.BF16:
+        return False
+    return not heuristics.weights_in_gemm(choices, recipe, m, w1.shape[0])
 
 
 def _leaves(op: Operand) -> list:
@@ -269,23 +290,32 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
         dh, dprobs = srelu_scaled_grad(da, h, probs)
         dh_row, dh_col = recipe.row_and_col(dh, group_sizes, keep_col=wgrad_fp8, token_major=token_major)
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
-    if isinstance(dh_row, QUANTIZED):
-        # (The FP8 data alone order it the same. With the E8M0 scales in the barrier,
-        # its transpose under remat fails in grad of grad: jax 0.12, AttributeError
-        # "no attribute accum" in _opt_barrier_fancy_transpose.)
-        w1, dh_data = _after(choices, w1, dh_row.data)
-        dh_row = dataclasses.replace(dh_row, data=dh_data)
-    else:
-        w1, dh_row = _after(choices, w1, dh_row)
+    # Only where a pass prepares w1: a barrier on w1 alone costs, in a jax.lax.scan of
+    # layers, a copy of the layer's w1 slice (XLA then cannot read the slice in place).
+    if _dgrad_weight_pass(recipe, choices, dy.shape[0], w1, w1_ready):
+        if isinstance(dh_row, QUANTIZED):
+            # (The FP8 data alone order it the same. With the E8M0 scales in the barrier,
+            # its transpose under remat fails in grad of grad: jax 0.12, AttributeError
+            # "no attribute accum" in _opt_barrier_fancy_transpose.)
+            w1, dh_data = _after(choices, w1, dh_row.data)
+            dh_row = dataclasses.replace(dh_row, data=dh_data)
+        else:
+            w1, dh_row = _after(choices, w1, dh_row)
     dx = _weight_gemm(dh_row, w1, group_sizes, recipe, choices, dy.dtype, transpose_rhs=True, ready=w1_ready)
-    dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2_dtype.dtype)
-    dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1_dtype.dtype)
-    # dx leaves this layer only with both weight gradients done (an optimization
-    # barrier: the same arithmetic). Otherwise XLA's scheduler defers every layer's
-    # weight gradients to the end of the step, and their operands (fc1_input,
-    # fc2_input, dy's and dh's columns) stay live across the other layers' backward
-    # passes (measured on the H200: docs/notes/2026-11-30-performance-history.md, "The backward's order").
-    dx, dw1, dw2 = _after(choices, dx, dw1, dw2)
+    token = choices.order_backward
+    dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2_dtype.dtype, with_token=token)
+    dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1_dtype.dtype, with_token=token)
+    if token:
+        # dx leaves this layer only with both weight gradients done (an optimization
+        # barrier: the same arithmetic). Otherwise XLA's scheduler defers every layer's
+        # weight gradients to the end of the step, and their operands (fc1_input,
+        # fc2_input, dy's and dh's columns) stay live across the other layers' backward
+        # passes (measured on the H200: docs/notes/2026-11-30-performance-history.md, "The
+        # backward's order"). dx waits for the gradients' tokens rather than for the
+        # gradients themselves, so each gradient's only reader stays its consumer (in a
+        # jax.lax.scan, the stacked gradients, which XLA then writes in place).
+        (dw2, token2), (dw1, token1) = dw2, dw1
+        dx, _, _ = _after(choices, dx, token1, token2)
     return dx, dw1, dw2, None, dprobs.astype(probs.dtype), None
 
 

@@ -238,10 +238,9 @@ def _ref_grouped_gemm_qw(
     return _ref_grouped_gemm(lhs, wq, group_sizes, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
 
 
-def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
-    return reference.ragged_transpose_matmul(
-        _as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=out_dtype
-    )
+def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype, with_token: bool = False):
+    out = reference.ragged_transpose_matmul(_as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=out_dtype)
+    return (out, reference.order_token(out)) if with_token else out
 
 
 # The reference quantizers are differentiated straight-through (quantization is the
@@ -562,9 +561,16 @@ def grouped_gemm_qw(
     )
 
 
-def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype) -> jax.Array:
-    """``out[g] = lhs_g^T @ rhs_g``: both ``[M, *]`` in group-aware blocks along M; ``[G, K, N]``."""
-    return _dispatch("grouped_wgrad", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype))
+def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype, *, with_token: bool = False):
+    """``out[g] = lhs_g^T @ rhs_g``: both ``[M, *]`` in group-aware blocks along M; ``[G, K, N]``.
+
+    ``with_token``: ``(out, token)``, ``token`` an int32 ``[1]`` that exists only once
+    ``out`` does (on CUDA the kernel's own scratch result). Something that must wait for
+    the weight gradient can wait for the token instead of reading ``out``, so that
+    ``out``'s only reader stays its consumer: in a ``jax.lax.scan`` of layers XLA then
+    writes the kernel's result into the stacked gradients in place rather than copying
+    it there (docs/notes/2026-12-07-scan-weight-copies.md)."""
+    return _dispatch("grouped_wgrad", lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype), with_token=with_token)
 
 
 def fc1_fused(

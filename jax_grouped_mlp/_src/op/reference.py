@@ -98,3 +98,12 @@ def ragged_transpose_matmul(
 
     acc, _ = jax.lax.scan(step, acc, (a_tiles, b_tiles, layout.group))
     return acc[:g].astype(out_dtype)
+
+
+def order_token(value: jax.Array) -> jax.Array:
+    """An int32 ``[1]`` (zero) that exists only once ``value`` does: an optimization
+    barrier ties the two, so a later barrier on the token orders after ``value`` without
+    reading it (``primitives.grouped_wgrad(with_token=True)`` where no kernel has a
+    scratch result to serve as the token)."""
+    _, token = jax.lax.optimization_barrier((value, jnp.zeros((1,), jnp.int32)))
+    return token
