@@ -313,3 +313,23 @@ def test_with_token_same_gradient_and_kernel_scratch_token(rng):
     assert token.shape == (1,) and token.dtype == jnp.int32
     hlo = tokened.lower(x, dy).compile().as_text()
     assert "opt-barrier" not in hlo and hlo.count('custom_call_target="jgm_grouped_wgrad"') == 1
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+def test_op_gradient_waits_for_the_weight_gradient_tokens(rng, recipe):
+    """The op's compiled gradient on CUDA: the weight gradients' tokens are the kernels'
+    scratch results (no optimization barrier or extra pass for them), and dx still reads
+    them (the population count of ``mlp._after_tokens`` survives XLA's passes)."""
+    import jax_grouped_mlp as jgm
+
+    m, h, f, g = 2048, 256, 192, 16
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((g, h, f)) * 0.05, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((g, f, h)) * 0.05, jnp.bfloat16)
+    gs = jnp.asarray(_sizes(rng, g, m - 100))
+    loss = lambda x, w1, w2: jgm.grouped_mlp(x, w1, w2, gs, recipe=recipe).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile().as_text()
+    assert hlo.count('custom_call_target="jgm_grouped_wgrad"') == 2
+    assert " popcnt(" in hlo

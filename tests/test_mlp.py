@@ -152,15 +152,16 @@ def test_deterministic(rng):
 # path (the Nano scan's weight copies: docs/notes/2026-12-07-scan-weight-copies.md):
 # "h", the unfused FC1's result as the residual (mlp._residual_copy); "w1", the FC1 dgrad's
 # weight pass after dh (only where a pass prepares w1); "token", a weight gradient's
-# ordering token (reference.order_token; on CUDA the bf16 kernel's scratch result);
-# "dx", dx after both tokens. mxfp8 without the _qw GEMMs and fp8_block fuse FC1.
+# ordering token (reference.order_token; on CUDA the bf16 kernel's scratch result). dx
+# waits for both tokens through a select (mlp._after_tokens, one population count), not a
+# barrier. mxfp8 without the _qw GEMMs and fp8_block fuse FC1.
 BARRIERS = {
-    ("mxfp8", True): ["h", "token", "token", "dx"],
-    ("mxfp8", False): ["w1", "token", "token", "dx"],
-    ("bf16", True): ["h", "token", "token", "dx"],
-    ("bf16", False): ["h", "token", "token", "dx"],
-    ("fp8_block", True): ["w1", "token", "token", "dx"],
-    ("fp8_block", False): ["w1", "token", "token", "dx"],
+    ("mxfp8", True): ["h", "token", "token"],
+    ("mxfp8", False): ["w1", "token", "token"],
+    ("bf16", True): ["h", "token", "token"],
+    ("bf16", False): ["h", "token", "token"],
+    ("fp8_block", True): ["w1", "token", "token"],
+    ("fp8_block", False): ["w1", "token", "token"],
 }
 
 
@@ -178,8 +179,6 @@ def _barrier_kinds(text: str, m: int, w1_shape) -> list[str]:
             kinds.append("w1")
         elif len(types) == 2 and types[1] == "tensor<1xi32>":
             kinds.append("token")
-        elif len(types) == 3 and types[1:] == ["tensor<1xi32>", "tensor<1xi32>"]:
-            kinds.append("dx")
         else:
             kinds.append(f"unexpected: {types}")
     return sorted(kinds)
@@ -193,16 +192,21 @@ def test_backward_order_barrier(rng, recipe, in_gemm):
 
     x, w1, w2, gs, probs, dy = make_inputs(rng, sizes=SIZES["zeros_and_skew"])
 
-    def barriers(order: bool) -> tuple[list, list]:
+    def barriers(order: bool) -> tuple[list, int, int, list]:
         choices = KernelChoices(order_backward=order, quantize_weights_in_gemm=in_gemm)
         f = functools.partial(run_op, recipe=recipe, choices=choices)
-        text = jax.jit(f).lower(x, w1, w2, gs, probs, dy).as_text()
+        lowered = jax.jit(f).lower(x, w1, w2, gs, probs, dy)
+        text = lowered.as_text()
         kinds = _barrier_kinds(text, x.shape[0], w1.shape)
-        return kinds, jax.tree_util.tree_leaves(jax.jit(f)(x, w1, w2, gs, probs, dy))
+        # (The compiled program still has the population count: dx waits for the tokens.)
+        waits = text.count("stablehlo.popcnt"), lowered.compile().as_text().count(" popcnt(")
+        return kinds, *waits, jax.tree_util.tree_leaves(jax.jit(f)(x, w1, w2, gs, probs, dy))
 
-    kinds_on, on = barriers(True)
-    kinds_off, off = barriers(False)
+    with jax.default_device(jax.devices("cpu")[0]):  # (the CPU path's table, on a GPU machine too)
+        kinds_on, lowered_on, compiled_on, on = barriers(True)
+        kinds_off, lowered_off, compiled_off, off = barriers(False)
     assert (kinds_on, kinds_off) == (sorted(BARRIERS[recipe, in_gemm]), [])
+    assert (lowered_on, compiled_on, lowered_off, compiled_off) == (1, 1, 0, 0)
     for u, v in zip(on, off):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 
