@@ -444,13 +444,13 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, with_toke
     result cast. Shapes outside :func:`grouped_gemm_supported` or non-bf16 operands:
     :class:`Unsupported`. ``with_token``: ``(out, token)`` (``primitives.grouped_wgrad``;
     the FP8 kernel has no scratch result, so its token comes from
-    ``reference.order_token``).
+    ``reference.with_order_token``).
     """
     bf16 = jnp.dtype(jnp.bfloat16)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
     if _fp8_block_wgrad_pair(lhs, rhs, group_sizes):
         out = grouped_wgrad_fp8_block(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
-        token = reference.order_token(out) if with_token else None
+        out, token = reference.with_order_token(out) if with_token else (out, None)
     else:
         out, token = grouped_wgrad_bf16_cuda(
             _as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=kernel_dtype, with_token=True

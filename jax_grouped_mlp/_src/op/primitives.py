@@ -240,7 +240,7 @@ def _ref_grouped_gemm_qw(
 
 def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype, with_token: bool = False):
     out = reference.ragged_transpose_matmul(_as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=out_dtype)
-    return (out, reference.order_token(out)) if with_token else out
+    return reference.with_order_token(out) if with_token else out
 
 
 # The reference quantizers are differentiated straight-through (quantization is the

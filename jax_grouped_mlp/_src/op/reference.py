@@ -100,10 +100,10 @@ def ragged_transpose_matmul(
     return acc[:g].astype(out_dtype)
 
 
-def order_token(value: jax.Array) -> jax.Array:
-    """An int32 ``[1]`` (zero) that exists only once ``value`` does: an optimization
-    barrier ties the two, so a later barrier on the token orders after ``value`` without
-    reading it (``primitives.grouped_wgrad(with_token=True)`` where no kernel has a
-    scratch result to serve as the token)."""
-    _, token = jax.lax.optimization_barrier((value, jnp.zeros((1,), jnp.int32)))
-    return token
+def with_order_token(value: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(value, token)``: ``value`` through an optimization barrier with an int32 ``[1]``
+    zero, the token, which then exists only once ``value`` does
+    (``primitives.grouped_wgrad(with_token=True)`` where no kernel has a scratch result to
+    serve as the token). Callers read the barrier's ``value``, so ``value``'s producer
+    keeps one reader (a second one can make XLA clone it, to write a scan's stack)."""
+    return jax.lax.optimization_barrier((value, jnp.zeros((1,), jnp.int32)))
