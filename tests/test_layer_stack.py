@@ -346,6 +346,36 @@ def test_layer_scan_one_scan_over_all_layers_is_bitwise_the_loop(rng, layers):
         np.asarray(jax.lax.scan(lambda x, w: (_one(w, x, gs, probs), None), x, (w1, w2))[0], np.float32))
 
 
+def _remats(jaxpr, in_scan=False):
+    """``(inside a scan's body, prevent_cse)`` for each ``jax.checkpoint`` in ``jaxpr``."""
+    for eqn in jaxpr.eqns:
+        if "prevent_cse" in eqn.params:
+            yield in_scan, eqn.params["prevent_cse"]
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else [v]:
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    yield from _remats(inner, in_scan or eqn.primitive is jax.lax.scan_p)
+
+
+@pytest.mark.parametrize("policy", [None, "offload"])
+def test_layer_scan_recomputes_scanned_layers_without_remat_barrier(rng, policy):
+    """Layers recomputed inside a scan's body (all of them without prefetch, layers 1 ..
+    L-2 with it) are checkpointed with ``prevent_cse=False``: remat's barrier would hold
+    the layer's parameter slices, which XLA then copies out of the stack. Layer 0 and the
+    last, recomputed outside any loop, keep ``prevent_cse=True``."""
+    inputs = _make_inputs(rng, layers=4)
+    policy = jgm.offload_policy() if policy else None
+
+    def loss(x, w1, w2, probs, gs):
+        y = jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=policy)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    remats = sorted(_remats(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*inputs).jaxpr))
+    want = [(True, False)] if policy is None else [(False, True), (False, True), (True, False)]
+    assert remats == want
+
+
 def _scans_moving(jaxpr, memory_kind):
     """``(scan equation, move equation)`` for each move of arrays to ``memory_kind``
     (``residuals.to_device_p``) directly inside a scan's body."""

@@ -73,7 +73,9 @@ def layer_scan(
     """``x`` after ``x = layer(params[i], x, *args)`` for ``i`` in ``range(L)``, where
     ``params`` holds every layer's parameters stacked along a leading axis of length
     ``L`` (what ``jax.lax.scan`` takes), each layer under ``jax.checkpoint(layer,
-    policy=policy)``.
+    policy=policy)`` (with ``prevent_cse=False`` where a layer is recomputed inside the
+    scan, as JAX advises for a checkpoint in a scan: the same numbers, and XLA reads the
+    layer's parameter slices in place rather than copying them).
 
     :func:`layer_stack` for scanned stacks: the backward pass brings layer ``i - 1``'s
     offloaded residuals back while layer ``i`` runs backward, and the last layer keeps
@@ -126,7 +128,14 @@ def layer_scan(
     p0 = jax.tree.map(lambda a: a[0], params)
     layer, args = stack.closure_as_args(layer, p0, x, args, check_types=True)
 
-    ckpt = jax.checkpoint(layer, policy=policy)
+    # Layers recomputed inside a scan's body take jax.checkpoint(prevent_cse=False), JAX's
+    # advice for a checkpoint in a scan (the loop already keeps XLA from merging the
+    # recomputation with the forward pass): remat's barrier would otherwise hold each
+    # layer's parameter slices, and XLA then copies them out of the stack instead of
+    # reading them in place (at the 128-expert Nano shape 2 x 1.28 GB a layer:
+    # docs/performance.md, "Scanned layer stacks"). Layers recomputed outside a loop
+    # (layer 0 and the last, below) keep the default.
+    ckpt = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def run(params, x, args):
         return lax.scan(lambda x, p: (ckpt(p, x, *args), None), x, params)[0]
@@ -134,7 +143,9 @@ def layer_scan(
     if not prefetch or policy is None:
         return run(params, x, tuple(args))
     ckpt_keep = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))  # the last layer
-    ckpt_defer = jax.checkpoint(layer, policy=residuals.DeferredOffload(policy))  # what runs: no copies
+    deferred = residuals.DeferredOffload(policy)
+    ckpt_defer = jax.checkpoint(layer, policy=deferred)  # what runs (no copies): layer 0
+    ckpt_defer_scanned = jax.checkpoint(layer, policy=deferred, prevent_cse=False)  # layers 1 .. L-2
     recorder = _DstRecorder(policy)
     ckpt_policy = jax.checkpoint(layer, policy=residuals.FencedByCaller(recorder))  # traced for its placement only
     if not any(_offloaded(ckpt_policy, p0, x, tuple(args), _pullback_avals(ckpt_defer, p0, x, tuple(args)))):
@@ -147,14 +158,15 @@ def layer_scan(
     def scanned(params, x, args):
         return run(params, x, args)
 
-    def one_layer(p, x, args, layout, ckpt=ckpt_defer):
+    def one_layer(p, x, args, layout, ckpt=ckpt_defer_scanned):
         """Layer ``p`` forward: its output, the pullback arrays the policy offloads (on
         the device still) and the other arrays that are neither parameters nor args
         (recorded in ``layout``). An array that is ``x`` counts as neither, even when
         ``args`` holds it too: layer 0 and the scanned layers then carry the same arrays."""
         y, pullback = jax.vjp(ckpt, p, x, *args)
         leaves, tree = jax.tree_util.tree_flatten(pullback)
-        offloads = _offloaded(ckpt_policy, p, x, args, leaves) if ckpt is ckpt_defer else [False] * len(leaves)
+        offloads = (_offloaded(ckpt_policy, p, x, args, leaves) if ckpt in (ckpt_defer, ckpt_defer_scanned)
+                    else [False] * len(leaves))
         p_flat, args_flat, x_flat = jax.tree.leaves(p), jax.tree.leaves(args), jax.tree.leaves(x)
         layout.tree, layout.sources, off, keep = tree, [], [], []
         for leaf, offloaded in zip(leaves, offloads):
