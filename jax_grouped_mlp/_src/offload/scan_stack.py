@@ -74,8 +74,8 @@ def layer_scan(
     ``params`` holds every layer's parameters stacked along a leading axis of length
     ``L`` (what ``jax.lax.scan`` takes), each layer under ``jax.checkpoint(layer,
     policy=policy)`` (with ``prevent_cse=False`` where a layer is recomputed inside the
-    scan, as JAX advises for a checkpoint in a scan: the same numbers, and XLA reads the
-    layer's parameter slices in place rather than copying them).
+    scan, as JAX advises for a checkpoint in a scan, and for the last layer: the same
+    numbers, and XLA reads the layer's parameter slices in place rather than copying them).
 
     :func:`layer_stack` for scanned stacks: the backward pass brings layer ``i - 1``'s
     offloaded residuals back while layer ``i`` runs backward, and the last layer keeps
@@ -133,8 +133,9 @@ def layer_scan(
     # recomputation with the forward pass): remat's barrier would otherwise hold each
     # layer's parameter slices, and XLA then copies them out of the stack instead of
     # reading them in place (at the 128-expert Nano shape 2 x 1.28 GB a layer:
-    # docs/performance.md, "Scanned layer stacks"). Layers recomputed outside a loop
-    # (layer 0 and the last, below) keep the default.
+    # docs/performance.md, "Scanned layer stacks"). So does the last layer, whose
+    # backward directly follows its forward (a merged recomputation keeps nothing
+    # longer); layer 0, recomputed at the end of the step, keeps the default.
     ckpt = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def run(params, x, args):
@@ -142,7 +143,9 @@ def layer_scan(
 
     if not prefetch or policy is None:
         return run(params, x, tuple(args))
-    ckpt_keep = jax.checkpoint(layer, policy=stack.KeepOnDevice(policy))  # the last layer
+    keep = stack.KeepOnDevice(policy)
+    ckpt_keep = jax.checkpoint(layer, policy=keep, prevent_cse=False)  # the last layer
+    ckpt_keep_first = jax.checkpoint(layer, policy=keep)  # layer 0 of two
     deferred = residuals.DeferredOffload(policy)
     ckpt_defer = jax.checkpoint(layer, policy=deferred)  # what runs (no copies): layer 0
     ckpt_defer_scanned = jax.checkpoint(layer, policy=deferred, prevent_cse=False)  # layers 1 .. L-2
@@ -187,7 +190,7 @@ def layer_scan(
             # Of two layers, layer 0's residuals stay on the device too (nothing is copied):
             # its tags say so (residual_placements reads them).
             x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args, first,
-                                               ckpt_defer if length > 2 else ckpt_keep)  # fmt: skip
+                                               ckpt_defer if length > 2 else ckpt_keep_first)  # fmt: skip
             if length > 2:
 
                 def body(carry, i):  # layer i (1 .. L-2); indexing the parameters copies none of them

@@ -1,0 +1,1 @@
+"""Bindings to the compiled extension: load it, check operands, call the XLA FFI targets."""

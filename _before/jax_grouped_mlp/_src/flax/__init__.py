@@ -1,0 +1,1 @@
+"""Flax NNX modules over the functional op and MoE block."""
