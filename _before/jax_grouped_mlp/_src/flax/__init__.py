@@ -1,1 +1,0 @@
-"""Flax NNX modules over the functional op and MoE block."""

@@ -1,1 +1,0 @@
-"""Where the residuals live: the checkpoint policy, placement inspection, the planner and its measurements."""
