@@ -34,11 +34,11 @@ class KernelChoices:
     """How the op maps onto kernels (frozen and hashable: a static argument of the op).
 
     Attributes:
-      order_backward: pin the op's order with optimization barriers (w1's dgrad
-        quantization only once dh exists; dx leaves the layer only with both weight
-        gradients done, through their tokens; the unfused FC1's result kept as the
-        residual through a barrier of its own, so that a ``jax.lax.scan`` of layers does
-        not run FC1 twice). Changes memory and time, never results.
+      order_backward: pin the op's order (w1's dgrad quantization only once dh exists,
+        an optimization barrier; dx leaves the layer only with both weight gradients
+        done, through their tokens; the unfused FC1's result kept as the residual
+        through a barrier of its own, so that a ``jax.lax.scan`` of layers does not run
+        FC1 twice). Changes memory and time, never results.
       quantize_weights_in_gemm: with MXFP8 and small groups, the four weight GEMMs
         quantize their weights themselves (``primitives.grouped_gemm_qw``) instead of a
         fake-quantize pass before every GEMM that uses a weight; FC1 and the FC2 dgrad
