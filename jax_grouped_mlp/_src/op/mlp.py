@@ -306,8 +306,8 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     dw2 = primitives.grouped_wgrad(a_col, dy_col, group_sizes, w2_dtype.dtype, with_token=token)
     dw1 = primitives.grouped_wgrad(x_col, dh_col, group_sizes, w1_dtype.dtype, with_token=token)
     if token:
-        # dx leaves this layer only with both weight gradients done (an optimization
-        # barrier: the same arithmetic). Otherwise XLA's scheduler defers every layer's
+        # dx leaves this layer only with both weight gradients done (the same
+        # arithmetic). Otherwise XLA's scheduler defers every layer's
         # weight gradients to the end of the step, and their operands (fc1_input,
         # fc2_input, dy's and dh's columns) stay live across the other layers' backward
         # passes (measured on the H200: docs/notes/2026-11-30-performance-history.md, "The
