@@ -14,7 +14,7 @@ from jax_grouped_mlp._src.cuda import ffi, gemm_ffi
 from jax_grouped_mlp._src.op import mlp
 from jax_grouped_mlp._src.op.heuristics import DEFAULT, KernelChoices
 from mlp_reference import mlp_f64, rel_err
-from test_mlp import BANDS, SIZES, make_inputs
+from test_mlp import BANDS, SIZES, make_inputs, scanned_stack_grads, scanned_stack_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -176,3 +176,14 @@ def test_bf16_weight_gradients_are_the_float32_ones_rounded(gpu, rng, recipe):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.numpy.asarray(want).astype(jax.numpy.bfloat16),
                                                                   np.float32))
         assert (want != np.asarray(jax.numpy.asarray(want).astype(jax.numpy.bfloat16), np.float32)).any()
+
+
+def test_scanned_stack_same_bits_with_and_without_the_ordering(gpu, rng):
+    """A ``jax.lax.scan`` of three layers on the GPU, where XLA reads the weight slices and
+    writes the stacked gradients in place: the same gradients bit for bit with the op's
+    ordering (``KernelChoices.order_backward``: tokens, barriers) on and off."""
+    inputs = jax.device_put(scanned_stack_inputs(rng, m=512, h=256, f=192, g=4,
+                                                 sizes=[s * 4 for s in SIZES["zeros_and_skew"]]), gpu)  # fmt: skip
+    on, off = scanned_stack_grads(True, inputs), scanned_stack_grads(False, inputs)
+    for name, a, b in zip(("dx", "dw1", "dw2"), on, off):
+        np.testing.assert_array_equal(a, b, err_msg=name)

@@ -74,8 +74,9 @@ def layer_scan(
     ``params`` holds every layer's parameters stacked along a leading axis of length
     ``L`` (what ``jax.lax.scan`` takes), each layer under ``jax.checkpoint(layer,
     policy=policy)`` (with ``prevent_cse=False`` where a layer is recomputed inside the
-    scan, as JAX advises for a checkpoint in a scan, and for the last layer: the same
-    numbers, and XLA reads the layer's parameter slices in place rather than copying them).
+    scan, as JAX advises for a checkpoint in a scan, and for the last layer's parameters:
+    the same numbers, and XLA reads the layer's parameter slices in place rather than
+    copying them).
 
     :func:`layer_stack` for scanned stacks: the backward pass brings layer ``i - 1``'s
     offloaded residuals back while layer ``i`` runs backward, and the last layer keeps
@@ -133,10 +134,13 @@ def layer_scan(
     # recomputation with the forward pass): remat's barrier would otherwise hold each
     # layer's parameter slices, and XLA then copies them out of the stack instead of
     # reading them in place (at the 128-expert Nano shape 2 x 1.28 GB a layer:
-    # docs/performance.md, "Scanned layer stacks"). So does the last layer, whose
-    # backward directly follows its forward (a merged recomputation keeps nothing
-    # longer); layer 0, recomputed at the end of the step, keeps the default.
+    # docs/performance.md, "Scanned layer stacks"). The last layer, recomputed outside
+    # the scans, lets XLA merge only what it computes from its parameters alone (its
+    # backward comes soon after its forward: only the head and the loss run between),
+    # so that its weight slices too are read in place, and keeps the barrier on its
+    # inputs; layer 0, recomputed at the end of the step, keeps the default.
     ckpt = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    params_only = (False, True, *([True] * len(args)))  # prevent_cse per argument of layer(p, x, *args)
 
     def run(params, x, args):
         return lax.scan(lambda x, p: (ckpt(p, x, *args), None), x, params)[0]
@@ -144,7 +148,7 @@ def layer_scan(
     if not prefetch or policy is None:
         return run(params, x, tuple(args))
     keep = stack.KeepOnDevice(policy)
-    ckpt_keep = jax.checkpoint(layer, policy=keep, prevent_cse=False)  # the last layer
+    ckpt_keep = jax.checkpoint(layer, policy=keep, prevent_cse=params_only)  # the last layer
     ckpt_keep_first = jax.checkpoint(layer, policy=keep)  # layer 0 of two
     deferred = residuals.DeferredOffload(policy)
     ckpt_defer = jax.checkpoint(layer, policy=deferred)  # what runs (no copies): layer 0

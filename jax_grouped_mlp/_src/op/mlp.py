@@ -292,7 +292,7 @@ def _mlp_bwd(recipe: Recipe, fuse: bool, choices: KernelChoices, res, dy):
     # w1's dgrad quantization only once dh exists (XLA hoists it to the top otherwise).
     # Only where a pass prepares w1: a barrier on w1 alone costs, in a jax.lax.scan of
     # layers, a copy of the layer's w1 slice (XLA then cannot read the slice in place).
-    if _dgrad_weight_pass(recipe, choices, dy.shape[0], w1, w1_ready):
+    if _dgrad_weight_pass(recipe, choices, dh_row.shape[0], w1, w1_ready):
         if isinstance(dh_row, QUANTIZED):
             # (The FP8 data alone order it the same. With the E8M0 scales in the barrier,
             # its transpose under remat fails in grad of grad: jax 0.12, AttributeError
