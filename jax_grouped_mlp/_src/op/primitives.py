@@ -239,7 +239,9 @@ def _ref_grouped_gemm_qw(
 
 
 def _ref_grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *, out_dtype, with_token: bool = False):
-    out = reference.ragged_transpose_matmul(_as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=out_dtype)
+    out = reference.ragged_transpose_matmul(
+        _as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=out_dtype
+    )
     return reference.with_order_token(out) if with_token else out
 
 
