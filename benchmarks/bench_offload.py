@@ -800,7 +800,7 @@ def main(argv=None) -> dict:
                         "the smallest and the largest")
     p.add_argument("--layout", default="both", type=_layouts,
                    help="loop: a Python loop over per-layer weights; scan: lax.scan over stacked weights")
-    p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "bf16"])
+    p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "bf16", "fp8_block"])
     shapes = p.add_mutually_exclusive_group()
     shapes.add_argument("--nano", action="store_true",
                         help="Nemotron-3-Nano expert shape: 49152 x 2688 x 1856, 128 experts")

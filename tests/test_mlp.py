@@ -152,7 +152,7 @@ def test_deterministic(rng):
 # path (the Nano scan's weight copies: docs/notes/2026-12-07-scan-weight-copies.md):
 # "h", the unfused FC1's result as the residual (mlp._residual_copy); "w1", the FC1 dgrad's
 # weight pass after dh (only where a pass prepares w1); "token", a weight gradient's
-# ordering token (reference.with_order_token; on CUDA the bf16 kernel's scratch result). dx
+# ordering token (reference.with_order_token; on CUDA the kernel call's second result). dx
 # waits for both tokens through a select (mlp._after_tokens, one population count), not a
 # barrier. mxfp8 without the _qw GEMMs and fp8_block fuse FC1.
 BARRIERS = {
@@ -211,7 +211,7 @@ def test_backward_order_barrier(rng, recipe, in_gemm):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 
 
-def scanned_stack_grads(order: bool, inputs, layers: int = 3) -> list:
+def scanned_stack_grads(order: bool, inputs, layers: int = 3, recipe: str = "mxfp8") -> list:
     """Gradients of a ``jax.lax.scan`` of ``layers`` checkpointed op layers (stacked
     weights), with the op's ordering on or off."""
     from jax_grouped_mlp._src.op import mlp
@@ -219,7 +219,7 @@ def scanned_stack_grads(order: bool, inputs, layers: int = 3) -> list:
 
     x, w1, w2, gs, probs = inputs
     choices = KernelChoices(order_backward=order)
-    layer = jax.checkpoint(lambda x, w: x + mlp.grouped_mlp_with(choices, x, w[0], w[1], gs, probs),
+    layer = jax.checkpoint(lambda x, w: x + mlp.grouped_mlp_with(choices, x, w[0], w[1], gs, probs, recipe=recipe),
                            prevent_cse=False)  # fmt: skip
 
     def loss(x, w1, w2):

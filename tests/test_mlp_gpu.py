@@ -178,12 +178,14 @@ def test_bf16_weight_gradients_are_the_float32_ones_rounded(gpu, rng, recipe):
         assert (want != np.asarray(jax.numpy.asarray(want).astype(jax.numpy.bfloat16), np.float32)).any()
 
 
-def test_scanned_stack_same_bits_with_and_without_the_ordering(gpu, rng):
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16", "fp8_block"])
+def test_scanned_stack_same_bits_with_and_without_the_ordering(gpu, rng, recipe):
     """A ``jax.lax.scan`` of three layers on the GPU, where XLA reads the weight slices and
     writes the stacked gradients in place: the same gradients bit for bit with the op's
-    ordering (``KernelChoices.order_backward``: tokens, barriers) on and off."""
+    ordering (``KernelChoices.order_backward``: tokens, barriers) on and off, for each
+    recipe's weight-gradient kernel (bf16, FP8) and its token."""
     inputs = jax.device_put(scanned_stack_inputs(rng, m=512, h=256, f=192, g=4,
                                                  sizes=[s * 4 for s in SIZES["zeros_and_skew"]]), gpu)  # fmt: skip
-    on, off = scanned_stack_grads(True, inputs), scanned_stack_grads(False, inputs)
+    on, off = scanned_stack_grads(True, inputs, recipe=recipe), scanned_stack_grads(False, inputs, recipe=recipe)
     for name, a, b in zip(("dx", "dw1", "dw2"), on, off):
         np.testing.assert_array_equal(a, b, err_msg=name)
