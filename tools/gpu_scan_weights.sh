@@ -7,9 +7,10 @@
 # STEPS (default "scan"):
 #   test      the `_qw` GEMM's, the op's and the layer stacks' GPU tests, then memcheck on
 #             tools/sanitize_small.py (as tools/gpu_qw_choice.sh's test and sanitize steps)
-#   optest    the op's, the offload policies' and the weight gradient's GPU tests alone
+#   optest    the op's, the offload policies' and the weight gradients' (bf16, FP8) GPU tests alone
 #   scan      loop against lax.scan, all residuals on the device, LAYERS layers, prevent_cse
 #             on and off, one process; the optimized HLO of each step in $OUT/hlo.tgz
+#             (SCAN_FLAGS: more bench_offload.py flags, e.g. "--recipe fp8_block")
 #   profile   benchmarks/profile_step.py --step stack over the same candidates (per kernel)
 # (At most 8 files come back from a call: "test scan" brings 7.)
 source "$(dirname "$0")/gpu_common.sh" gpu_scan_weights /tmp/scan_weights_out keep-prealloc
@@ -26,7 +27,8 @@ fi
 
 if [[ " $STEPS " == *" optest "* ]]; then  # the op's and the policies' GPU tests (bitwise checks)
   timeout ${OPTEST_S:-200} python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_mlp_gpu.py \
-    tests/test_offload_policies.py tests/test_grouped_wgrad_gpu.py > "$OUT/optest.log" 2>&1
+    tests/test_offload_policies.py tests/test_grouped_wgrad_gpu.py tests/test_grouped_wgrad_fp8_block_gpu.py \
+    > "$OUT/optest.log" 2>&1
   tail -3 "$OUT/optest.log"; stamp optest
 fi
 
