@@ -76,8 +76,9 @@ def _fp8_bf16_variants() -> list[str]:
 def _fp8_kernel_alone(m: int, g: int, k: int, n: int, variant: str):
     """The FP8 weight-gradient custom call (``variant``) on operands already laid out token-major."""
     index = np.int32(gemm_ffi.grouped_wgrad_fp8_block_variants().index(variant))
-    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET, jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16))
-    return jax.jit(lambda a, sa, b, sb, s: call(a, sa, b, sb, s, variant=index, rows=np.int64(m)))
+    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET,
+                            (jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), gemm_ffi.ORDER_TOKEN))
+    return jax.jit(lambda a, sa, b, sb, s: call(a, sa, b, sb, s, variant=index, rows=np.int64(m))[0])
 
 
 def bench_fp8_pair(lhs: jax.Array, rhs: jax.Array, gs: jax.Array, iters: int, rounds: int) -> dict:

@@ -7,6 +7,10 @@
 //   (blocks of 128 tokens, numbered as the group-aware quantizer numbers them, from the
 //   group sizes clamped to `rows`); empty groups give zeros.
 //
+// Second result, token [1] int32 (zeroed): exists once the kernel has run. The op's dx
+// waits for the weight gradients through it (gemm_ffi.grouped_wgrad_fp8_block with
+// with_token=True), so that `out` keeps its one reader and a scan writes it in place.
+//
 // Attribute variant: index into JGM_GROUPED_WGRAD_FP8_BLOCK_VARIANTS, X(name, out_type);
 // attribute rows: M, the token rows of the operands before blocking.
 #include "jgm_variants.h"
@@ -29,8 +33,8 @@ const ffi::DataType kOutType[] = {JGM_GROUPED_WGRAD_FP8_BLOCK_VARIANTS(JGM_TYPE)
 constexpr int64_t kBlock = 128;  // tokens per block
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, Fp8 lhs, F32R2 lhs_scale, Fp8 rhs,
-                   F32R2 rhs_scale, S32R1 group_sizes, Out<ffi::AnyBuffer> out, int32_t variant,
-                   int64_t rows) {
+                   F32R2 rhs_scale, S32R1 group_sizes, Out<ffi::AnyBuffer> out, Out<S32R1> token,
+                   int32_t variant, int64_t rows) {
   if (auto e = kFamily.Load(variant); e.failure()) return e;
   const int64_t k = Dim(lhs, 0), n = Dim(rhs, 0), g = group_sizes.dimensions()[0],
                 nb = rows < 0 ? -1 : CeilDiv(rows, kBlock) + g, p = nb * kBlock;
@@ -43,8 +47,11 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, Fp8 lhs, F32R2 lhs_scale
                .Shape("rhs_scale", rhs_scale, "[cdiv(rows, 128) + G, N]", {nb, n})
                .Shape("out", *out, "[G, K, N]", {g, k, n})
                .Type("out", out->element_type(), kOutType[variant])
+               .Shape("token", *token, "[1]", {1})
                .Multiple8("K", k).Multiple8("N", n).Result();
-  if (e.failure() || g == 0 || k == 0 || n == 0) return e;
+  if (e.failure()) return e;
+  if (auto err = Zero(stream, *token)) return Status("grouped_wgrad_fp8_block", err);
+  if (g == 0 || k == 0 || n == 0) return e;
   // lhs [K, P] and rhs [N, P] as stored (tokens contiguous); the scales as stored; out
   // [G, K, N] as (K, N, G) strides (N, 1, K * N).
   Args args{Matrix(lhs.untyped_data(), k, p), Matrix(rhs.untyped_data(), n, p),
@@ -69,6 +76,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, Fp8 lhs, F32R2 lhs_scale
       .Arg<jgm::F32R2>()           /* rhs_scale [NB, N] f32 */                  \
       .Arg<jgm::S32R1>()           /* group_sizes [G], read on the device */    \
       .Ret<xla::ffi::AnyBuffer>()  /* out [G, K, N], bf16 or f32 by variant */  \
+      .Ret<jgm::S32R1>()           /* token [1] int32, zeroed */                \
       .Attr<int32_t>("variant")                                                \
       .Attr<int64_t>("rows")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JgmGroupedWgradFp8BlockInstantiate,

@@ -25,8 +25,7 @@ from jax_grouped_mlp._src.op import primitives
 
 CUDA_DIR = pathlib.Path(jax_grouped_mlp.__file__).parent / "_src" / "cuda"
 # What the bindings may import from the op layer: leaf modules of pure helpers.
-ALLOWED_FROM_OP = {"jax_grouped_mlp._src.op.activation", "jax_grouped_mlp._src.op.heuristics",
-                   "jax_grouped_mlp._src.op.reference"}
+ALLOWED_FROM_OP = {"jax_grouped_mlp._src.op.activation", "jax_grouped_mlp._src.op.heuristics"}
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:

@@ -124,8 +124,9 @@ def _raw_call(m: int, g: int, k: int, n: int, out_dtype, variant: str | None = N
     if variant is None:
         variant = next(v for v in names if registry.variant(v).out_dtype == jnp.dtype(out_dtype).name)
     index = names.index(variant)
-    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET, jax.ShapeDtypeStruct((g, k, n), out_dtype))
-    return jax.jit(lambda a, sa, b, sb, s: call(a, sa, b, sb, s, variant=np.int32(index), rows=np.int64(m)))
+    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET,
+                            (jax.ShapeDtypeStruct((g, k, n), out_dtype), gemm_ffi.ORDER_TOKEN))
+    return jax.jit(lambda a, sa, b, sb, s: call(a, sa, b, sb, s, variant=np.int32(index), rows=np.int64(m))[0])
 
 
 def _run(lhs, rhs, sizes, out_dtype=jnp.bfloat16, variant: str | None = None) -> np.ndarray:
@@ -366,8 +367,35 @@ def test_handler_rejects_bad_buffers(rng):
     lhs, rhs = operands(rng, 64, 128, 256, [32, 32])
     a, sa = fp8_block.token_major_blocks(lhs)
     b, sb = fp8_block.token_major_blocks(rhs)
-    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET, jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16))
+    call = jax.ffi.ffi_call(gemm_ffi.GROUPED_WGRAD_FP8_BLOCK_TARGET,
+                            (jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16), gemm_ffi.ORDER_TOKEN))
     with pytest.raises(Exception, match="lhs_scale must be"):
         jax.block_until_ready(
             call(a, sa[:1], b, sb, jnp.asarray([32, 32], jnp.int32), variant=np.int32(0), rows=np.int64(64))
         )
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_with_token_same_gradient_and_the_calls_second_result(rng):
+    """``with_token=True``: the same bits as without, and the token (int32 ``[1]``, zero)
+    is the kernel call's own second result, read directly (no barrier: the op's dx waits
+    on it, and a scan then writes ``out`` into its stack in place); also through
+    ``primitives.grouped_wgrad``, the op's entry."""
+    from jax_grouped_mlp._src.op import primitives
+
+    sizes = [300, 0, 129, 400]
+    lhs, rhs = operands(rng, sum(sizes) + 50, 256, 384, sizes)
+    gs = jnp.asarray(sizes, jnp.int32)
+    plain = np.asarray(_kernel(lhs, rhs, gs, out_dtype=jnp.float32))
+    for fn in (lambda a, b: gemm_ffi.grouped_wgrad_fp8_block(a, b, gs, out_dtype=jnp.float32, with_token=True),
+               lambda a, b: primitives.grouped_wgrad(a, b, gs, jnp.float32, with_token=True)):
+        fn = jax.jit(fn)
+        out, token = fn(lhs, rhs)
+        np.testing.assert_array_equal(np.asarray(out), plain)
+        assert token.shape == (1,) and token.dtype == jnp.int32 and int(token[0]) == 0
+        hlo = fn.lower(lhs, rhs).compile().as_text()
+        assert "opt-barrier" not in hlo
+        (call,) = [line.split(" = ")[0].strip() for line in hlo.splitlines()
+                   if 'custom_call_target="jgm_grouped_wgrad_fp8_block"' in line]  # fmt: skip
+        assert f"get-tuple-element({call}), index=1" in hlo

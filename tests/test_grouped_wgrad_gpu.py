@@ -320,9 +320,10 @@ def test_with_token_same_gradient_and_kernel_scratch_token(rng):
 @pytest.mark.parametrize("recipe", ["mxfp8", "bf16", "fp8_block"])
 def test_op_gradient_waits_for_the_weight_gradient_tokens(rng, recipe):
     """The op's compiled gradient on CUDA: dx still reads the weight gradients' tokens
-    (the population count of ``mlp._after_tokens`` survives XLA's passes); with the bf16
-    weight-gradient kernel (mxfp8, bf16) both tokens are the kernels' own scratch
-    results, read (no barrier or extra pass makes them)."""
+    (the population count of ``mlp._after_tokens`` survives XLA's passes), and both
+    tokens are the weight-gradient kernel calls' own second results, read (no barrier or
+    extra pass makes them): the bf16 kernel's scratch (mxfp8, bf16), the FP8 kernel's
+    zeroed token (fp8_block)."""
     import jax_grouped_mlp as jgm
 
     m, h, f, g = 2048, 256, 192, 16
@@ -333,10 +334,10 @@ def test_op_gradient_waits_for_the_weight_gradient_tokens(rng, recipe):
     loss = lambda x, w1, w2: jgm.grouped_mlp(x, w1, w2, gs, recipe=recipe).astype(jnp.float32).sum()
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile().as_text()
     assert " popcnt(" in hlo
-    if recipe == "fp8_block":
-        return
+    target = "jgm_grouped_wgrad_fp8_block" if recipe == "fp8_block" else "jgm_grouped_wgrad"
     calls = [line.split(" = ")[0].strip() for line in hlo.splitlines()
-             if 'custom_call_target="jgm_grouped_wgrad"' in line]  # fmt: skip
+             if f'custom_call_target="{target}"' in line]  # fmt: skip
     assert len(calls) == 2
+    assert not [line for line in hlo.splitlines() if " opt-barrier(" in line and "s32[1]" in line]
     for call in calls:  # each kernel's second result (the token) has a reader
         assert f"get-tuple-element({call}), index=1" in hlo, call

@@ -35,7 +35,7 @@ from jax_grouped_mlp._src.cuda.ffi import Unsupported
 from jax_grouped_mlp._src import groups
 from jax_grouped_mlp._src.formats import fp8_block, mxfp8
 from jax_grouped_mlp._src.formats.mxfp8 import MXFP8Tensor
-from jax_grouped_mlp._src.op import activation, heuristics, reference
+from jax_grouped_mlp._src.op import activation, heuristics
 from jax_grouped_mlp.kernels import registry
 
 GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
@@ -44,6 +44,9 @@ GROUPED_GEMM_TARGET = "jgm_grouped_gemm"
 # before each launch: always by the weight gradient's, by the GEMM's in builds with
 # JGM_DYNAMIC_TILES (unused otherwise).
 TILE_COUNTER = jax.ShapeDtypeStruct((1,), jnp.int32)
+# The FP8 weight gradient's second result: a zeroed int32, the order token of
+# ``grouped_wgrad_cuda(with_token=True)`` (as TILE_COUNTER is for the bf16 kernel).
+ORDER_TOKEN = jax.ShapeDtypeStruct((1,), jnp.int32)
 GROUPED_GEMM_QW_TARGET = "jgm_grouped_gemm_qw"
 GROUPED_WGRAD_TARGET = "jgm_grouped_wgrad"
 _MAX = 2**31
@@ -443,14 +446,12 @@ def grouped_wgrad_cuda(lhs, rhs, group_sizes: jax.Array, *, out_dtype, with_toke
     master weights get full float32 sums); another ``out_dtype`` gets the float32
     result cast. Shapes outside :func:`grouped_gemm_supported` or non-bf16 operands:
     :class:`Unsupported`. ``with_token``: ``(out, token)`` (``primitives.grouped_wgrad``;
-    the FP8 kernel has no scratch result, so its token comes from
-    ``reference.with_order_token``).
+    the token is the kernel call's second result: a scratch result or a zeroed one).
     """
     bf16 = jnp.dtype(jnp.bfloat16)
     kernel_dtype = bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
     if _fp8_block_wgrad_pair(lhs, rhs, group_sizes):
-        out = grouped_wgrad_fp8_block(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
-        out, token = reference.with_order_token(out) if with_token else (out, None)
+        out, token = grouped_wgrad_fp8_block(lhs, rhs, group_sizes, out_dtype=kernel_dtype, with_token=True)
     else:
         out, token = grouped_wgrad_bf16_cuda(
             _as_bf16(lhs, "lhs"), _as_bf16(rhs, "rhs"), group_sizes, out_dtype=kernel_dtype, with_token=True
@@ -814,7 +815,8 @@ def grouped_wgrad_fp8_block(
     *,
     out_dtype=jnp.bfloat16,
     variant: str | None = None,
-) -> jax.Array:
+    with_token: bool = False,
+):
     """``out[g] = lhs_g^T @ rhs_g`` on group-aware ``fp8_block`` operands, ``[G, K, N]``
     (``kernels/grouped_wgrad_fp8_block_sm90.py``; CUDA only; ``grouped_mlp``'s
     ``fp8_block`` weight gradients reach it through :func:`grouped_wgrad_cuda`).
@@ -830,6 +832,9 @@ def grouped_wgrad_fp8_block(
       out_dtype: bfloat16 or float32.
       variant: a name of :func:`grouped_wgrad_fp8_block_variants` (default: the one
         writing ``out_dtype``).
+      with_token: return ``(out, token)``, the token the kernel call's second result
+        (int32 ``[1]``, zero), which exists once ``out`` is written
+        (``primitives.grouped_wgrad(with_token=True)``).
 
     Numerics: each 128-token block is one FP8 wgmma reduction (exact products, Hopper's
     internal FP8 accumulation), scaled by the two blocks' scales in float32 and added
@@ -867,7 +872,7 @@ def grouped_wgrad_fp8_block(
     _fp8_wgrad_variant(out_dtype, variant)  # (checked before the layout passes)
     return grouped_wgrad_fp8_block_token_major(
         token_major_blocks_cuda(lhs), token_major_blocks_cuda(rhs), group_sizes, rows=m, out_dtype=out_dtype,
-        variant=variant,
+        variant=variant, with_token=with_token,
     )
 
 
@@ -896,12 +901,14 @@ def grouped_wgrad_fp8_block_token_major(
     rows: int,
     out_dtype=jnp.bfloat16,
     variant: str | None = None,
-) -> jax.Array:
+    with_token: bool = False,
+):
     """:func:`grouped_wgrad_fp8_block` on operands already laid out token-major: each of
     ``lhs``, ``rhs`` is ``(data [K, 128 NB] float8_e4m3fn, scale [NB, K] float32)`` as
     :func:`token_major_blocks_cuda` returns them (or the quantizer's "pair_tm" mode writes
     them, scales decoded by ``fp8_block.scale_values``), ``NB = cdiv(rows, 128) + G``, for
-    ``rows`` tokens. The same bits as the layout-from-``[M, K]`` entry.
+    ``rows`` tokens. The same bits as the layout-from-``[M, K]`` entry; ``with_token``
+    as there.
 
     Raises:
       TypeError, ValueError: naming the argument (shapes or dtypes that do not fit
@@ -924,9 +931,10 @@ def grouped_wgrad_fp8_block_token_major(
         raise ValueError(f"lhs, rhs: every operand must have fewer than 2^31 elements, got {rows=} {dims} {g=}")
     variant_index = _fp8_wgrad_variant(out_dtype, variant)
     out = jax.ShapeDtypeStruct((g, dims["lhs"], dims["rhs"]), out_dtype)
-    return jax.ffi.ffi_call(GROUPED_WGRAD_FP8_BLOCK_TARGET, out)(
+    result, token = jax.ffi.ffi_call(GROUPED_WGRAD_FP8_BLOCK_TARGET, (out, ORDER_TOKEN))(
         *lhs, *rhs, group_sizes, variant=variant_index, rows=np.int64(rows)
     )
+    return (result, token) if with_token else result
 
 
 TOKEN_MAJOR_BLOCKS_TARGET = "jgm_token_major_blocks"

@@ -567,7 +567,7 @@ def grouped_wgrad(lhs: Operand, rhs: Operand, group_sizes: jax.Array, out_dtype,
     """``out[g] = lhs_g^T @ rhs_g``: both ``[M, *]`` in group-aware blocks along M; ``[G, K, N]``.
 
     ``with_token``: ``(out, token)``, ``token`` an int32 ``[1]`` that exists only once
-    ``out`` does (on CUDA the kernel's own scratch result). Something that must wait for
+    ``out`` does (on CUDA the kernel call's own second result). Something that must wait for
     the weight gradient can wait for the token instead of reading ``out``, so that
     ``out``'s only reader stays its consumer: in a ``jax.lax.scan`` of layers XLA then
     writes the kernel's result into the stacked gradients in place rather than copying

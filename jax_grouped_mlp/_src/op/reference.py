@@ -103,7 +103,7 @@ def ragged_transpose_matmul(
 def with_order_token(value: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(value, token)``: ``value`` through an optimization barrier with an int32 ``[1]``
     zero, the token, which then exists only once ``value`` does
-    (``primitives.grouped_wgrad(with_token=True)`` where no kernel has a scratch result to
-    serve as the token). Callers read the barrier's ``value``, so ``value``'s producer
+    (``primitives.grouped_wgrad(with_token=True)`` on the pure-JAX path; on CUDA the
+    kernel call's second result is the token). Callers read the barrier's ``value``, so ``value``'s producer
     keeps one reader (a second one can make XLA clone it, to write a scan's stack)."""
     return jax.lax.optimization_barrier((value, jnp.zeros((1,), jnp.int32)))
