@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.offload import scan_stack
 from jax_grouped_mlp._src.offload import stack as stack_module
 from jax_grouped_mlp._src.op import residuals
 
@@ -364,12 +365,23 @@ def _remats(jaxpr, in_scan=False):
 
 # Per layer count: (inside a scan, prevent_cse) of each checkpoint in the gradient of a
 # layer_scan whose policy offloads: layer 0 (True, outside), layers 1 .. L-2 (False,
-# inside the backward's scan), the last ("mixed": False for its parameters only).
+# inside the backward's scan), the last ("mixed": False for its parameters only; True
+# where this JAX cannot differentiate a per-argument setting, JAX 0.11).
+_LAST = "mixed" if scan_stack._per_argument_prevent_cse_works() else True
 _OFFLOAD_REMATS = {
-    1: [(False, "mixed")],
-    2: [(False, True), (False, "mixed")],
-    4: [(False, True), (False, "mixed"), (True, False)],
+    1: [(False, _LAST)],
+    2: [(False, True), (False, _LAST)],
+    4: [(False, True), (False, _LAST), (True, False)],
 }
+
+
+def test_per_argument_prevent_cse_probe_matches_the_jax_version():
+    """The probe answers what each JAX does: JAX 0.12.1 differentiates a per-argument
+    ``prevent_cse`` through a ``custom_jvp`` closing over an array; 0.11.2 and 0.12.0
+    raised (the GPU machine runs 0.11.2)."""
+    works = scan_stack._per_argument_prevent_cse_works()
+    assert works == (jax.__version_info__ >= (0, 12, 1)), jax.__version__
+    assert scan_stack._params_only_prevent_cse(2) == ((False, True, True, True) if works else True)
 
 
 @pytest.mark.parametrize("layers", sorted(_OFFLOAD_REMATS))

@@ -34,6 +34,7 @@ pullbacks on the same values): tests/test_layer_stack.py compares bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -140,7 +141,7 @@ def layer_scan(
     # so that its weight slices too are read in place, and keeps the barrier on its
     # inputs; layer 0, recomputed at the end of the step, keeps the default.
     ckpt = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    params_only = (False, True, *([True] * len(args)))  # prevent_cse per argument of layer(p, x, *args)
+    params_only = _params_only_prevent_cse(len(args))  # per argument of layer(p, x, *args)
 
     def run(params, x, args):
         return lax.scan(lambda x, p: (ckpt(p, x, *args), None), x, params)[0]
@@ -271,6 +272,38 @@ def _layer_scan_positional(layer, params, x, args, policy, prefetch):
 
 _layer_scan_jit = jax.jit(_layer_scan_positional, static_argnames=("layer", "policy", "prefetch"))
 
+
+
+@functools.cache
+def _per_argument_prevent_cse_works() -> bool:
+    """Whether this JAX differentiates a ``jax.checkpoint`` whose ``prevent_cse`` is a
+    tuple (one flag per argument). Through JAX 0.11 its JVP rule did not extend the
+    tuple over the constants the JVP adds (from a ``custom_jvp`` or ``custom_vjp`` closing
+    over an array, as the op does), and tracing the gradient failed with a bare
+    ``AssertionError`` in ``remat_jvp``; JAX 0.12 pads it. A tiny such function tells."""
+    k = np.arange(2, dtype=np.float32)
+
+    @jax.custom_jvp
+    def scaled(p):
+        return p * k
+
+    scaled.defjvp(lambda primals, tangents: (primals[0] * k, tangents[0] * k))
+    f = jax.checkpoint(lambda p, x: jnp.sum(scaled(p) * x), prevent_cse=(False, True))
+    try:
+        jax.eval_shape(jax.grad(f), jnp.ones(2, jnp.float32), jnp.float32(1))
+    except AssertionError:
+        return False
+    return True
+
+
+def _params_only_prevent_cse(n_args: int) -> tuple[bool, ...] | bool:
+    """``prevent_cse`` for ``jax.checkpoint(layer)`` called as ``layer(p, x, *args)`` with
+    ``n_args`` args: off for the parameters only; ``True`` (the default, for all) where
+    this JAX cannot differentiate a per-argument setting
+    (:func:`_per_argument_prevent_cse_works`)."""
+    if not _per_argument_prevent_cse_works():
+        return True
+    return (False, True, *([True] * n_args))
 
 class _DstRecorder:
     """``policy``, noting the host memory kind it answers (``Offloadable.dst``) for each of
