@@ -398,4 +398,6 @@ def test_with_token_same_gradient_and_the_calls_second_result(rng):
         assert "opt-barrier" not in hlo
         (call,) = [line.split(" = ")[0].strip() for line in hlo.splitlines()
                    if 'custom_call_target="jgm_grouped_wgrad_fp8_block"' in line]  # fmt: skip
-        assert f"get-tuple-element({call}), index=1" in hlo
+        # The call's tuple is the program's result (the token returned as it is), or its
+        # second element is read where it is used.
+        assert call.startswith("ROOT ") or f"get-tuple-element({call}), index=1" in hlo, call

@@ -152,7 +152,7 @@ def test_deterministic(rng):
 # path (the Nano scan's weight copies: docs/notes/2026-12-07-scan-weight-copies.md):
 # "h", the unfused FC1's result as the residual (mlp._residual_copy); "w1", the FC1 dgrad's
 # weight pass after dh (only where a pass prepares w1); "token", a weight gradient's
-# ordering token (reference.with_order_token; on CUDA the bf16 kernel's scratch result). dx
+# ordering token (reference.with_order_token; on CUDA the kernel call's second result). dx
 # waits for both tokens through a select (mlp._after_tokens, one population count), not a
 # barrier. mxfp8 without the _qw GEMMs and fp8_block fuse FC1.
 BARRIERS = {
