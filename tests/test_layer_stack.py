@@ -366,7 +366,7 @@ def _remats(jaxpr, in_scan=False):
 # Per layer count: (inside a scan, prevent_cse) of each checkpoint in the gradient of a
 # layer_scan whose policy offloads: layer 0 (True, outside), layers 1 .. L-2 (False,
 # inside the backward's scan), the last ("mixed": False for its parameters only; True
-# where this JAX cannot differentiate a per-argument setting, JAX 0.11).
+# where this JAX cannot differentiate a per-argument setting, before JAX 0.12.1).
 _LAST = "mixed" if scan_stack._per_argument_prevent_cse_works() else True
 _OFFLOAD_REMATS = {
     1: [(False, _LAST)],

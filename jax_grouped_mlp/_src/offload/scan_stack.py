@@ -273,14 +273,13 @@ def _layer_scan_positional(layer, params, x, args, policy, prefetch):
 _layer_scan_jit = jax.jit(_layer_scan_positional, static_argnames=("layer", "policy", "prefetch"))
 
 
-
 @functools.cache
 def _per_argument_prevent_cse_works() -> bool:
     """Whether this JAX differentiates a ``jax.checkpoint`` whose ``prevent_cse`` is a
-    tuple (one flag per argument). Through JAX 0.11 its JVP rule did not extend the
-    tuple over the constants the JVP adds (from a ``custom_jvp`` or ``custom_vjp`` closing
-    over an array, as the op does), and tracing the gradient failed with a bare
-    ``AssertionError`` in ``remat_jvp``; JAX 0.12 pads it. A tiny such function tells."""
+    tuple (one flag per argument). In JAX 0.11.2 and 0.12.0 its JVP rule did not extend
+    the tuple over the constants the JVP adds (from a ``custom_jvp`` or ``custom_vjp``
+    closing over an array, as the op does), and tracing the gradient failed with a bare
+    ``AssertionError`` in ``remat_jvp``; JAX 0.12.1 pads it. A tiny such function tells."""
     k = np.arange(2, dtype=np.float32)
 
     @jax.custom_jvp
@@ -304,6 +303,7 @@ def _params_only_prevent_cse(n_args: int) -> tuple[bool, ...] | bool:
     if not _per_argument_prevent_cse_works():
         return True
     return (False, True, *([True] * n_args))
+
 
 class _DstRecorder:
     """``policy``, noting the host memory kind it answers (``Offloadable.dst``) for each of
