@@ -437,6 +437,29 @@ def test_layer_scan_copies_each_layer_out_and_back_one_iteration_apart(rng):
     assert set(back.outvars) <= set(body.outvars)  # only handed to the next one
 
 
+
+@pytest.mark.parametrize("layers", [3, 4])
+def test_layer_scan_carries_its_layer_index(rng, layers):
+    """Both of ``layer_scan``'s own scans (the forward over layers 1 .. L-2 and the
+    backward over L-2 .. 1) carry the layer index as an int32 counter and take no
+    integer array as ``xs``: with the index read from an ``arange`` in ``xs``, XLA's
+    dynamic-slice fusion left the backward body's weight reads and gradient writes
+    out, and copied a weight slice and each weight gradient per layer (H100, Nano)."""
+    x, w1, w2, probs, gs = _make_inputs(rng, layers=layers)
+
+    def loss(w1):
+        y = jgm.layer_scan(_one, (w1, w2), x, gs, probs, policy=jgm.offload_policy())
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w1).jaxpr
+    scans = [e for e in _eqns(jaxpr) if e.primitive is jax.lax.scan_p and e.params["length"] == layers - 2
+             and any(v.aval.shape == w1.shape for v in e.invars)]  # over the stacked layers
+    assert len(scans) == 2, [e.params["length"] for e in _eqns(jaxpr) if e.primitive is jax.lax.scan_p]
+    for scan in scans:  # (the group sizes are int32[3]: no layer count here gives them that shape)
+        ints = [v.aval for v in scan.invars if jnp.issubdtype(v.aval.dtype, jnp.integer)]
+        assert jax.core.ShapedArray((), jnp.int32) in ints, ints  # the counter's start
+        assert not [a for a in ints if a.shape == (layers - 2,)], ints  # no arange of the layers
+
 def _one_named(p, x, gs, probs):
     """A layer with a residual of its own (``"mine"``), which JAX offloads itself when
     the policy names it."""

@@ -197,22 +197,30 @@ def layer_scan(
             x, off, saved["keep0"] = one_layer(layer_params(params, 0), x, args, first,
                                                ckpt_defer if length > 2 else ckpt_keep_first)  # fmt: skip
             if length > 2:
-
-                def body(carry, i):  # layer i (1 .. L-2); indexing the parameters copies none of them
-                    x, previous = carry
+                # Both scans carry the layer index as a counter instead of reading it from an
+                # `xs` array (`jnp.arange`): XLA's dynamic-slice fusion, which lets a kernel
+                # read its layer's slice of a stacked weight and write its gradient into the
+                # stacked gradients in place, took the backward body's weight reads and
+                # gradient writes only with the counter. With the index from `xs` XLA copied
+                # each layer's weight slice and wrote its weight gradients into buffers of
+                # their own first (H100, Nano, 4 layers, all-offload: temp 7.43 -> 5.52 GB,
+                # step 63.3 -> 56.0 ms; docs/notes/2026-12-07-scan-weight-copies.md).
+                def body(carry, _):  # layer i (1 .. L-2); indexing the parameters copies none of them
+                    x, previous, i = carry
                     if store is None:
                         x, off, keep = one_layer(layer_params(params, i), x, args, inner)
                         # The previous layer's copies out run while this layer computes.
-                        return (x, off), (residuals.to_host(previous, memory_kind=host_kind), keep)
+                        return (x, off, i + 1), (residuals.to_host(previous, memory_kind=host_kind), keep)
                     # The store's copies out of the previous layer start before this layer
                     # and are waited for after it (they run on the store's own stream).
                     serial = store.put_start(previous)
                     x, serial = lax.optimization_barrier((x, serial))
                     x, off, keep = one_layer(layer_params(params, i), x, args, inner)
                     store.put_done(previous, serial, jax.tree.leaves(x))
-                    return (x, off), (serial, keep)
+                    return (x, off, i + 1), (serial, keep)
 
-                (x, off), (saved["host"], saved["keep"]) = lax.scan(body, (x, off), jnp.arange(1, length - 1))
+                (x, off, _), (saved["host"], saved["keep"]) = lax.scan(
+                    body, (x, off, jnp.int32(1)), None, length=length - 2)
             saved["off"] = off  # layer L-2's: on the device (the backward needs them second)
         y, saved["last"] = jax.vjp(ckpt_keep, layer_params(params, length - 1), x, *args)
         return y, saved
@@ -239,8 +247,8 @@ def layer_scan(
         if length > 2:
 
             def step(carry, xs):  # layer i (L-2 .. 1)
-                dy, d_args, grads, current = carry
-                i, before, keep = xs  # layer i - 1's host copies (or serial), layer i's other arrays
+                dy, d_args, grads, current, i = carry  # i carried, as in the forward
+                before, keep = xs  # layer i - 1's host copies (or serial), layer i's other arrays
                 if store is None:
                     # Layer i - 1's copies back, read as the scan's own input slices (at the
                     # loop counter): XLA issues them as asynchronous host dynamic-slices.
@@ -255,10 +263,11 @@ def layer_scan(
                     # before the wait, ~0.15 ms a layer on the H200) kept gradients nobody
                     # asked for (a frozen parameter's) computed.
                     following = store.get_done(following, before, jax.tree.leaves(dy))
-                return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), following), None
+                return (dy, jax.tree.map(stack._add, d_args, d_a), _put(grads, d_p, i), following, i - 1), None
 
-            xs = (jnp.arange(1, length - 1), saved["host"], saved["keep"])  # host: layers 0..L-3, keep: 1..L-2
-            (dy, d_args, grads, current), _ = lax.scan(step, (dy, d_args, grads, current), xs, reverse=True)
+            xs = (saved["host"], saved["keep"])  # host: layers 0..L-3, keep: 1..L-2
+            carry = (dy, d_args, grads, current, jnp.int32(length - 2))
+            (dy, d_args, grads, current, _), _ = lax.scan(step, carry, xs, reverse=True)
         d_0, dy, *d_a = pullback_of(0, current, saved["keep0"], first)(dy)
         return _put(grads, d_0, 0), dy, tuple(jax.tree.map(stack._add, d_args, d_a))
 
