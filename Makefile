@@ -1,7 +1,7 @@
 # Both main targets set themselves up: they create .venv (Python 3.12 when present),
 # install the package with its test extras, and build the CUDA kernels ahead of time
 # (skipped, with a message, where there is no CUDA toolkit: the CPU path still works).
-.PHONY: wgmma-check demo test test-slow test-all test-gpu test-no-excess-precision kernels api-docs
+.PHONY: wgmma-check demo test test-slow test-all test-oldest-jax test-gpu test-no-excess-precision kernels api-docs
 demo: kernels
 	@PY=$$(tools/venv.sh) && $$PY examples/demo.py
 
@@ -15,6 +15,13 @@ test-slow: kernels
 	@PY=$$(tools/venv.sh) && $$PY -m pytest -q -n 2 -m slow --durations=25 tests
 
 test-all: test test-slow
+
+# The tests marked oldest_jax (tests/conftest.py OLDEST_JAX: one case of each offload
+# mechanism, which reads JAX internals) under the oldest jax the package supports, in
+# .venv-oldest-jax (tools/venv_oldest_jax.sh; the package is not installed there, the
+# tests import it from the source tree). CI runs it after test-slow. About 3 minutes.
+test-oldest-jax:
+	@PY=$$(tools/venv_oldest_jax.sh) && PYTHONPATH=. $$PY -m pytest -q -n 2 -m "oldest_jax and not gpu" -p no:cacheprovider --durations=10 tests
 
 # The fast suite with XLA's excess precision off: the CPU then rounds every bf16
 # intermediate to bf16, as a GPU does wherever XLA writes one to memory. A bitwise claim
