@@ -26,6 +26,7 @@ import pytest
 from jax._src.interpreters import mlir
 
 import jax_grouped_mlp as jgm
+from jax_grouped_mlp._src.cuda.ffi import version_tuple
 from jax_grouped_mlp._src.op import residuals
 
 from test_offload_policies import COMBOS, LAYOUTS, _make_inputs
@@ -41,26 +42,40 @@ def _cuda_text(layout: str, combo, rng, recipe: str = "mxfp8") -> str:
 
 
 def _defs(text: str) -> dict[str, str]:
-    """SSA value -> the operation that defines it (``stablehlo.xxx``)."""
+    """SSA value -> the operation that defines it (``stablehlo.xxx``), in one function's
+    text (each function of a module numbers its values from ``%0`` again)."""
     return dict(re.findall(r"(%[\w#]+) = \"?(stablehlo\.\w+|[\w.]+)", text))
+
+
+def _functions(text: str) -> list[str]:
+    """The module's text cut at each ``func.func``: one piece per function. (The pure-JAX
+    path, taken without the extension, lowers helper functions whose values reuse the
+    names of main's, so a name's definition must be looked up in its own function.)"""
+    return re.split(r"\bfunc\.func\b", text)
 
 
 def _read_backs(text: str) -> int:
     """One-element slices of a host copy that go back to the device, at an index
     computed from the output that waits (``and``: ``(2 t) & 1``), not a constant:
     read back only once that output exists."""
-    host = set(re.findall(r'(%\S+) = stablehlo.custom_call @annotate_device_placement\(\S+\).*"pinned_host"', text))
-    defs = _defs(text)
-    sliced = re.findall(r"= stablehlo.dynamic_slice (%[^ ,]+), (%[^ ,]+),", text)
-    return sum(1 for v, index in sliced if v in host and defs.get(index) == "stablehlo.and")
+    count = 0
+    for body in _functions(text):
+        host = set(re.findall(r'(%\S+) = stablehlo.custom_call @annotate_device_placement\(\S+\).*"pinned_host"', body))
+        defs = _defs(body)
+        sliced = re.findall(r"= stablehlo.dynamic_slice (%[^ ,]+), (%[^ ,]+),", body)
+        count += sum(1 for v, index in sliced if v in host and defs.get(index) == "stablehlo.and")
+    return count
 
 
 def _waits(text: str) -> int:
     """Outputs rewritten through the fence's bit-or (one dynamic_update_slice of a
     bitcast value each)."""
-    defs = _defs(text)
-    updates = re.findall(r"= stablehlo.dynamic_update_slice %[^ ,]+, (%[^ ,]+),", text)
-    return sum(1 for u in updates if defs.get(u) == "stablehlo.bitcast_convert")
+    count = 0
+    for body in _functions(text):
+        defs = _defs(body)
+        updates = re.findall(r"= stablehlo.dynamic_update_slice %[^ ,]+, (%[^ ,]+),", body)
+        count += sum(1 for u in updates if defs.get(u) == "stablehlo.bitcast_convert")
+    return count
 
 
 def _offloaded_arrays(combo, recipe: str) -> int:
@@ -240,5 +255,8 @@ def test_fence_follows_the_first_layout_a_layer_function_is_traced_in(rng):
     scan_text, loop_text = texts(shared=False)
     assert _waits(scan_text) == 0 and _waits(loop_text) == LAYERS
     scan_text, loop_text = texts(shared=True)
-    assert _waits(scan_text) == 0 and _waits(loop_text) == 0  # the limitation, pinned
+    # The limitation, pinned. JAX 0.10 traced the loop's layers again (they kept their
+    # fence); 0.11.2 and 0.12.1 reuse the scan's trace.
+    shared_loop_waits = 0 if version_tuple(jax.__version__) >= (0, 11) else LAYERS
+    assert _waits(scan_text) == 0 and _waits(loop_text) == shared_loop_waits
     jax.clear_caches()
