@@ -87,7 +87,7 @@ SLOW = frozenset({
 # after the suites): the offload machinery reads JAX internals (``jax._src``: remat's
 # policies, partial evaluation, memory kinds), whose behaviour changes between releases.
 # The GPU image runs an older jax than CI's newest one, and a difference of this kind
-# (``jax.checkpoint``'s per-argument ``prevent_cse`` under jax 0.11.2, session 51) once
+# (``jax.checkpoint``'s per-argument ``prevent_cse`` under jax 0.11.2, 2026-12-07) once
 # failed only on the GPU. One case of each mechanism, not the sweeps: a few minutes.
 OLDEST_JAX = frozenset({
     "tests/test_layer_stack.py::test_without_prefetch_and_without_gradient_it_is_the_loop",
