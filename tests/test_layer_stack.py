@@ -437,7 +437,6 @@ def test_layer_scan_copies_each_layer_out_and_back_one_iteration_apart(rng):
     assert set(back.outvars) <= set(body.outvars)  # only handed to the next one
 
 
-
 @pytest.mark.parametrize("layers", [3, 4])
 def test_layer_scan_carries_its_layer_index(rng, layers):
     """Both of ``layer_scan``'s own scans (the forward over layers 1 .. L-2 and the
@@ -459,6 +458,7 @@ def test_layer_scan_carries_its_layer_index(rng, layers):
         ints = [v.aval for v in scan.invars if jnp.issubdtype(v.aval.dtype, jnp.integer)]
         assert jax.core.ShapedArray((), jnp.int32) in ints, ints  # the counter's start
         assert not [a for a in ints if a.shape == (layers - 2,)], ints  # no arange of the layers
+
 
 def _one_named(p, x, gs, probs):
     """A layer with a residual of its own (``"mine"``), which JAX offloads itself when

@@ -26,7 +26,6 @@ import pytest
 from jax._src.interpreters import mlir
 
 import jax_grouped_mlp as jgm
-from jax_grouped_mlp._src.cuda.ffi import version_tuple
 from jax_grouped_mlp._src.op import residuals
 
 from test_offload_policies import COMBOS, LAYOUTS, _make_inputs
@@ -257,6 +256,6 @@ def test_fence_follows_the_first_layout_a_layer_function_is_traced_in(rng):
     scan_text, loop_text = texts(shared=True)
     # The limitation, pinned. JAX 0.10 traced the loop's layers again (they kept their
     # fence); 0.11.2 and 0.12.1 reuse the scan's trace.
-    shared_loop_waits = 0 if version_tuple(jax.__version__) >= (0, 11) else LAYERS
+    shared_loop_waits = 0 if jax.__version_info__ >= (0, 11) else LAYERS
     assert _waits(scan_text) == 0 and _waits(loop_text) == shared_loop_waits
     jax.clear_caches()
